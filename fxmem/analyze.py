@@ -1,0 +1,66 @@
+"""``fxmem.analyze``: exact memory formulas of one forward, in the user's dim names.
+
+>>> import torch, fxmem
+>>> report = fxmem.analyze(torch.nn.Linear(6, 128), ("B", "N", 6))
+>>> report.peak
+512*B*N + 24*B*N + 3584
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import ModelError, SpecError
+from .memory_plan import MemoryPlan
+from .report import Report
+from .simulate import simulate
+from .specs import choose_hints, parse_specs
+from .tracing import forward_arguments, trace
+
+
+def analyze(
+    model: torch.nn.Module,
+    *input_specs: Any,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    grad: bool = True,
+    hints: Mapping[str, int] | None = None,
+    leaf_modules: Sequence[type] = (),
+) -> Report:
+    """Trace ``model`` and return its memory (bytes) as formulas in the dims named by the specs.
+
+    Args:
+        model: an ``nn.Module``; it is traced with ``torch.fx`` and never modified.
+        *input_specs: one per positional ``forward`` argument - a tuple of ints and dim names
+            (``("B", "N", 6)``), a :class:`fxmem.TensorSpec`, or a real tensor (a concrete input).
+        device: whose memory to predict, ``"cpu"`` or ``"cuda"`` (CUDA code paths, 512-byte blocks).
+        dtype: dtype of input specs that do not name one.
+        grad: ``True`` records autograd as in training; ``False`` gives inference memory.
+        hints: example sizes to analyse at (default: distinct primes near 100). The formulas hold
+            wherever PyTorch would take the same code path (``Report.region``); ``evaluate`` outside
+            it re-analyses.
+        leaf_modules: module classes fx should not trace into.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module "
+            f"whose forward calls it"
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
+    if not isinstance(grad, bool):
+        raise SpecError(f"grad must be True or False, got {grad!r}")
+    name = type(model).__name__
+    gm = trace(model, leaf_modules)
+    arg_names, required = forward_arguments(gm)
+    specs, symbols = parse_specs(input_specs, arg_names, required, dtype, name)
+    chosen = choose_hints(symbols, hints)
+
+    def run(at: Mapping[str, int]) -> Report:
+        rec = simulate(gm, specs, symbols, dict(at), device=device, grad=grad)
+        plan = MemoryPlan(rec, dict(at))
+        return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
+                      hints=dict(at), graph_module=gm, mode="graph", reanalyze=run)
+
+    return run(chosen)

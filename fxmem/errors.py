@@ -1,0 +1,30 @@
+"""The errors fxmem raises. Each message names what is wrong, where, and what to do."""
+from __future__ import annotations
+
+
+class FxMemError(Exception):
+    """Base class of every error fxmem raises on purpose."""
+
+
+class SpecError(FxMemError, ValueError):
+    """An input spec (or a dims mapping) is malformed or does not fit the model."""
+
+
+class TraceError(FxMemError):
+    """``torch.fx`` could not trace the model."""
+
+
+class ShapeError(FxMemError):
+    """Running the traced graph on the given shapes failed at an fx node."""
+
+
+class UnsupportedOpError(FxMemError):
+    """An op has no meta/fake kernel, or its output size depends on data."""
+
+
+class DeviceError(FxMemError):
+    """The requested device cannot be simulated with this torch build."""
+
+
+class ModelError(FxMemError, TypeError):
+    """The thing given as a model is not something fxmem can analyse."""

@@ -1,0 +1,209 @@
+"""Allocations that real kernels make but fake tensors cannot see.
+
+A fake (meta) kernel allocates exactly the op's outputs. A real kernel may allocate more through
+the same allocator: a Python number becomes an 8-byte 0-dim tensor (and TensorIterator copies it
+to the op's dtype), CPU ``repeat`` builds small index tensors, CPU batch norm keeps per-channel
+temporaries. Each rule here describes one such kernel as a *program*: the signed byte deltas it
+makes, in order, with ``OUT`` where the op's outputs appear. Programs are net zero (everything
+hidden is freed before the op returns); the simulator turns each one into peak candidates.
+
+Rules are data: ``(op packet, device type) -> fn(call) -> program or None``, registered once, one
+small function per op family. Each was read off a real run with the profiler (see
+``tests/test_kernels.py``, which re-checks every rule against a real run at several sizes).
+
+>>> program_for(torch.ops.aten.mul.Tensor, (x, 0.5), {}, (), "cpu")   # doctest: +SKIP
+[8, 4, OUT, -4, -8]
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from . import _torch_compat as tc
+
+OUT = "OUT"
+Program = list  # list[int | SymInt | OUT | Keep]
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """A hidden allocation that outlives the op: autograd keeps it for backward.
+
+    Autograd saves a wrapped Python number (``x * 0.125`` saves the 0-dim tensor for ``0.125``)
+    without calling saved-tensor hooks, so it cannot be seen being saved; the rule says so instead.
+    """
+
+    nbytes: int
+    dtype: torch.dtype
+    why: str
+
+
+@dataclasses.dataclass
+class Call:
+    """One aten call as a rule sees it."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: tuple  # tensor outputs, in order
+    device: str
+    grad_enabled: bool = False
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        return self.args[i] if i < len(self.args) else self.kwargs.get(name, default)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [a for a in torch.utils._pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, torch.Tensor)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unknown:
+    """A rule's admission that it cannot describe this call's hidden allocations."""
+
+    op: str
+    why: str
+
+
+Rule = Callable[[Call], "Program | Unknown | None"]
+_RULES: dict[tuple[str, str], Rule] = {}
+
+
+def rule(*packets: str, device: str) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the hidden-allocation rule of ``packets`` on ``device`` (once each)."""
+
+    def register(fn: Rule) -> Rule:
+        for p in packets:
+            key = (p, device)
+            if key in _RULES:
+                raise ValueError(f"a hidden-allocation rule for {p} on {device} is already registered")
+            _RULES[key] = fn
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------------------------------------
+# Python numbers that become tensors (CPU only: on CUDA the wrapped scalar lives in host memory).
+# ------------------------------------------------------------------------------------------------
+_WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+# Ops whose autograd formula saves the ``other`` operand (derivatives.yaml: mul, div).
+_SAVES_OTHER = {"aten.mul", "aten.div", "aten.mul_", "aten.div_"}
+
+# Scalar overloads whose CPU kernels wrap the Scalar into a tensor and run the Tensor kernel.
+_WRAPS_SCALAR_SLOT = {
+    "aten.add", "aten.sub", "aten.mul", "aten.div", "aten.rsub", "aten.remainder", "aten.fmod",
+    "aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge",
+    "aten.bitwise_and", "aten.bitwise_or", "aten.bitwise_xor",
+    "aten.add_", "aten.sub_", "aten.mul_", "aten.div_", "aten.remainder_", "aten.fmod_",
+    "aten.eq_", "aten.ne_", "aten.lt_", "aten.le_", "aten.gt_", "aten.ge_",
+}
+
+
+def _common_dtype(tensor_dtype: torch.dtype, number: Any) -> torch.dtype:
+    # PyTorch's promotion of (tensor, Python number): the number only matters across categories.
+    if isinstance(number, complex) and not tensor_dtype.is_complex:
+        return torch.complex64 if tensor_dtype != torch.float64 else torch.complex128
+    if isinstance(number, float) and not (tensor_dtype.is_floating_point or tensor_dtype.is_complex):
+        return torch.get_default_dtype()
+    if isinstance(number, int) and not isinstance(number, bool) and tensor_dtype == torch.bool:
+        return torch.int64
+    return tensor_dtype
+
+
+def _wrapped_numbers(call: Call) -> Program:
+    packet = tc.op_packet_name(call.func)
+    in_tensor_slot = tc.python_number_in_tensor_slot(call.func, call.args, call.kwargs)
+    numbers = list(in_tensor_slot)
+    if packet in _WRAPS_SCALAR_SLOT:
+        numbers += tc.scalar_args(call.func, call.args, call.kwargs)
+    if not numbers:
+        return []
+    tensors = [t for t in call.tensors if t.dim() > 0] or call.tensors
+    if not tensors:
+        return []
+    base = tensors[0].dtype
+    # x * 0.5 with x requiring grad: MulBackward0 keeps the wrapped 0.5 until backward
+    saved = (call.grad_enabled and packet in _SAVES_OTHER and bool(in_tensor_slot)
+             and any(t.requires_grad for t in tensors))
+    before, after = [], []
+    for k, n in enumerate(numbers):
+        wrapped = _WRAPPED_DTYPE[type(n)]
+        size = wrapped.itemsize
+        if saved and k == 0:
+            before.append(Keep(size, wrapped, f"{packet} saves the wrapped number {n!r} for backward"))
+        else:
+            before.append(size)
+            after.append(-size)
+        common = _common_dtype(base, n)
+        if common != wrapped:  # TensorIterator copies the CPU scalar to the common dtype
+            cast = common.itemsize
+            before.append(cast)
+            after.insert(0, -cast)
+    return before + [OUT] + after
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-op rules.
+# ------------------------------------------------------------------------------------------------
+@rule("aten.repeat", device="cpu")
+def _repeat_cpu(call: Call) -> Program:
+    # The CPU kernel builds int64 index/permutation tensors of length ndim and 2*ndim.
+    n = call.outputs[0].dim()
+    return [OUT, 8 * n, 8, 8 * n, -8, 16 * n, -8 * n, -8 * n, -16 * n]
+
+
+@rule("aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._batch_norm_with_update", device="cpu")
+def _batch_norm_cpu(call: Call) -> Program | None:
+    training = call.arg(5, "training", None) if "native_batch_norm" in str(call.func) and "legit" not in str(call.func) else True
+    if "legit_no_training" in str(call.func) or training is False:
+        return None
+    x = call.args[0]
+    c = x.shape[1] if x.dim() > 1 else 1
+    # batch_norm_cpu_update_stats_template: two per-channel temporaries, twice over.
+    s = 4 * c if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.element_size() * c
+    return [OUT, s, s, -s, -s, s, s, -s, -s]
+
+
+@rule("aten.convolution", device="cpu")
+def _convolution_cpu(call: Call) -> Program | None:
+    # oneDNN's blocked-layout reorders are not described anywhere in PyTorch: measured and fitted
+    # on small real runs of the same convolution (see fxmem.calibrate).
+    from .calibrate import conv_program
+
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = call.args[:9]
+    program = conv_program(x, w, b, stride, padding, dilation, transposed, output_padding, groups, call.outputs[0])
+    if program is None:
+        return Unknown("aten.convolution", "its oneDNN workspace could not be fitted at small sizes")
+    return program
+
+
+@rule("aten.mean", device="cpu")
+def _mean_cpu(call: Call) -> Program | None:
+    # sum then div_ by the element count: an int64 wrapped scalar copied to the result dtype.
+    out = call.outputs[0]
+    if not out.dtype.is_floating_point:
+        return None
+    return [OUT, 8, out.element_size(), -out.element_size(), -8]
+
+
+def program_for(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: str, grad_enabled: bool = False) -> Program:
+    """The hidden-allocation program of one aten call ([] when the kernel hides nothing)."""
+    if device != "cpu":
+        return []
+    call = Call(func, args, kwargs, outputs, device, grad_enabled)
+    program = _wrapped_numbers(call)
+    fn = _RULES.get((tc.op_packet_name(func), device))
+    extra = fn(call) if fn is not None else None
+    if isinstance(extra, Unknown):
+        return program + [extra] if program else [extra]
+    if not extra:
+        return program
+    if not program:
+        return extra
+    # wrapped scalars exist for the whole call: around the op's own program
+    i = program.index(OUT)
+    return program[:i] + extra + program[i + 1:]

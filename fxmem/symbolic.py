@@ -1,0 +1,153 @@
+"""Byte formulas: sympy expressions in the user's dims, kept as coefficient dicts for speed.
+
+A memory plan adds and subtracts hundreds of storage sizes; doing that with sympy ``Add`` is slow,
+so sizes are kept as ``{monomial: coefficient}`` dicts (``Terms``) and turned back into sympy only
+for display. A peak is a ``Max`` over candidate sums; candidates that are dominated for every
+admissible size are dropped so the formula stays readable.
+
+>>> B, N = dim_symbol("B"), dim_symbol("N")
+>>> to_expr(add_terms(terms(4*B*N), terms(1024*B*N**2)))
+1024*B*N**2 + 4*B*N
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping, Sequence
+
+import sympy
+
+from . import _torch_compat as tc
+from .specs import dim_symbol
+
+Terms = dict  # dict[sympy.Expr (monomial, 1 for the constant), int]
+
+__all__ = ["Terms", "terms", "to_expr", "add_terms", "Region", "max_of", "evaluate", "dim_symbol"]
+
+
+def terms(expr: sympy.Expr) -> Terms:
+    """Expand ``expr`` into ``{monomial: integer coefficient}``."""
+    out: Terms = {}
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        coeff, mono = term.as_coeff_Mul()
+        if coeff.is_Integer:
+            c = int(coeff)
+        else:  # a rational coefficient on a monomial: keep it exact
+            c = coeff
+        if c:
+            out[mono] = out.get(mono, 0) + c
+            if not out[mono]:
+                del out[mono]
+    return out
+
+
+def to_expr(t: Terms) -> sympy.Expr:
+    """Back to a sympy expression, highest degree first when printed."""
+    if not t:
+        return sympy.Integer(0)
+    return sympy.Add(*[c * m for m, c in t.items()])
+
+
+def add_terms(*parts: Terms, signs: Sequence[int] | None = None) -> Terms:
+    """Sum of several ``Terms`` (with optional +1/-1 signs)."""
+    out: Terms = {}
+    for i, p in enumerate(parts):
+        s = 1 if signs is None else signs[i]
+        for m, c in p.items():
+            v = out.get(m, 0) + s * c
+            if v:
+                out[m] = v
+            else:
+                out.pop(m, None)
+    return out
+
+
+def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
+    """Exact integer value of ``expr`` at ``values``."""
+    v = expr.xreplace(values) if values else expr
+    if not v.is_number:
+        v = sympy.sympify(v).doit()
+    if not v.is_number:
+        raise ValueError(f"cannot evaluate {expr} at {values}: {v} still has symbols")
+    return int(v)
+
+
+@dataclasses.dataclass
+class Region:
+    """Where the formulas hold: a lower bound per dim (usually 2) plus the guards PyTorch recorded.
+
+    ``shifted(t)`` rewrites ``t`` with every dim as ``lower + u`` (u >= 0) and every floor/mod atom
+    as ``its lower bound + v`` (v >= 0); if all coefficients of ``shifted(a - b)`` are >= 0 then
+    ``a >= b`` everywhere in the region. That is the test used to prune a ``Max``.
+    """
+
+    lower: dict[sympy.Symbol, int]
+    guards: list[sympy.Expr]
+
+    def contains(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
+        """Reasons ``values`` lies outside the region ([] when inside)."""
+        why = []
+        for s, lo in self.lower.items():
+            if s in values and values[s] < lo:
+                why.append(f"{s} >= {lo}")
+        for g in self.guards:
+            try:
+                ok = bool(g.xreplace(values))
+            except TypeError:
+                ok = False
+            if not ok:
+                why.append(str(g))
+        return why
+
+    def shifted(self, t: Terms) -> Terms:
+        """``t`` over non-negative offsets from the region's lower corner (see class docstring)."""
+        expr = to_expr(t)
+        subs: dict[sympy.Expr, sympy.Expr] = {}
+        ranges = {s: (lo, None) for s, lo in self.lower.items()}
+        for atom in sorted(expr.atoms(sympy.floor, sympy.ceiling, sympy.Mod), key=sympy.default_sort_key):
+            low = tc.lower_bound(atom, ranges)
+            if low is None:  # unknown sign: monomials holding it must cancel exactly
+                subs[atom] = sympy.Symbol(f"_w{len(subs)}", real=True)
+            else:
+                subs[atom] = low + sympy.Symbol(f"_v{len(subs)}", nonnegative=True)
+        shift = {s: lo + sympy.Symbol(f"_u_{s}", nonnegative=True) for s, lo in self.lower.items()}
+        shifted = expr.xreplace(subs).xreplace(shift)
+        return terms(shifted)
+
+
+def _dominates(a_shift: Terms, b_shift: Terms) -> bool:
+    """True if a >= b over the whole region (sufficient test on shifted coefficients)."""
+    for k in set(a_shift) | set(b_shift):
+        d = a_shift.get(k, 0) - b_shift.get(k, 0)
+        if d < 0 or (d and any(str(s).startswith("_w") for s in k.free_symbols)):
+            return False
+    return True
+
+
+def max_of(candidates: Sequence[Terms], region: Region, at: Mapping[sympy.Symbol, int]) -> list[int]:
+    """Indices of the candidates that survive pruning, largest at ``at`` first.
+
+    A candidate is dropped when another one is at least as large for every size in ``region``.
+    """
+    uniq: dict[frozenset, int] = {}
+    for i, c in enumerate(candidates):
+        uniq.setdefault(frozenset(c.items()), i)
+    order = sorted(uniq.values(), key=lambda i: -evaluate(to_expr(candidates[i]), at))
+    kept: list[int] = []
+    shifted: dict[int, Terms] = {}
+    for i in order:
+        shifted[i] = region.shifted(candidates[i])
+        if any(_dominates(shifted[k], shifted[i]) for k in kept):
+            continue
+        # a later (smaller-at-hint) candidate can only dominate a kept one if they tie at the hint
+        kept = [k for k in kept if not _dominates(shifted[i], shifted[k])] + [i]
+    return kept
+
+
+def build_max(exprs: Iterable[sympy.Expr]) -> sympy.Expr:
+    """``Max`` of already-pruned candidates, without sympy's own (slow, lossy) evaluation."""
+    exprs = list(exprs)
+    if not exprs:
+        return sympy.Integer(0)
+    if len(exprs) == 1:
+        return exprs[0]
+    return sympy.Max(*exprs, evaluate=False)

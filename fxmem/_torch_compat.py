@@ -73,6 +73,9 @@ def new_fake_mode() -> tuple[FakeTensorMode, ShapeEnv]:
     """
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    # FakeTensor's dispatch cache rebuilds outputs through sympy on every hit; measured slower
+    # than recomputing for our single pass over each graph.
+    mode.cache_enabled = False
     return mode, env
 
 

@@ -47,7 +47,8 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     with tc.real_mode():
-        fn()  # warm-up: first calls may cache (oneDNN primitives, weight reorders)
+        for _ in range(2):  # warm-up: first calls create oneDNN primitives and caches
+            fn()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -178,8 +179,13 @@ def _conv_samples(x_shape: Sequence[int | None], w_shape: Sequence[int], stride:
     return shapes
 
 
+def _conv_fit(*key: Any) -> list | None:
+    # one retry: a kernel's first runs in a process can still be settling its caches
+    return _conv_fit_once(*key) or _conv_fit_once.__wrapped__(*key)
+
+
 @functools.lru_cache(maxsize=256)
-def _conv_fit(x_key: tuple, w_shape: tuple, has_bias: bool, stride: tuple, padding: tuple, dilation: tuple,
+def _conv_fit_once(x_key: tuple, w_shape: tuple, has_bias: bool, stride: tuple, padding: tuple, dilation: tuple,
               transposed: bool, output_padding: tuple, groups: int, dtype: torch.dtype, min_batch: int) -> list | None:
     samples = []
     with tc.real_mode():

@@ -181,6 +181,22 @@ def _convolution_cpu(call: Call) -> Program | None:
     return program
 
 
+@rule("aten._scaled_dot_product_flash_attention_for_cpu", device="cpu")
+def _sdpa_flash_cpu(call: Call) -> Program:
+    # cpu_flash_attention: one float buffer per thread holding a (qSplit x kvSplit) score block,
+    # its row max and sum, and a (qSplit x headSize) accumulator. Split sizes follow ATen's choice
+    # for the query length (the comparisons below become guards on the region).
+    q, k = call.args[0], call.args[1]
+    L, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    q_split = 256 if L >= 768 else (64 if L >= 192 else 32)
+    qs = L if L < q_split else q_split
+    kvs = S if S < 512 else 512
+    acc = 4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else q.element_size()
+    buf = torch.get_num_threads() * (qs * kvs + 2 * qs + qs * D) * acc
+    reduced = torch.get_num_threads() * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
+    return [OUT, buf, reduced, -reduced, -buf] if reduced else [OUT, buf, -buf]
+
+
 @rule("aten.mean", device="cpu")
 def _mean_cpu(call: Call) -> Program | None:
     # sum then div_ by the element count: an int64 wrapped scalar copied to the result dtype.

@@ -20,7 +20,8 @@ import sympy
 from . import _torch_compat as tc
 from .hidden import OUT
 from .simulate import Recording
-from .symbolic import Region, Terms, add_terms, build_max, evaluate, max_of, terms, to_expr
+from .specs import dim_symbol
+from .symbolic import Evaluator, Region, Terms, add_terms, build_max, evaluate, max_of, terms, to_expr
 
 CUDA_BLOCK = 512  # bytes; the caching allocator rounds every block up to a multiple of this
 
@@ -79,16 +80,16 @@ class MemoryPlan:
     def __init__(self, rec: Recording, hints: Mapping[str, int]):
         self.rec = rec
         self.user = rec.user_map()  # env symbol -> user symbol
-        self.symbols = {str(u): u for u in self.user.values()}
+        self.symbols = {name: dim_symbol(name) for name in rec.env_symbols}
         self.hint_values = {self.symbols[k]: v for k, v in hints.items() if k in self.symbols}
         self.sizes = [self.to_user(s.nbytes) for s in rec.storages]
         self._terms = [terms(e) for e in self.sizes]
         self.region = self._region()
         self.notes = self._notes()
 
+        at_hint = Evaluator(self.hint_values)
         sym = replay(rec, lambda i: self._terms[i], lambda p: terms(self.to_user(p)), {}, add_terms,
-                     lambda t: {m: -c for m, c in t.items()},
-                     lambda t: evaluate(to_expr(t), self.hint_values) > 0)
+                     lambda t: {m: -c for m, c in t.items()}, lambda t: at_hint(t) > 0)
         self.replay = sym
         self.resident_terms = add_terms(*[self._terms[s.index] for s in rec.storages if s.alloc_step is None])
         self.retained_terms = sym.final

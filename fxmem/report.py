@@ -188,6 +188,13 @@ class Report:
         result = self._plan.evaluate(subs)
         return {k: v for k, v in result.items() if not k.startswith("_")}
 
+    def at(self, expr: sympy.Expr, **dims: int) -> int:
+        """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``) at ``dims``."""
+        from .symbolic import evaluate
+
+        values = check_dims(dims, self.symbols)
+        return evaluate(sympy.sympify(expr), {self.symbols[k]: v for k, v in values.items()})
+
     def peak_node(self, **dims: int) -> str | None:
         """The fx node during which the peak happens (at ``dims``, or at the analysis' example sizes)."""
         values = check_dims(dims, self.symbols) if dims else self.hints

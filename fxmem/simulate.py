@@ -23,6 +23,7 @@ import torch.fx
 
 from . import _torch_compat as tc
 from . import hidden
+from .real_paths import RealPaths
 from .errors import DeviceError, FxMemError, ShapeError, UnsupportedOpError
 from .specs import InputSpec
 from .tracing import SourceLine, module_path, source_line
@@ -101,9 +102,10 @@ class Recording:
     device: str
 
     def user_map(self) -> dict:
+        """ShapeEnv symbol -> user symbol (dims PyTorch specialised to a constant, e.g. 1, have none)."""
         from .specs import dim_symbol
 
-        return {s: dim_symbol(name) for name, s in self.env_symbols.items()}
+        return {s: dim_symbol(name) for name, s in self.env_symbols.items() if isinstance(s, sympy.Symbol)}
 
 
 class _Ledger:
@@ -118,6 +120,16 @@ class _Ledger:
         self.last_op = None
         self.pending_packs: list[int] = []
         self.notes: list[str] = []
+        self.quiet_depth = 0
+
+    @contextlib.contextmanager
+    def quiet(self) -> Any:
+        """Fake computations in here are not part of the model (shape probes)."""
+        self.quiet_depth += 1
+        try:
+            yield
+        finally:
+            self.quiet_depth -= 1
 
     # --- storages -------------------------------------------------------------------------------
     def _counts(self, t: torch.Tensor) -> bool:
@@ -162,6 +174,8 @@ class _Ledger:
 
     # --- ops ------------------------------------------------------------------------------------
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.quiet_depth:
+            return
         name = tc.op_name(func)
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs and not self.pending_packs:
@@ -399,7 +413,7 @@ def simulate(
     _check_device(device)
     mode, env = tc.new_fake_mode()
     env_symbols = {name: tc.make_dim_symbol(env, name, hints[name]) for name in symbols}
-    to_env = {symbols[name]: s for name, s in env_symbols.items()}
+    to_env = {symbols[name]: s for name, s in env_symbols.items()}  # s is a number if specialised
     hint_of = {symbols[name]: hints[name] for name in symbols}
     ledger = _Ledger(env, device)
     runner = None
@@ -424,7 +438,7 @@ def simulate(
         runner = _Runner(fake_gm, ledger, specs)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         hooks = tc.saved_tensor_hooks(ledger.mark_saved) if grad else contextlib.nullcontext()
-        with grad_ctx, hooks, _Recorder(ledger):
+        with grad_ctx, hooks, RealPaths(device, ledger.quiet), _Recorder(ledger):
             out = runner.run_graph(inputs)
             ledger.end_node()
         for t in torch.utils._pytree.tree_leaves(out):

@@ -12,7 +12,7 @@ admissible size are dropped so the formula stays readable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 
@@ -63,7 +63,7 @@ def add_terms(*parts: Terms, signs: Sequence[int] | None = None) -> Terms:
 
 def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
     """Exact integer value of ``expr`` at ``values``."""
-    v = expr.xreplace(values) if values else expr
+    v = sympy.sympify(expr).xreplace({k: sympy.Integer(x) for k, x in values.items()}) if values else sympy.sympify(expr)
     if not v.is_number:
         v = sympy.sympify(v).doit()
     if not v.is_number:
@@ -77,11 +77,16 @@ class Region:
 
     ``shifted(t)`` rewrites ``t`` with every dim as ``lower + u`` (u >= 0) and every floor/mod atom
     as ``its lower bound + v`` (v >= 0); if all coefficients of ``shifted(a - b)`` are >= 0 then
-    ``a >= b`` everywhere in the region. That is the test used to prune a ``Max``.
+    ``a >= b`` everywhere in the region. That is the test used to prune a ``Max``. Shifting is
+    linear, so it is done once per monomial and cached.
     """
 
     lower: dict[sympy.Symbol, int]
     guards: list[sympy.Expr]
+
+    def __post_init__(self) -> None:
+        self._shifted: dict[sympy.Expr, Terms] = {}
+        self._atoms: dict[sympy.Expr, sympy.Expr] = {}
 
     def contains(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
         """Reasons ``values`` lies outside the region ([] when inside)."""
@@ -98,20 +103,35 @@ class Region:
                 why.append(str(g))
         return why
 
+    def _atom(self, atom: sympy.Expr) -> sympy.Expr:
+        if atom not in self._atoms:
+            low = tc.lower_bound(atom, {s: (lo, None) for s, lo in self.lower.items()})
+            k = len(self._atoms)
+            if low is None:  # unknown sign: monomials holding it must cancel exactly
+                self._atoms[atom] = sympy.Symbol(f"_w{k}", real=True)
+            else:
+                self._atoms[atom] = low + sympy.Symbol(f"_v{k}", nonnegative=True)
+        return self._atoms[atom]
+
+    def shifted_monomial(self, mono: sympy.Expr) -> Terms:
+        if mono not in self._shifted:
+            atoms = sorted(mono.atoms(sympy.floor, sympy.ceiling, sympy.Mod), key=sympy.default_sort_key)
+            expr = mono.xreplace({a: self._atom(a) for a in atoms})
+            shift = {s: lo + sympy.Symbol(f"_u_{s}", nonnegative=True) for s, lo in self.lower.items()}
+            self._shifted[mono] = terms(expr.xreplace(shift))
+        return self._shifted[mono]
+
     def shifted(self, t: Terms) -> Terms:
         """``t`` over non-negative offsets from the region's lower corner (see class docstring)."""
-        expr = to_expr(t)
-        subs: dict[sympy.Expr, sympy.Expr] = {}
-        ranges = {s: (lo, None) for s, lo in self.lower.items()}
-        for atom in sorted(expr.atoms(sympy.floor, sympy.ceiling, sympy.Mod), key=sympy.default_sort_key):
-            low = tc.lower_bound(atom, ranges)
-            if low is None:  # unknown sign: monomials holding it must cancel exactly
-                subs[atom] = sympy.Symbol(f"_w{len(subs)}", real=True)
-            else:
-                subs[atom] = low + sympy.Symbol(f"_v{len(subs)}", nonnegative=True)
-        shift = {s: lo + sympy.Symbol(f"_u_{s}", nonnegative=True) for s, lo in self.lower.items()}
-        shifted = expr.xreplace(subs).xreplace(shift)
-        return terms(shifted)
+        out: Terms = {}
+        for mono, c in t.items():
+            for m, k in self.shifted_monomial(mono).items():
+                v = out.get(m, 0) + c * k
+                if v:
+                    out[m] = v
+                else:
+                    out.pop(m, None)
+        return out
 
 
 def _dominates(a_shift: Terms, b_shift: Terms) -> bool:
@@ -123,6 +143,25 @@ def _dominates(a_shift: Terms, b_shift: Terms) -> bool:
     return True
 
 
+class Evaluator:
+    """Fast exact values of many ``Terms`` at one point (each monomial evaluated once)."""
+
+    def __init__(self, values: Mapping[sympy.Symbol, int]):
+        self.values = {k: sympy.Integer(v) for k, v in values.items()}
+        self._mono: dict[sympy.Expr, Any] = {}
+
+    def __call__(self, t: Terms) -> Any:
+        total = 0
+        for m, c in t.items():
+            v = self._mono.get(m)
+            if v is None:
+                v = self._mono[m] = sympy.sympify(m).xreplace(self.values)
+                if v.is_Integer:
+                    v = int(v)
+            total += c * v
+        return int(total) if not isinstance(total, int) else total
+
+
 def max_of(candidates: Sequence[Terms], region: Region, at: Mapping[sympy.Symbol, int]) -> list[int]:
     """Indices of the candidates that survive pruning, largest at ``at`` first.
 
@@ -131,7 +170,8 @@ def max_of(candidates: Sequence[Terms], region: Region, at: Mapping[sympy.Symbol
     uniq: dict[frozenset, int] = {}
     for i, c in enumerate(candidates):
         uniq.setdefault(frozenset(c.items()), i)
-    order = sorted(uniq.values(), key=lambda i: -evaluate(to_expr(candidates[i]), at))
+    value = Evaluator(at)
+    order = sorted(uniq.values(), key=lambda i: -value(candidates[i]))
     kept: list[int] = []
     shifted: dict[int, Terms] = {}
     for i in order:

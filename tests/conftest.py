@@ -1,0 +1,96 @@
+"""Shared test helpers: every prediction is checked against an independent measurement of a real
+run (the CPU allocator's own counters, read through the profiler), at sizes the analysis never saw.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import pathlib
+import sys
+from typing import Any, Callable, Mapping
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.measure import measure
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+_EXAMPLES: dict[str, Any] = {}
+
+
+def load_example(name: str) -> Any:
+    """Import ``examples/<name>.py`` as a module (examples are scripts, not a package)."""
+    if name not in _EXAMPLES:
+        spec = importlib.util.spec_from_file_location(f"fxmem_example_{name}", ROOT / "examples" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        _EXAMPLES[name] = mod
+    return _EXAMPLES[name]
+
+
+def real_inputs(report: fxmem.Report, dims: Mapping[str, int],
+                makers: Mapping[str, Callable[[tuple], torch.Tensor]] | None = None) -> list[torch.Tensor]:
+    """Real tensors matching the report's input specs at ``dims``."""
+    torch.manual_seed(0)
+    out = []
+    for spec in report.specs:
+        shape = tuple(report.at(d, **dims) for d in spec.dims)
+        if makers and spec.arg in makers:
+            t = makers[spec.arg](shape, dims)
+        elif spec.dtype == torch.bool:
+            t = torch.rand(shape) > 0.5
+        elif spec.dtype.is_floating_point:
+            t = torch.randn(shape, dtype=spec.dtype)
+        else:
+            t = torch.randint(0, 3, shape, dtype=spec.dtype)
+        out.append(t.requires_grad_(spec.requires_grad) if spec.requires_grad else t)
+    return out
+
+
+def real_resident(model: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of parameters, buffers and inputs of a real model."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers()) + list(inputs)
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def check_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dict], *, grad: bool = True,
+                           makers: Mapping[str, Callable] | None = None, report: fxmem.Report | None = None,
+                           **analyze_kw: Any) -> fxmem.Report:
+    """Analyse once, then run the traced module for real at each of ``sizes`` and compare bytes."""
+    report = report or fxmem.analyze(model, *specs, grad=grad, **analyze_kw)
+    gm = report.graph_module
+    for dims in sizes:
+        for name, value in dims.items():
+            assert value != report.hints.get(name), "test sizes must differ from the analysed example sizes"
+        xs = real_inputs(report, dims, makers)
+        ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        with ctx:
+            m = measure(lambda: gm(*xs))
+        pred = report.evaluate(**dims)
+        measured = (m.peak_above_start, m.retained)
+        predicted = (pred["peak_above_resident"], pred["retained"])
+        assert measured == predicted, (
+            f"{report.model_name} at {dims}: measured (peak above start, retained) = {measured}, "
+            f"fxmem predicted {predicted}\nformulas:\n{report.summary()}"
+        )
+        assert pred["resident"] == real_resident(model, xs), f"{report.model_name} at {dims}: resident"
+    return report
+
+
+def pytest_collection_modifyitems(config: Any, items: list) -> None:
+    cuda_built = torch.backends.cuda.is_built()
+    gpu = torch.cuda.is_available()
+    for item in items:
+        if "cuda_sim" in item.keywords and not cuda_built:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA build of torch (CI runs these in a second venv)"))
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

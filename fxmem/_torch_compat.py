@@ -165,15 +165,16 @@ def python_number_in_tensor_slot(func: Any, args: tuple, kwargs: dict) -> list[A
     return found
 
 
-def scalar_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """Python numbers passed in ``Scalar`` slots of ``func``'s schema."""
+def scalar_args(func: Any, args: tuple, kwargs: dict, names: tuple = ("other",)) -> list[Any]:
+    """Python numbers passed in the ``Scalar`` slots called ``names`` of ``func``'s schema."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return []
     found = []
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name, None)
-        if isinstance(value, (bool, int, float, complex)) and str(arg.type) == "Scalar":
+        if (arg.name in names and isinstance(value, (bool, int, float, complex))
+                and isinstance(arg.type, torch._C.NumberType)):
             found.append(value)
     return found
 

@@ -54,11 +54,13 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         out_ptrs = {t.untyped_storage().data_ptr() for t in outs}
         events = _memory_events(prof)
+    # an output is the *last* block born at its address (a temporary may have lived there before)
+    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in out_ptrs}
     program: list = []
     born: dict[int, int] = {}
-    for addr, nbytes in events:
+    for i, (addr, nbytes) in enumerate(events):
         if nbytes > 0:
-            if addr in out_ptrs:
+            if last_birth.get(addr) == i:
                 if OUT not in program:
                     program.append(OUT)
                 continue

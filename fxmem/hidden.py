@@ -86,14 +86,16 @@ def rule(*packets: str, device: str) -> Callable[[Rule], Rule]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Python numbers that become tensors (CPU only: on CUDA the wrapped scalar lives in host memory).
+# Python numbers that become tensors, and CPU TensorIterator's dtype casts of operands (on CUDA the
+# wrapped scalar lives in host memory and kernels cast on the fly, so neither costs device memory).
 # ------------------------------------------------------------------------------------------------
 _WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 # Ops whose autograd formula saves the ``other`` operand (derivatives.yaml: mul, div).
 _SAVES_OTHER = {"aten.mul", "aten.div", "aten.mul_", "aten.div_"}
 
-# Scalar overloads whose CPU kernels wrap the Scalar into a tensor and run the Tensor kernel.
+# Binary TensorIterator ops: their Scalar overloads wrap ``other`` into a tensor and run the Tensor
+# kernel, and on CPU every operand whose dtype differs from the common dtype is copied first.
 _WRAPS_SCALAR_SLOT = {
     "aten.add", "aten.sub", "aten.mul", "aten.div", "aten.rsub", "aten.remainder", "aten.fmod",
     "aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge",
@@ -103,47 +105,72 @@ _WRAPS_SCALAR_SLOT = {
 }
 
 
-def _common_dtype(tensor_dtype: torch.dtype, number: Any) -> torch.dtype:
-    # PyTorch's promotion of (tensor, Python number): the number only matters across categories.
-    if isinstance(number, complex) and not tensor_dtype.is_complex:
-        return torch.complex64 if tensor_dtype != torch.float64 else torch.complex128
-    if isinstance(number, float) and not (tensor_dtype.is_floating_point or tensor_dtype.is_complex):
-        return torch.get_default_dtype()
-    if isinstance(number, int) and not isinstance(number, bool) and tensor_dtype == torch.bool:
-        return torch.int64
-    return tensor_dtype
+def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+    # ATen's combine_categories (None = undefined): a lower-priority participant only matters
+    # when it is of a higher category.
+    if higher is not None and higher.is_complex:
+        return higher
+    if lower is not None and lower.is_complex:
+        if higher is not None and higher.is_floating_point:
+            return torch.promote_types(higher, torch.complex64)
+        return lower
+    if higher is not None and higher.is_floating_point:
+        return higher
+    if higher == torch.bool or (lower is not None and lower.is_floating_point):
+        if higher is None or lower is None:
+            return higher if lower is None else lower
+        return torch.promote_types(higher, lower)
+    return higher if higher is not None else lower
 
 
-def _wrapped_numbers(call: Call) -> Program:
+def result_dtype(tensors: list[torch.Tensor], numbers: list[Any]) -> torch.dtype:
+    """PyTorch's type promotion: dim>0 tensors, then 0-dim tensors, then Python numbers."""
+    dim = zero = wrapped = None
+    for t in tensors:
+        if t.dim() > 0:
+            dim = t.dtype if dim is None else torch.promote_types(dim, t.dtype)
+        else:
+            zero = t.dtype if zero is None else torch.promote_types(zero, t.dtype)
+    for n in numbers:
+        d = (torch.bool if isinstance(n, bool) else torch.int64 if isinstance(n, int)
+             else torch.get_default_dtype() if isinstance(n, float) else torch.complex64)
+        wrapped = d if wrapped is None else torch.promote_types(wrapped, d)
+    out = _combine(dim, _combine(zero, wrapped))
+    return out if out is not None else torch.get_default_dtype()
+
+
+def _tensor_iterator(call: Call) -> Program:
+    """Wrapped Python numbers, and the dtype-cast copies CPU TensorIterator makes of operands."""
     packet = tc.op_packet_name(call.func)
     in_tensor_slot = tc.python_number_in_tensor_slot(call.func, call.args, call.kwargs)
-    numbers = list(in_tensor_slot)
-    if packet in _WRAPS_SCALAR_SLOT:
-        numbers += tc.scalar_args(call.func, call.args, call.kwargs)
-    if not numbers:
+    binary = packet in _WRAPS_SCALAR_SLOT
+    numbers = list(in_tensor_slot) + (tc.scalar_args(call.func, call.args, call.kwargs) if binary else [])
+    inputs = call.tensors
+    if not numbers and not binary:
         return []
-    tensors = [t for t in call.tensors if t.dim() > 0] or call.tensors
-    if not tensors:
-        return []
-    base = tensors[0].dtype
+    common = result_dtype(inputs, numbers) if binary else None
     # x * 0.5 with x requiring grad: MulBackward0 keeps the wrapped 0.5 until backward
     saved = (call.grad_enabled and packet in _SAVES_OTHER and bool(in_tensor_slot)
-             and any(t.requires_grad for t in tensors))
-    before, after = [], []
+             and any(t.requires_grad for t in inputs))
+    before: list = []
+    after: list = []
     for k, n in enumerate(numbers):
         wrapped = _WRAPPED_DTYPE[type(n)]
-        size = wrapped.itemsize
         if saved and k == 0:
-            before.append(Keep(size, wrapped, f"{packet} saves the wrapped number {n!r} for backward"))
+            before.append(Keep(wrapped.itemsize, wrapped, f"{packet} saves the wrapped number {n!r} for backward"))
         else:
-            before.append(size)
-            after.append(-size)
-        common = _common_dtype(base, n)
-        if common != wrapped:  # TensorIterator copies the CPU scalar to the common dtype
-            cast = common.itemsize
-            before.append(cast)
-            after.insert(0, -cast)
-    return before + [OUT] + after
+            before.append(wrapped.itemsize)
+            after.append(-wrapped.itemsize)
+    casts = []
+    if binary:
+        for n in numbers:
+            if _WRAPPED_DTYPE[type(n)] != common:
+                casts.append(common.itemsize)
+        outputs = {id(o) for o in call.outputs}
+        for t in inputs:
+            if t.dtype != common and id(t) not in outputs:
+                casts.append(t.numel() * common.itemsize)
+    return before + casts + [OUT] + [-c for c in reversed(casts)] + after
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,7 +238,7 @@ def program_for(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: st
     if device != "cpu":
         return []
     call = Call(func, args, kwargs, outputs, device, grad_enabled)
-    program = _wrapped_numbers(call)
+    program = _tensor_iterator(call)
     fn = _RULES.get((tc.op_packet_name(func), device))
     extra = fn(call) if fn is not None else None
     if isinstance(extra, Unknown):

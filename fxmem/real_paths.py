@@ -39,7 +39,11 @@ def _max_pool1d(args: tuple, kwargs: dict, device: str, quiet: Callable[[], Any]
     # max_pool1d_impl: one contiguous output, no indices. Its shape is what the indices path gives.
     with quiet(), torch.no_grad():
         shape = torch.ops.aten.max_pool1d_with_indices.default(*_pool_args(args, kwargs))[0].shape
-    return torch.empty(shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if not x.is_contiguous():  # the kernel then works on a contiguous copy of its input
+        copy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        del copy
+    return out
 
 
 def _pool_args(args: tuple, kwargs: dict) -> tuple:

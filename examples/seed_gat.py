@@ -94,14 +94,14 @@ def main() -> None:
     print("\n== The seed's network: 8 heads x 128 features + a 1600-class output head ==")
     net = fxmem.analyze(GAT(6, 128, 1600, 8), *specs)
     print(net.summary(seed))
-    head = [s for s in net.storages if s.op == "aten.cat" and "out_att" in (s.node or "")]
-    if head:
-        hb = net.at(head[0].bytes, **seed)
-        print(f"\n  output head pair tensor: {head[0].bytes} bytes = {hb / 1024**3:.1f} GiB at B=4, N=500 (seed: 11.9 GB)")
+    head = next(s for s in net.storages if s.op == "aten.cat" and s.module == "out_att")
+    hb = net.at(head.bytes, **seed)
+    print(f"\n  output head pair tensor: {head.bytes} bytes = {hb / 1024**3:.1f} GiB at B=4, N=500 (seed: 11.9 GB)")
     saved_pairs = [s for s in net.storages if s.op == "aten.cat" and s.saved_by and s.freed_at is None]
     print(f"  pair tensors autograd keeps for backward: {len(saved_pairs)} of 9 "
           f"(the seed expected each head's to be freed; that holds only without grad)")
-    print(f"  peak happens in node: {net.peak_node(**seed)}")
+    node = next(n for n in net.nodes if n.name == net.peak_node(**seed))
+    print(f"  the peak is reached in node {node.name} ({node.module}, {node.source}: {node.source.code})")
 
 
 if __name__ == "__main__":

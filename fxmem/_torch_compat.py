@@ -71,7 +71,10 @@ def new_fake_mode() -> tuple[FakeTensorMode, ShapeEnv]:
     symbols (duck sizing would silently merge ``B`` and ``N``). Inputs that are real tensors are
     converted rather than rejected, so a stray constant cannot abort the analysis.
     """
-    env = ShapeEnv(duck_shape=False)
+    try:  # replaying ShapeEnv events is for torch.compile's debugging; we never replay
+        env = ShapeEnv(duck_shape=False, should_record_events=False)
+    except TypeError:  # pragma: no cover - older torch
+        env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     # FakeTensor's dispatch cache rebuilds outputs through sympy on every hit; measured slower
     # than recomputing for our single pass over each graph.

@@ -79,6 +79,7 @@ class MemoryPlan:
 
     def __init__(self, rec: Recording, hints: Mapping[str, int]):
         self.rec = rec
+        self._user_cache: dict = {}
         self.user = rec.user_map()  # env symbol -> user symbol
         self.symbols = {name: dim_symbol(name) for name in rec.env_symbols}
         self.hint_values = {self.symbols[k]: v for k, v in hints.items() if k in self.symbols}
@@ -103,9 +104,13 @@ class MemoryPlan:
     # --- conversions ----------------------------------------------------------------------------
     def to_user(self, expr: sympy.Expr) -> sympy.Expr:
         """An env-space size as a simplified expression in the user's dims."""
-        expr = self.rec.env.simplify(expr) if not expr.is_number else expr
-        expr = tc.plain_sympy(expr.xreplace(self.user))
-        return sympy.expand(expr)
+        if expr.is_number:
+            return expr
+        hit = self._user_cache.get(expr)
+        if hit is None:
+            user = tc.plain_sympy(self.rec.env.simplify(expr).xreplace(self.user))
+            hit = self._user_cache[expr] = sympy.expand(user)
+        return hit
 
     def _region(self) -> Region:
         lower = {self.user[s]: tc.symbol_lower_bound(self.rec.env, s) for s in self.user}

@@ -60,16 +60,33 @@ rule(torch.max_pool1d)(_max_pool1d)
 rule(torch.nn.functional.max_pool1d)(_max_pool1d)
 
 
+# Functions whose CUDA kernel is chosen by querying the GPU. Without one, fake CUDA tensors take a
+# fallback (SDPA's math path, ATen's own convolution and batch norm instead of cuDNN's), so the
+# prediction may differ from a GPU run: the report says so.
+_NEEDS_A_GPU = {
+    torch.nn.functional.scaled_dot_product_attention: "scaled_dot_product_attention picks flash/memory-efficient "
+                                                      "kernels on a GPU; without one the math path is simulated",
+    torch.conv1d: "cuDNN convolutions may take workspace from the allocator",
+    torch.conv2d: "cuDNN convolutions may take workspace from the allocator",
+    torch.conv3d: "cuDNN convolutions may take workspace from the allocator",
+    torch.batch_norm: "cuDNN batch norm is chosen on a GPU; without one ATen's kernel is simulated",
+}
+
+
 class RealPaths(TorchFunctionMode):
     """Follow the real device's code path for the functions registered above."""
 
-    def __init__(self, device: str, quiet: Callable[[], Any]):
+    def __init__(self, device: str, quiet: Callable[[], Any], note: Callable[[str], None] = lambda s: None):
         super().__init__()
         self.device = device
         self.quiet = quiet  # context in which the recorder ignores allocations
+        self.note = note
+        self.gpu = device == "cuda" and torch.cuda.is_available()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.device == "cuda" and not self.gpu and func in _NEEDS_A_GPU:
+            self.note(f"simulated CUDA without a GPU: {_NEEDS_A_GPU[func]}; check with fxmem.validate on a GPU")
         fn = _RULES.get(func)
         if fn is not None:
             result = fn(args, kwargs, self.device, self.quiet)

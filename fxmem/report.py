@@ -48,9 +48,10 @@ class StorageInfo:
     saved_by: list  # ["mm (node linear)", ...] - autograd keeps it for backward
     freed_at: str | None  # fx node by whose end it had been freed; None = alive at return
     is_output: bool
+    module: str = ""  # module path of the allocating node ("" at top level or if resident)
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "bytes": str(self.bytes), "dtype": str(self.dtype).replace("torch.", ""),
+        return {"index": self.index, "module": self.module, "bytes": str(self.bytes), "dtype": str(self.dtype).replace("torch.", ""),
                 "shape": [str(d) for d in self.shape], "kind": self.kind, "name": self.name, "node": self.node,
                 "op": self.op, "saved_by": list(self.saved_by), "freed_at": self.freed_at, "is_output": self.is_output}
 
@@ -135,12 +136,13 @@ class Report:
                 pending.clear()
         for s in pending:
             freed_at[s] = "<return>"
+        module_of = {n.name: n.module for n in rec.nodes}
         out = []
         for s in rec.storages:
             out.append(StorageInfo(
                 s.index, self._plan.sizes[s.index], s.dtype, tuple(self._plan.to_user(d) for d in s.shape),
                 s.kind, s.name, s.node, s.op, [f"{op} (node {node})" for node, op in s.saved_by],
-                freed_at.get(s.index), s.is_output))
+                freed_at.get(s.index), s.is_output, module_of.get(s.node, "") if s.node else ""))
         return out
 
     def _node_infos(self) -> list[NodeInfo]:

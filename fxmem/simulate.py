@@ -115,12 +115,17 @@ class _Ledger:
         self.storages: list[StorageRecord] = []
         self.steps: list[Step] = []
         self.events: list[tuple[str, int]] = []
-        self.live: dict[int, tuple[Any, int]] = {}  # cdata -> (weakref, storage index)
+        self.live: dict[int, tuple[Any, int]] = {}  # activations: cdata -> (weakref, storage index)
+        self.resident: dict[int, tuple[Any, int]] = {}  # never freed during the run: not polled
         self.node = "<input>"
         self.last_op = None
         self.pending_packs: list[int] = []
         self.notes: list[str] = []
         self.quiet_depth = 0
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     @contextlib.contextmanager
     def quiet(self) -> Any:
@@ -137,7 +142,7 @@ class _Ledger:
 
     def lookup(self, t: torch.Tensor) -> int | None:
         ref = tc.storage_key(t)
-        hit = self.live.get(ref.cdata)
+        hit = self.live.get(ref.cdata) or self.resident.get(ref.cdata)
         if hit is None or hit[0].expired():
             return None
         return hit[1]
@@ -161,7 +166,7 @@ class _Ledger:
                             node=self.node if step is not None else None, op=op, alloc_step=step)
         self.storages.append(rec)
         ref = tc.storage_key(t)
-        self.live[ref.cdata] = (ref, rec.index)
+        (self.live if step is not None else self.resident)[ref.cdata] = (ref, rec.index)
         return rec.index
 
     def poll(self) -> None:
@@ -339,11 +344,14 @@ def _node_error(node: torch.fx.Node, exc: BaseException, runner: _Runner) -> FxM
         if isinstance(v, torch.Tensor):
             arg_shapes.append(f"{a.name}: {tuple(tc.size_expr(runner.ledger.env, d) for d in v.shape)}")
     shapes_text = ("; operand shapes " + ", ".join(arg_shapes)) if arg_shapes else ""
-    if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS):
+    text = str(exc)
+    if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS) or "fake impl" in text or "'Meta' backend" in text \
+            or "meta kernel" in text.lower() or "register_fake" in text:
+        op = getattr(exc, "func", None) or node.target
         return UnsupportedOpError(
-            f"{where}: {exc}. This op has no meta/fake kernel, so fxmem cannot run it on symbolic shapes. "
-            f"Register one with torch.library.register_fake, or mark the module that calls it as a leaf "
-            f"and give it a fake implementation."
+            f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
+            f"({type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}). "
+            f"Register one with torch.library.register_fake (it only computes output shapes)."
         )
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         return UnsupportedOpError(
@@ -438,7 +446,7 @@ def simulate(
         runner = _Runner(fake_gm, ledger, specs)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         hooks = tc.saved_tensor_hooks(ledger.mark_saved) if grad else contextlib.nullcontext()
-        with grad_ctx, hooks, RealPaths(device, ledger.quiet), _Recorder(ledger):
+        with grad_ctx, hooks, RealPaths(device, ledger.quiet, ledger.note), _Recorder(ledger):
             out = runner.run_graph(inputs)
             ledger.end_node()
         for t in torch.utils._pytree.tree_leaves(out):

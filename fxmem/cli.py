@@ -1,0 +1,153 @@
+"""Command line: ``fxmem analyze path/to/file.py:ModelOrFactory --input B,N,6 --input B,N,N``.
+
+    fxmem analyze examples/seed_gat.py:GraphAttentionLayer --input B,N,6 --input B,N,N --dims B=4,N=500
+    fxmem analyze model.py:Attention --init dim=512 --input B,L,512 --device cuda --json
+
+An input is comma-separated dims (ints or names), optionally ``:dtype`` (``B,N,N:bool``,
+``2,E:int64``). ``--init`` passes constructor/factory keyword arguments as Python literals.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import os
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from .analyze import analyze
+from .errors import FxMemError, SpecError
+from .specs import TensorSpec
+
+
+def parse_input(text: str) -> TensorSpec:
+    """``"B,N,N:bool"`` -> ``TensorSpec(("B", "N", "N"), dtype=torch.bool)``."""
+    dims_text, _, dtype_text = text.partition(":")
+    dims: list[Any] = []
+    for part in dims_text.split(","):
+        part = part.strip()
+        if not part:
+            raise SpecError(f"--input {text!r}: empty dim; write e.g. --input B,N,6")
+        dims.append(int(part) if part.lstrip("-").isdigit() else part)
+    dtype = None
+    if dtype_text:
+        dtype = getattr(torch, dtype_text.strip(), None)
+        if not isinstance(dtype, torch.dtype):
+            raise SpecError(f"--input {text!r}: unknown dtype {dtype_text!r}; use e.g. float32, bool, int64")
+    return TensorSpec(tuple(dims), dtype=dtype)
+
+
+def parse_assignments(text: str | None, what: str, literal: bool = False) -> dict[str, Any]:
+    """``"B=4,N=500"`` -> ``{"B": 4, "N": 500}``."""
+    out: dict[str, Any] = {}
+    if not text:
+        return out
+    for item in _split_top_level(text):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise SpecError(f"{what} {text!r}: expected NAME=VALUE pairs separated by commas")
+        try:
+            out[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            if literal:
+                out[name.strip()] = value.strip()
+            else:
+                raise SpecError(f"{what} {text!r}: {value.strip()!r} is not a number") from None
+    return out
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return parts
+
+
+def load_model(target: str, init: dict[str, Any]) -> torch.nn.Module:
+    """``path/to/file.py:Name`` -> an nn.Module (a class or factory is called with ``init``)."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise SpecError(f"model {target!r}: expected path/to/file.py:ClassOrFactory")
+    if not os.path.exists(path):
+        raise SpecError(f"model {target!r}: file {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"fxmem_cli_{os.path.basename(path).replace('.', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    obj = getattr(module, name, None)
+    if obj is None:
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, torch.nn.Module))
+        raise SpecError(f"model {target!r}: {path} has no {name!r}; modules defined there: {found}")
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if callable(obj):
+        model = obj(**init)
+        if not isinstance(model, torch.nn.Module):
+            raise SpecError(f"model {target!r}: calling {name} returned {type(model).__name__}, not an nn.Module")
+        return model
+    raise SpecError(f"model {target!r}: {name} is a {type(obj).__name__}, not a Module, class or factory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxmem", description="Exact memory formulas for PyTorch models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("analyze", help="print memory formulas of one forward")
+    a.add_argument("model", help="path/to/file.py:ClassOrFactory")
+    a.add_argument("--input", action="append", default=[], metavar="DIMS[:DTYPE]",
+                   help="one per forward argument, e.g. B,N,6 or B,N,N:bool")
+    a.add_argument("--dims", help="evaluate at these sizes, e.g. B=4,N=500")
+    a.add_argument("--hints", help="example sizes to analyse at, e.g. N=512")
+    a.add_argument("--init", help="constructor/factory keyword arguments, e.g. dim=512,num_heads=8")
+    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    a.add_argument("--dtype", default="float32", help="dtype of inputs without one (default float32)")
+    a.add_argument("--no-grad", action="store_true", help="inference memory (no autograd recording)")
+    a.add_argument("--eval", action="store_true", help="put the model in eval mode first")
+    a.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = load_model(args.model, parse_assignments(args.init, "--init", literal=True))
+        if args.eval:
+            model.eval()
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise SpecError(f"--dtype {args.dtype!r} is not a torch dtype")
+        specs = [parse_input(t) for t in args.input]
+        report = analyze(model, *specs, device=args.device, dtype=dtype, grad=not args.no_grad,
+                         hints=parse_assignments(args.hints, "--hints") or None)
+        dims = parse_assignments(args.dims, "--dims") or None
+        if args.json:
+            data = report.to_dict()
+            if dims:
+                data["evaluated"] = {"dims": dims, "bytes": report.evaluate(**dims)}
+            print(report.to_json(indent=2) if not dims else __import__("json").dumps(data, indent=2))
+        else:
+            print(report.summary(dims))
+            print()
+            print(report.table(dims))
+    except FxMemError as exc:
+        print(f"fxmem: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

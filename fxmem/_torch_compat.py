@@ -163,8 +163,8 @@ def python_number_in_tensor_slot(func: Any, args: tuple, kwargs: dict) -> list[A
     found = []
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name, None)
-        if isinstance(value, (bool, int, float, complex)) and isinstance(arg.type, torch._C.TensorType):
-            found.append(value)
+        if isinstance(value, _NUMBERS) and isinstance(arg.type, torch._C.TensorType):
+            found.append(plain_number(value))
     return found
 
 
@@ -176,10 +176,24 @@ def scalar_args(func: Any, args: tuple, kwargs: dict, names: tuple = ("other",))
     found = []
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name, None)
-        if (arg.name in names and isinstance(value, (bool, int, float, complex))
-                and isinstance(arg.type, torch._C.NumberType)):
-            found.append(value)
+        if arg.name in names and isinstance(value, _NUMBERS) and isinstance(arg.type, torch._C.NumberType):
+            found.append(plain_number(value))
     return found
+
+
+# Python numbers, and symbolic ones (a SymInt numel passed as a Scalar is wrapped like an int)
+_NUMBERS = (bool, int, float, complex, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def plain_number(value: Any) -> Any:
+    """A representative Python number of the same kind (its value never matters, its type does)."""
+    if isinstance(value, torch.SymBool):
+        return True
+    if isinstance(value, torch.SymInt):
+        return 1
+    if isinstance(value, torch.SymFloat):
+        return 1.0
+    return value
 
 
 def fake_cuda_is_safe() -> tuple[bool, str]:
@@ -281,3 +295,34 @@ def raw_expr(value: Any) -> sympy.Expr:
     if isinstance(value, torch.SymInt):
         return value.node.expr
     return sympy.Integer(int(value))
+
+
+@contextlib.contextmanager
+def optimizers_treat_fake_as_real() -> Iterator[None]:
+    """Let torch.optim pick foreach/fused kernels for fake tensors as it would for real ones.
+
+    ``_default_to_fused_or_foreach`` only accepts ``type(p) in _foreach_supported_types``; fake
+    tensors would silently get the for-loop implementation (fewer temporaries) even on CUDA.
+    """
+    import torch.optim.optimizer as optim_mod
+    import torch.utils._foreach_utils as foreach_utils
+
+    lists = [getattr(m, "_foreach_supported_types", None) for m in (optim_mod, foreach_utils)]
+    lists = [lst for lst in lists if isinstance(lst, list)]
+    for lst in lists:
+        lst.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for lst in lists:
+            if FakeTensor in lst:
+                lst.remove(FakeTensor)
+
+
+def non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """ATen's ``is_non_overlapping_and_dense`` (the layout condition of in-place reuse)."""
+    import torch._prims_common as prims_common
+
+    check = getattr(prims_common, "is_non_overlapping_and_dense", None) or getattr(
+        prims_common, "is_non_overlapping_and_dense_or_false")
+    return bool(check(t))

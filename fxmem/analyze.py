@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -17,6 +17,7 @@ from .report import Report
 from .simulate import simulate
 from .specs import choose_hints, parse_specs
 from .tracing import forward_arguments, trace
+from .training import OptimizerFactory, Training
 
 
 def analyze(
@@ -27,6 +28,8 @@ def analyze(
     grad: bool = True,
     hints: Mapping[str, int] | None = None,
     leaf_modules: Sequence[type] = (),
+    optimizer: OptimizerFactory | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> Report:
     """Trace ``model`` and return its memory (bytes) as formulas in the dims named by the specs.
 
@@ -41,6 +44,9 @@ def analyze(
             wherever PyTorch would take the same code path (``Report.region``); ``evaluate`` outside
             it re-analyses.
         leaf_modules: module classes fx should not trace into.
+        optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
+            steady-state training step with this optimizer (``train_peak``, ``grads``, ...).
+        loss: ``loss(output) -> scalar`` for the training step (default: ``output.sum()``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ModelError(
@@ -51,6 +57,11 @@ def analyze(
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
         raise SpecError(f"grad must be True or False, got {grad!r}")
+    if loss is not None and optimizer is None:
+        raise SpecError("loss= describes a training step; pass optimizer= as well")
+    if optimizer is not None and not callable(optimizer):
+        raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
+    training = Training(optimizer, loss) if optimizer is not None else None
     name = type(model).__name__
     gm = trace(model, leaf_modules)
     arg_names, required = forward_arguments(gm)
@@ -58,7 +69,7 @@ def analyze(
     chosen = choose_hints(symbols, hints)
 
     def run(at: Mapping[str, int]) -> Report:
-        rec = simulate(gm, specs, symbols, dict(at), device=device, grad=grad)
+        rec = simulate(gm, specs, symbols, dict(at), device=device, grad=grad, training=training)
         plan = MemoryPlan(rec, dict(at))
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=gm, mode="graph", reanalyze=run)

@@ -183,45 +183,59 @@ def _repeat_cpu(call: Call) -> Program:
     return [OUT, 8 * n, 8, 8 * n, -8, 16 * n, -8 * n, -8 * n, -16 * n]
 
 
-@rule("aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._batch_norm_with_update", device="cpu")
-def _batch_norm_cpu(call: Call) -> Program | None:
-    training = call.arg(5, "training", None) if "native_batch_norm" in str(call.func) and "legit" not in str(call.func) else True
-    if "legit_no_training" in str(call.func) or training is False:
+@rule("aten.convolution", "aten.convolution_backward", "aten.native_batch_norm", "aten.native_batch_norm_backward",
+      device="cpu")
+def _calibrated_cpu(call: Call) -> Program | Unknown | None:
+    # oneDNN's blocked-layout reorders and batch norm's per-thread/per-channel temporaries are not
+    # described anywhere in PyTorch: measured and fitted on small real runs (see fxmem.calibrate).
+    from .calibrate import ADAPTERS, program_for_call
+
+    if call.func not in ADAPTERS:
         return None
-    x = call.args[0]
-    c = x.shape[1] if x.dim() > 1 else 1
-    # batch_norm_cpu_update_stats_template: two per-channel temporaries, twice over.
-    s = 4 * c if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.element_size() * c
-    return [OUT, s, s, -s, -s, s, s, -s, -s]
-
-
-@rule("aten.convolution", device="cpu")
-def _convolution_cpu(call: Call) -> Program | None:
-    # oneDNN's blocked-layout reorders are not described anywhere in PyTorch: measured and fitted
-    # on small real runs of the same convolution (see fxmem.calibrate).
-    from .calibrate import conv_program
-
-    x, w, b, stride, padding, dilation, transposed, output_padding, groups = call.args[:9]
-    program = conv_program(x, w, b, stride, padding, dilation, transposed, output_padding, groups, call.outputs[0])
+    program = program_for_call(call.func, call.args, call.outputs)
     if program is None:
-        return Unknown("aten.convolution", "its oneDNN workspace could not be fitted at small sizes")
+        return Unknown(tc.op_name(call.func), "its kernel's workspace could not be fitted at small sizes")
     return program
+
+
+def _flash_splits(q: torch.Tensor, k: torch.Tensor) -> tuple[Any, Any, int]:
+    """ATen's CPU flash-attention block sizes for this query/key length (comparisons become guards)."""
+    L, S = q.shape[-2], k.shape[-2]
+    q_split = 256 if L >= 768 else (64 if L >= 192 else 32)
+    qs = L if L < q_split else q_split
+    kvs = S if S < 512 else 512
+    acc = 4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else q.element_size()
+    return qs, kvs, acc
 
 
 @rule("aten._scaled_dot_product_flash_attention_for_cpu", device="cpu")
 def _sdpa_flash_cpu(call: Call) -> Program:
     # cpu_flash_attention: one float buffer per thread holding a (qSplit x kvSplit) score block,
-    # its row max and sum, and a (qSplit x headSize) accumulator. Split sizes follow ATen's choice
-    # for the query length (the comparisons below become guards on the region).
+    # its row max and sum, and a (qSplit x headSize) accumulator.
     q, k = call.args[0], call.args[1]
-    L, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
-    q_split = 256 if L >= 768 else (64 if L >= 192 else 32)
-    qs = L if L < q_split else q_split
-    kvs = S if S < 512 else 512
-    acc = 4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else q.element_size()
-    buf = torch.get_num_threads() * (qs * kvs + 2 * qs + qs * D) * acc
-    reduced = torch.get_num_threads() * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
+    qs, kvs, acc = _flash_splits(q, k)
+    threads = torch.get_num_threads()
+    buf = threads * (qs * kvs + 2 * qs + qs * q.shape[-1]) * acc
+    reduced = threads * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
     return [OUT, buf, reduced, -reduced, -buf] if reduced else [OUT, buf, -buf]
+
+
+@rule("aten._scaled_dot_product_flash_attention_for_cpu_backward", device="cpu")
+def _sdpa_flash_cpu_backward(call: Call) -> Program:
+    # flash_attention_backward_kernel_impl: grad_out.contiguous() in (B, L, H, D) layout, then a
+    # per-thread (attn, grad_attn) block buffer, then inside the parallel loop each worker thread
+    # allocates a qSplit-long row sum ``dsum`` (only the calling thread's is visible to the CPU
+    # profiler; all of them are real).
+    grad_out, q, k = call.args[0], call.args[1], call.args[2]
+    qs, kvs, acc = _flash_splits(q, k)
+    threads = torch.get_num_threads()
+    copy = 0 if grad_out.transpose(1, 2).is_contiguous() else grad_out.numel() * grad_out.element_size()
+    buf = threads * 2 * qs * kvs * acc
+    reduced = threads * 2 * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
+    work = q.shape[0] * q.shape[1]
+    workers = work if work < threads else threads
+    dsum = workers * qs * acc
+    return [OUT, copy, buf, reduced, dsum, -dsum, -reduced, -buf, -copy]
 
 
 @rule("aten.mean", device="cpu")
@@ -233,12 +247,37 @@ def _mean_cpu(call: Call) -> Program | None:
     return [OUT, 8, out.element_size(), -out.element_size(), -8]
 
 
+_FOREACH_WRAPPING = {f"aten._foreach_{op}{inplace}" for op in ("add", "sub", "mul", "div") for inplace in ("", "_")}
+
+
+def _foreach_scalars(call: Call) -> Program:
+    # CPU runs _foreach ops as a loop of per-tensor ops; each add/sub/mul/div by a Python number
+    # wraps the number (and casts it to the tensor's dtype) again, one tensor at a time.
+    schema = getattr(call.func, "_schema", None)
+    if schema is None or tc.op_packet_name(call.func) not in _FOREACH_WRAPPING:
+        return []
+    scalar = None
+    for i, arg in enumerate(schema.arguments):
+        value = call.args[i] if i < len(call.args) else call.kwargs.get(arg.name)
+        if isinstance(value, tc._NUMBERS):
+            scalar = tc.plain_number(value)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], tc._NUMBERS):
+            scalar = tc.plain_number(value[0])
+    tensors = call.tensors
+    if scalar is None or not tensors:
+        return []
+    wrapped = _WRAPPED_DTYPE[type(scalar)]
+    common = result_dtype([tensors[0]], [scalar])
+    cast = common.itemsize if common != wrapped else 0
+    return [wrapped.itemsize, cast, OUT, -cast, -wrapped.itemsize] if cast else [wrapped.itemsize, OUT, -wrapped.itemsize]
+
+
 def program_for(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: str, grad_enabled: bool = False) -> Program:
     """The hidden-allocation program of one aten call ([] when the kernel hides nothing)."""
     if device != "cpu":
         return []
     call = Call(func, args, kwargs, outputs, device, grad_enabled)
-    program = _tensor_iterator(call)
+    program = _tensor_iterator(call) or _foreach_scalars(call)
     fn = _RULES.get((tc.op_packet_name(func), device))
     extra = fn(call) if fn is not None else None
     if isinstance(extra, Unknown):

@@ -41,15 +41,17 @@ class Replay:
 
 
 def replay(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any], zero: Any,
-           add: Callable[[Any, Any], Any], neg: Callable[[Any], Any], positive: Callable[[Any], bool]) -> Replay:
-    """Walk ``rec.events`` with any number system (symbolic ``Terms`` or plain ints).
+           add: Callable[[Any, Any], Any], neg: Callable[[Any], Any], positive: Callable[[Any], bool],
+           events: list | None = None) -> Replay:
+    """Walk ``rec.events`` (or a prefix) with any number system (symbolic ``Terms`` or ints).
 
-    Only activations count: parameters, buffers, inputs and constants are resident throughout.
+    Only what the run allocates counts: parameters, buffers, inputs, constants and optimizer
+    state are resident throughout.
     """
     activation = [s.alloc_step is not None for s in rec.storages]
     live = zero
     candidates, after_node = [], []
-    for kind, i in rec.events:
+    for kind, i in (rec.events if events is None else events):
         if kind == "free":
             if activation[i]:
                 live = add(live, neg(size(i)))
@@ -75,7 +77,7 @@ def replay(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], An
 
 
 class MemoryPlan:
-    """Symbolic memory of one recorded forward, in the user's dims (bytes)."""
+    """Symbolic memory of one recorded forward (and training step), in the user's dims (bytes)."""
 
     def __init__(self, rec: Recording, hints: Mapping[str, int]):
         self.rec = rec
@@ -87,19 +89,37 @@ class MemoryPlan:
         self._terms = [terms(e) for e in self.sizes]
         self.region = self._region()
         self.notes = self._notes()
+        self.forward_events = rec.events[:rec.forward_end] if rec.forward_end >= 0 else rec.events
 
         at_hint = Evaluator(self.hint_values)
-        sym = replay(rec, lambda i: self._terms[i], lambda p: terms(self.to_user(p)), {}, add_terms,
-                     lambda t: {m: -c for m, c in t.items()}, lambda t: at_hint(t) > 0)
-        self.replay = sym
-        self.resident_terms = add_terms(*[self._terms[s.index] for s in rec.storages if s.alloc_step is None])
-        self.retained_terms = sym.final
-        alive = [s for s in rec.storages if s.alloc_step is not None and not s.freed]
-        self.saved_terms = add_terms(*[self._terms[s.index] for s in alive if s.saved_by])
-        self.output_terms = add_terms(*[self._terms[s.index] for s in alive if s.is_output])
-        cands = [c for _, c in sym.candidates] or [{}]
+        args = (lambda i: self._terms[i], lambda p: terms(self.to_user(p)), {}, add_terms,
+                lambda t: {m: -c for m, c in t.items()}, lambda t: at_hint(t) > 0)
+        forward = replay(rec, *args, events=self.forward_events)
+        self.replay = replay(rec, *args) if rec.training else forward  # after_node covers every node
+        storages = rec.storages
+        state = [s for s in storages if s.role == "optimizer_state"]
+        self.resident_terms = add_terms(*[self._terms[s.index] for s in storages
+                                          if s.alloc_step is None and s.role != "optimizer_state"])
+        self.retained_terms = forward.final
+        alive = self.alive_after_forward()
+        self.saved_terms = add_terms(*[self._terms[i] for i in alive if storages[i].saved_by])
+        self.output_terms = add_terms(*[self._terms[i] for i in alive if storages[i].is_output])
+        cands = [c for _, c in forward.candidates] or [{}]
         self.peak_kept = max_of(cands, self.region, self.hint_values)
         self.peak_candidates = cands
+        if rec.training:
+            self.state_terms = add_terms(*[self._terms[s.index] for s in state])
+            self.grad_terms = add_terms(*[self._terms[s.index] for s in storages if s.role == "gradient"])
+            tcands = [c for _, c in self.replay.candidates] or [{}]
+            self.train_kept = max_of(tcands, self.region, self.hint_values)
+            self.train_candidates = tcands
+
+    def alive_after_forward(self) -> list[int]:
+        """Indices of storages the forward allocated and still holds when it returns."""
+        born = [s.index for s in self.rec.storages if s.alloc_step is not None]
+        dead = {i for kind, i in self.forward_events if kind == "free"}
+        last_step = max((i for kind, i in self.forward_events if kind == "step"), default=-1)
+        return [i for i in born if i not in dead and self.rec.storages[i].alloc_step <= last_step]
 
     # --- conversions ----------------------------------------------------------------------------
     def to_user(self, expr: sympy.Expr) -> sympy.Expr:
@@ -147,15 +167,23 @@ class MemoryPlan:
         return build_max(to_expr(self.peak_candidates[i]) for i in self.peak_kept)
 
     def formulas(self) -> dict[str, sympy.Expr]:
-        """``resident``, ``peak``, ``retained``, ``saved``, ``output`` (bytes)."""
+        """``resident``, ``peak``, ``retained``, ``saved``, ``output`` and, for a training step,
+        ``train_resident``, ``train_peak``, ``grads``, ``optimizer_state`` (bytes)."""
         resident = to_expr(self.resident_terms)
-        return {
+        out = {
             "resident": resident,
             "peak": resident + self.peak_above_resident,
             "retained": to_expr(self.retained_terms),
             "saved": to_expr(self.saved_terms),
             "output": to_expr(self.output_terms),
         }
+        if self.rec.training:
+            train_resident = resident + to_expr(self.state_terms)
+            out["train_resident"] = train_resident
+            out["train_peak"] = train_resident + build_max(to_expr(self.train_candidates[i]) for i in self.train_kept)
+            out["grads"] = to_expr(self.grad_terms)
+            out["optimizer_state"] = to_expr(self.state_terms)
+        return out
 
     # --- numbers --------------------------------------------------------------------------------
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> dict[str, Any]:
@@ -163,20 +191,36 @@ class MemoryPlan:
         cuda = self.rec.device == "cuda"
         raw = [evaluate(e, values) for e in self.sizes]
         block = [cuda_block_bytes(n) if cuda else n for n in raw]
-        num = replay(self.rec, lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0,
-                     lambda a, b: a + b, lambda a: -a, lambda d: d > 0)
-        peak_step, peak_live = max(num.candidates, key=lambda c: c[1], default=(None, 0))
+        args = (lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0,
+                lambda a, b: a + b, lambda a: -a, lambda d: d > 0)
+        fwd = replay(self.rec, *args, events=self.forward_events)
+        full = replay(self.rec, *args) if self.rec.training else fwd
+        peak_step, peak_live = max(fwd.candidates, key=lambda c: c[1], default=(None, 0))
         peak_live = max(peak_live, 0)
-        alive = [s for s in self.rec.storages if s.alloc_step is not None and not s.freed]
-        resident = sum(block[s.index] for s in self.rec.storages if s.alloc_step is None)
-        return {
+        storages = self.rec.storages
+        alive = self.alive_after_forward()
+        resident = sum(block[s.index] for s in storages if s.alloc_step is None and s.role != "optimizer_state")
+        out = {
             "resident": resident,
             "peak": resident + peak_live,
             "peak_above_resident": peak_live,
-            "retained": num.final,
-            "saved": sum(block[s.index] for s in alive if s.saved_by),
-            "output": sum(block[s.index] for s in alive if s.is_output),
+            "retained": fwd.final,
+            "saved": sum(block[i] for i in alive if storages[i].saved_by),
+            "output": sum(block[i] for i in alive if storages[i].is_output),
             "_peak_step": peak_step,
-            "_after_node": num.after_node,
+            "_after_node": full.after_node,
             "_sizes": block,
         }
+        if self.rec.training:
+            state = sum(block[s.index] for s in storages if s.role == "optimizer_state")
+            train_step, train_live = max(full.candidates, key=lambda c: c[1], default=(None, 0))
+            out.update({
+                "train_resident": resident + state,
+                "train_peak": resident + state + max(train_live, 0),
+                "train_peak_above_resident": max(train_live, 0),
+                "grads": sum(block[s.index] for s in storages if s.role == "gradient"),
+                "optimizer_state": state,
+                "train_retained": full.final,
+                "_train_peak_step": train_step,
+            })
+        return out

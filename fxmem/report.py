@@ -21,6 +21,7 @@ from .specs import check_dims, check_input_sizes
 from .tracing import SourceLine
 
 FORMULA_KEYS = ("resident", "peak", "retained", "saved", "output")
+TRAIN_KEYS = ("train_resident", "train_peak", "grads", "optimizer_state")
 
 
 def format_bytes(n: int) -> str:
@@ -95,6 +96,10 @@ class Report:
     * ``retained`` - bytes allocated by the forward still held when it returns (output + saved);
     * ``saved`` - bytes autograd holds for backward beyond parameters and inputs;
     * ``output`` - bytes of the returned tensors that the forward allocated.
+
+    With ``optimizer=`` (see :mod:`fxmem.training`), also ``train_resident`` (the above resident
+    bytes + optimizer state), ``train_peak`` (absolute peak of a steady-state training step),
+    ``grads`` and ``optimizer_state``; otherwise these are None.
     """
 
     def __init__(self, plan: MemoryPlan, *, model_name: str, specs: list, device: str, grad: bool,
@@ -118,6 +123,10 @@ class Report:
         self.retained: sympy.Expr = f["retained"]
         self.saved: sympy.Expr = f["saved"]
         self.output: sympy.Expr = f["output"]
+        self.train_resident: sympy.Expr | None = f.get("train_resident")
+        self.train_peak: sympy.Expr | None = f.get("train_peak")
+        self.grads: sympy.Expr | None = f.get("grads")
+        self.optimizer_state: sympy.Expr | None = f.get("optimizer_state")
         self.notes: list[str] = list(plan.notes)
         self.storages = self._storage_infos()
         self.nodes = self._node_infos()
@@ -207,9 +216,15 @@ class Report:
         return None if step is None else self._plan.rec.steps[step].node
 
     # --- views ----------------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """Whether a training step was analysed (``optimizer=`` given)."""
+        return self.train_peak is not None
+
     def formulas(self) -> dict[str, sympy.Expr]:
-        """The five headline formulas (bytes)."""
-        return {k: getattr(self, k) for k in FORMULA_KEYS}
+        """The headline formulas (bytes): five for the forward, four more for a training step."""
+        keys = FORMULA_KEYS + (TRAIN_KEYS if self.training else ())
+        return {k: getattr(self, k) for k in keys}
 
     def to_dict(self) -> dict:
         """Everything, JSON-serialisable (formulas as strings)."""
@@ -269,8 +284,8 @@ class Report:
         if self.region:
             lines.append("formulas hold for: " + ", ".join(self.region))
         nums = self.evaluate(**dims) if dims else None
-        for k in FORMULA_KEYS:
-            line = f"  {k:<9} = {getattr(self, k)}"
+        for k in FORMULA_KEYS + (TRAIN_KEYS if self.training else ()):
+            line = f"  {k:<15} = {getattr(self, k)}"
             if nums is not None:
                 line += f"   -> {nums[k]:,} B ({format_bytes(nums[k])})"
             lines.append(line)

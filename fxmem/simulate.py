@@ -23,8 +23,9 @@ import torch.fx
 
 from . import _torch_compat as tc
 from . import hidden
-from .real_paths import RealPaths
 from .errors import DeviceError, FxMemError, ShapeError, UnsupportedOpError
+from .real_paths import RealPaths
+from .training import Training
 from .specs import InputSpec
 from .tracing import SourceLine, module_path, source_line
 
@@ -55,6 +56,8 @@ class StorageRecord:
     freed: bool = False
     saved_by: list = dataclasses.field(default_factory=list)  # [(node, op)]
     is_output: bool = False
+    role: str = ""  # "gradient" for a parameter's .grad, "optimizer_state" for optimizer state
+    phase_backward: bool = False  # allocated by the backward pass (a gradient temporary)
 
 
 @dataclasses.dataclass
@@ -88,8 +91,10 @@ class NodeRecord:
 class Recording:
     """Everything :func:`simulate` saw, in ShapeEnv symbols.
 
-    ``events`` is the forward in order: ``("free", storage)``, ``("step", step)``, ``("node", node)``
-    (the end of an fx node). Replaying it gives live bytes at every moment.
+    ``events`` is the run in order: ``("free", storage)``, ``("step", step)``, ``("node", node)``
+    (the end of an fx node, or of a training phase). Replaying it gives live bytes at every moment.
+    ``events[:forward_end]`` is the forward; a training step continues with the phases ``loss``,
+    ``backward``, ``optimizer.step``, ``zero_grad`` and ``return``.
     """
 
     storages: list
@@ -100,6 +105,8 @@ class Recording:
     env: Any
     env_symbols: dict  # user name -> env symbol
     device: str
+    forward_end: int = -1
+    training: bool = False
 
     def user_map(self) -> dict:
         """ShapeEnv symbol -> user symbol (dims PyTorch specialised to a constant, e.g. 1, have none)."""
@@ -118,10 +125,19 @@ class _Ledger:
         self.live: dict[int, tuple[Any, int]] = {}  # activations: cdata -> (weakref, storage index)
         self.resident: dict[int, tuple[Any, int]] = {}  # never freed during the run: not polled
         self.node = "<input>"
+        self.phase = "forward"
+        self.engine_gap = False  # the autograd engine is between two nodes
         self.last_op = None
         self.pending_packs: list[int] = []
         self.notes: list[str] = []
         self.quiet_depth = 0
+        self.keeps: dict[str, list[int]] = {}  # fx node -> hidden storages autograd keeps
+
+    def release_keeps(self, node: str) -> None:
+        """The backward of ``node`` ran: autograd released what it kept for it."""
+        for idx in self.keeps.pop(node, []):
+            self.storages[idx].freed = True
+            self.events.append(("free", idx))
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -183,7 +199,8 @@ class _Ledger:
             return
         name = tc.op_name(func)
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outs and not self.pending_packs:
+        program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled())
+        if not outs and not self.pending_packs and not program:  # e.g. in-place _foreach ops
             return
         self.poll()
         arg_tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -193,22 +210,27 @@ class _Ledger:
                     self.add(a, "constant", f"{self.node}:{name}")
         self._resolve_packs({self.lookup(a) for a in arg_tensors}, name)
         step = len(self.steps)
+        if self.engine_gap and self.phase == "backward" and self._accumulates_in_place(func, args, outs):
+            return
         new = []
         for t in outs:
             if self._counts(t) and self.lookup(t) is None:
                 idx = self.add(t, "activation", self.node, step=step, op=name)
+                if idx is not None and self.phase == "backward":
+                    self.storages[idx].phase_backward = True
                 if idx is not None and self.storages[idx].nbytes == 0:
                     self.storages.pop()
                     self.live.pop(tc.storage_key(t).cdata)
                     continue
                 new.append(idx)
-        program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled())
         for keep in [p for p in program if isinstance(p, hidden.Keep)]:
-            # allocated before the op's outputs and alive until backward: an allocation of this step
+            # allocated before the op's outputs and alive until its backward ran: an allocation
+            # of this step, freed by release_keeps() (it has no tensor whose death we could see)
             rec = StorageRecord(len(self.storages), sympy.Integer(keep.nbytes), keep.dtype, (), "activation",
                                 self.node, node=self.node, op=name, alloc_step=step,
                                 saved_by=[(self.node, name)])
             self.storages.append(rec)
+            self.keeps.setdefault(self.node, []).append(rec.index)
             new.append(rec.index)
         for unknown in [p for p in program if isinstance(p, hidden.Unknown)]:
             note = f"node '{self.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})"
@@ -217,13 +239,39 @@ class _Ledger:
         program = [p for p in program if not isinstance(p, (hidden.Keep, hidden.Unknown))]
         if new or program:
             program = [p if p is hidden.OUT else tc.size_expr(self.env, p) for p in program]
-            self.steps.append(Step(step, self.node, name, new, program))
+            self.steps.append(Step(step, self.node, name, new, program, self.phase))
             self.events.append(("step", step))
         self.last_op = name
 
+    def _accumulates_in_place(self, func: Any, args: tuple, outs: list) -> bool:
+        """Emulate the engine's in-place gradient accumulation that fake tensors never get.
+
+        ``InputBuffer::accumulate`` adds two gradients for the same input *in place* into one of
+        them if it is a plain dense tensor it holds the last reference to (``can_accumulate_inplace``);
+        for subclass-like (fake) tensors it always adds out of place. When the real engine would
+        reuse a buffer, the fake sum takes over that buffer's record: no allocation, no free.
+        """
+        if tc.op_name(func) != "aten.add.Tensor" or len(outs) != 1 or len(args) < 2:
+            return False
+        for old in (args[0], args[1]):
+            if not isinstance(old, torch.Tensor) or old.shape != outs[0].shape or old.dtype != outs[0].dtype:
+                continue
+            idx = self.lookup(old)
+            if idx is None:
+                continue
+            rec = self.storages[idx]
+            whole = sympy.expand(tc.size_expr(self.env, old.numel() * old.element_size()) - rec.nbytes) == 0
+            if (rec.alloc_step is not None and rec.phase_backward and not rec.saved_by and not rec.is_output
+                    and rec.role != "gradient" and whole and tc.non_overlapping_and_dense(old)):
+                self.live.pop(tc.storage_key(old).cdata, None)
+                ref = tc.storage_key(outs[0])
+                self.live[ref.cdata] = (ref, idx)
+                return True
+        return False
+
     # --- autograd -------------------------------------------------------------------------------
     def mark_saved(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or not self._counts(t):
+        if self.quiet_depth or not isinstance(t, torch.Tensor) or not self._counts(t):
             return
         idx = self.lookup(t)
         if idx is not None:
@@ -257,6 +305,69 @@ class _Recorder(tc.DispatchMode):
         return out
 
 
+class _Phases:
+    """The training step after the forward, as pseudo-nodes so tables and replays can show it."""
+
+    def __init__(self, ledger: _Ledger, nodes: list):
+        self.ledger = ledger
+        self.nodes = nodes
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        self.ledger.node = name
+        self.ledger.phase = name
+        first = len(self.ledger.steps)
+        yield
+        self.ledger.end_node()
+        self.nodes.append(NodeRecord(name, "phase", name, "", None, [], first, len(self.ledger.steps)))
+        self.ledger.events.append(("node", len(self.nodes) - 1))
+
+
+def _attribute_backward(ledger: _Ledger, node_name: str, value: Any, seen: set) -> None:
+    """Name the backward of each fx node after it: a pre-hook on the autograd nodes it created."""
+    for t in torch.utils._pytree.tree_leaves(value):
+        fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+
+        def enter(*_: Any, name: str = f"{node_name} (backward)") -> None:
+            ledger.node = name
+
+        def leave(*_: Any) -> None:  # the engine releases the node's saved variables right after
+            ledger.release_keeps(node_name)
+
+        fn.register_prehook(enter)
+        fn.register_hook(leave)
+
+
+def _watch_engine(loss: torch.Tensor, ledger: _Ledger) -> None:
+    """Tell the ledger when the autograd engine is between nodes (where it accumulates grads).
+
+    A post-hook on every node (but AccumulateGrad, whose refcount-based choice to steal the
+    gradient a hook would change) sets the flag; a pre-hook on every node clears it.
+    """
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+        if type(fn).__name__ == "AccumulateGrad":
+            continue
+
+        def enter(*_: Any) -> None:
+            ledger.engine_gap = False
+
+        def leave(*_: Any) -> None:
+            ledger.engine_gap = True
+
+        fn.register_prehook(enter)
+        fn.register_hook(leave)
+
+
 def _last_uses(graph: torch.fx.Graph) -> dict:
     """What the GraphModule's generated code sets to None after each node (fx codegen's rule)."""
     seen: set = set()
@@ -275,11 +386,21 @@ def _last_uses(graph: torch.fx.Graph) -> dict:
 class _Runner(torch.fx.Interpreter):
     """Interpreter that frees values exactly where the GraphModule's code would."""
 
-    def __init__(self, gm: torch.fx.GraphModule, ledger: _Ledger, specs: Sequence[InputSpec]):
+    def __init__(self, gm: torch.fx.GraphModule, ledger: _Ledger, specs: Sequence[InputSpec],
+                 name_backward: bool = False):
         super().__init__(gm, garbage_collect_values=False)
         self.ledger = ledger
         self.specs = list(specs)
         self.node_records: list[NodeRecord] = []
+        self.name_backward = name_backward
+        self._grad_fns: set = set()
+
+    real_paths: RealPaths | None = None
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.real_paths is not None:
+            target = self.real_paths.replacement(target) or target
+        return super().call_function(target, args, kwargs)
 
     def run_graph(self, inputs: list) -> Any:
         self.env = {}
@@ -296,6 +417,8 @@ class _Runner(torch.fx.Interpreter):
             except Exception as exc:
                 raise _node_error(node, exc, self) from exc
             self.env[node] = value
+            if self.name_backward:
+                _attribute_backward(self.ledger, node.name, value, self._grad_fns)
             self.ledger.end_node()
             self.node_records.append(self._describe(node, value, first))
             if node.op == "output":
@@ -416,15 +539,22 @@ def simulate(
     hints: dict,
     device: str = "cpu",
     grad: bool = True,
+    training: Training | None = None,
 ) -> Recording:
-    """Run ``gm`` once on fake inputs described by ``specs`` and record its memory behaviour."""
+    """Run ``gm`` once on fake inputs described by ``specs`` and record its memory behaviour.
+
+    With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
+    the optimizer's state is created first (quietly, from placeholder gradients), then forward,
+    loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` are recorded.
+    """
     _check_device(device)
+    if training is not None and not grad:
+        raise FxMemError("a training step needs grad=True")
     mode, env = tc.new_fake_mode()
     env_symbols = {name: tc.make_dim_symbol(env, name, hints[name]) for name in symbols}
     to_env = {symbols[name]: s for name, s in env_symbols.items()}  # s is a number if specialised
     hint_of = {symbols[name]: hints[name] for name in symbols}
     ledger = _Ledger(env, device)
-    runner = None
     with mode:
         inputs = []
         for spec in specs:
@@ -435,7 +565,8 @@ def simulate(
         fake_gm = _fake_module_copy(gm, device, grad, memo)
         for spec, t in zip(specs, inputs):
             ledger.add(t, "input", spec.arg)
-        for qual, p in fake_gm.named_parameters(remove_duplicate=True):
+        named_params = list(fake_gm.named_parameters(remove_duplicate=True))
+        for qual, p in named_params:
             ledger.add(p, "parameter", qual)
         for qual, b in fake_gm.named_buffers(remove_duplicate=True):
             ledger.add(b, "buffer", qual)
@@ -443,18 +574,75 @@ def simulate(
             for k, v in m.__dict__.items():
                 if isinstance(v, torch.Tensor):
                     ledger.add(v, "constant", f"{mod_name}.{k}" if mod_name else k)
-        runner = _Runner(fake_gm, ledger, specs)
+        runner = _Runner(fake_gm, ledger, specs, name_backward=training is not None)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         hooks = tc.saved_tensor_hooks(ledger.mark_saved) if grad else contextlib.nullcontext()
-        with grad_ctx, hooks, RealPaths(device, ledger.quiet, ledger.note), _Recorder(ledger):
+        optimizer_ctx = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
+        real_paths = RealPaths(device, ledger.quiet, ledger.note)
+        runner.real_paths = real_paths
+        with grad_ctx, hooks, optimizer_ctx, real_paths, _Recorder(ledger):
+            optimizer = _steady_state_optimizer(training, named_params, ledger) if training else None
             out = runner.run_graph(inputs)
             ledger.end_node()
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and ledger._counts(t):
-                idx = ledger.lookup(t)
-                if idx is not None:
-                    ledger.storages[idx].is_output = True
-        ledger.poll()
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and ledger._counts(t):
+                    idx = ledger.lookup(t)
+                    if idx is not None:
+                        ledger.storages[idx].is_output = True
+            ledger.poll()
+            forward_end = len(ledger.events)
+            if training is not None:
+                phases = _Phases(ledger, runner.node_records)
+                with phase_errors("the loss"), phases.phase("loss"):
+                    loss = training.loss_fn(out)
+                _watch_engine(loss, ledger)
+                with phase_errors("backward()"), phases.phase("backward"):
+                    loss.backward()
+                    for _, p in named_params:
+                        idx = ledger.lookup(p.grad) if p.grad is not None and ledger._counts(p.grad) else None
+                        if idx is not None:
+                            ledger.storages[idx].role = "gradient"
+                with phase_errors("optimizer.step()"), phases.phase("optimizer.step"):
+                    optimizer.step()
+                with phases.phase("zero_grad"):
+                    optimizer.zero_grad(set_to_none=True)
+                with phases.phase("return"):  # the step's locals (output, loss) die here
+                    del loss, out
+                    for t in inputs:
+                        t.grad = None
+                out = None
         del out, inputs, fake_gm, runner.env
     return Recording(ledger.storages, ledger.steps, runner.node_records, ledger.events, ledger.notes, env,
-                     env_symbols, device)
+                     env_symbols, device, forward_end, training is not None)
+
+
+def _steady_state_optimizer(training: Training, named_params: list, ledger: _Ledger) -> torch.optim.Optimizer:
+    """Build the optimizer and let it create its state (as after a first step), quietly."""
+    params = [p for _, p in named_params if p.requires_grad]
+    if not params:
+        raise FxMemError("no parameter requires grad, so there is nothing to train")
+    with ledger.quiet(), phase_errors("creating the optimizer's state"):
+        optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    name_of = {id(p): qual for qual, p in named_params}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                idx = ledger.add(value, "optimizer_state", f"{name_of.get(id(p), '?')}.{key}")
+                if idx is not None:
+                    ledger.storages[idx].role = "optimizer_state"
+    return optimizer
+
+
+@contextlib.contextmanager
+def phase_errors(what: str) -> Any:
+    """Errors raised by the training step's phases, named after the phase."""
+    try:
+        yield
+    except FxMemError:
+        raise
+    except Exception as exc:
+        raise ShapeError(f"{what} failed on fake tensors: {type(exc).__name__}: {exc}") from exc

@@ -86,6 +86,52 @@ def check_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dic
     return report
 
 
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run with ``n`` intra-op threads (None: leave as is)."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dict], optimizer,
+                                    *, makers: Mapping[str, Callable] | None = None, num_threads: int | None = None,
+                                    **analyze_kw: Any) -> fxmem.Report:
+    """Analyse a training step, then run steady-state steps for real and compare bytes.
+
+    ``num_threads=1`` is for kernels that allocate inside parallel regions (CPU flash attention's
+    backward): the profiler only sees the calling thread's allocations, fxmem predicts them all.
+    """
+    from fxmem.training import default_loss, train_step
+
+    loss = analyze_kw.get("loss") or default_loss
+    with threads(num_threads):
+        report = fxmem.analyze(model, *specs, optimizer=optimizer, **analyze_kw)
+        for dims in sizes:
+            xs = real_inputs(report, dims, makers)
+            opt = optimizer(model.parameters())
+            train_step(report.graph_module, xs, opt, loss)  # creates the optimizer state
+            m = measure(lambda: train_step(report.graph_module, xs, opt, loss))
+            pred = report.evaluate(**dims)
+            measured = (m.peak_above_start, m.retained)
+            predicted = (pred["train_peak"] - pred["train_resident"], pred["train_retained"])
+            assert measured == predicted, (
+                f"{report.model_name} training step at {dims}: measured (peak above start, retained) = "
+                f"{measured}, fxmem predicted {predicted}"
+            )
+            state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+                        if isinstance(t, torch.Tensor))
+            assert pred["optimizer_state"] == state, f"{report.model_name}: optimizer state bytes"
+            assert pred["train_resident"] == real_resident(model, xs) + state
+    return report
+
+
 def pytest_collection_modifyitems(config: Any, items: list) -> None:
     cuda_built = torch.backends.cuda.is_built()
     gpu = torch.cuda.is_available()

@@ -23,7 +23,7 @@ def test_analyze_prints_formulas_and_numbers():
     assert out.returncode == 0, out.stderr
     report = fxmem.analyze(gat.GraphAttentionLayer(), ("B", "N", 6), ("B", "N", "N"))
     n = report.evaluate(B=4, N=500)
-    assert f"peak      = {report.peak}" in out.stdout
+    assert f"peak            = {report.peak}" in out.stdout
     assert f"{n['peak']:,} B" in out.stdout
     assert "1024*B*N**2" not in out.stdout  # with --dims the table shows numbers
     assert "976.56 MiB" in out.stdout

@@ -2,6 +2,7 @@
 
     fxmem analyze examples/seed_gat.py:GraphAttentionLayer --input B,N,6 --input B,N,N --dims B=4,N=500
     fxmem analyze model.py:Attention --init dim=512 --input B,L,512 --device cuda --json
+    fxmem analyze examples/seed_gat.py:GraphAttentionLayer --input B,N,6 --input B,N,N --diagram gat.svg --timeline t.png
 
 An input is comma-separated dims (ints or names), optionally ``:dtype`` (``B,N,N:bool``,
 ``2,E:int64``). ``--init`` passes constructor/factory keyword arguments as Python literals.
@@ -19,6 +20,7 @@ import torch
 
 from .analyze import analyze
 from .errors import FxMemError, SpecError
+from .figure import output_format
 from .specs import TensorSpec
 
 
@@ -118,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-grad", action="store_true", help="inference memory (no autograd recording)")
     a.add_argument("--eval", action="store_true", help="put the model in eval mode first")
     a.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    a.add_argument("--diagram", metavar="PATH", help="write the liveness diagram (.svg, .png, .pdf); numbers at --dims")
+    a.add_argument("--timeline", metavar="PATH", help="write the liveness timeline (.svg, .png, .pdf); numbers at --dims")
+    a.add_argument("--group", choices=["module"], help="--diagram: one box per module (blocks.3) instead of per node")
     return p
 
 
@@ -131,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(dtype, torch.dtype):
             raise SpecError(f"--dtype {args.dtype!r} is not a torch dtype")
         specs = [parse_input(t) for t in args.input]
+        for path in (args.diagram, args.timeline):
+            if path:
+                output_format(path)  # a bad extension fails before the analysis, not after
         report = analyze(model, *specs, device=args.device, dtype=dtype, grad=not args.no_grad,
                          hints=parse_assignments(args.hints, "--hints") or None)
         dims = parse_assignments(args.dims, "--dims") or None
@@ -143,6 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report.summary(dims))
             print()
             print(report.table(dims))
+        # after the text, and on stderr: --json keeps stdout pure JSON
+        if args.diagram:
+            print(f"fxmem: wrote {report.render(args.diagram, 'diagram', dims, group=args.group)}", file=sys.stderr)
+        if args.timeline:
+            print(f"fxmem: wrote {report.render(args.timeline, 'timeline', dims)}", file=sys.stderr)
     except FxMemError as exc:
         print(f"fxmem: error: {exc}", file=sys.stderr)
         return 2

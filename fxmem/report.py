@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import sympy
 import torch
@@ -19,6 +19,10 @@ import torch
 from .memory_plan import MemoryPlan
 from .specs import check_dims, check_input_sizes
 from .tracing import SourceLine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .figure import Figure
+    from .liveness import Liveness
 
 FORMULA_KEYS = ("resident", "peak", "retained", "saved", "output")
 TRAIN_KEYS = ("train_resident", "train_peak", "grads", "optimizer_state")
@@ -215,6 +219,73 @@ class Report:
         step = self._plan.evaluate(subs)["_peak_step"]
         return None if step is None else self._plan.rec.steps[step].node
 
+    def liveness(self, dims: dict | None = None) -> "Liveness":
+        """Live activation bytes node by node, at ``dims`` (default: the example sizes ``hints``).
+
+        ``.high[k]`` is the most bytes live at any moment while ``nodes[k]`` runs, ``.after[k]`` the
+        bytes live when it ends (both above resident); ``.peak`` and ``.peak_node`` agree with
+        :meth:`evaluate` and :meth:`peak_node`. Outside the formulas' region the lists belong to
+        the re-analysis at ``dims``.
+
+        >>> report.liveness({"B": 4, "N": 500}).peak_node          # doctest: +SKIP
+        'cat'
+        """
+        from .liveness import liveness
+
+        report, values = self._for_dims(dims)
+        return liveness(report, values)
+
+    def diagram(self, dims: dict | None = None, group: str | None = None, depth: int | None = None) -> "Figure":
+        """The fx graph as a ``graphviz.Digraph``, coloured by live bytes, the peak marked.
+
+        Without ``dims`` labels are formulas (bytes) and colours are at ``hints``; with ``dims``
+        they are numbers. ``group="module"`` collapses each module (``blocks.3``) into one box.
+        See :mod:`fxmem.diagram`.
+
+        >>> report.diagram().save("gat.svg")                       # doctest: +SKIP
+        """
+        from .diagram import diagram
+
+        report, values = self._for_dims(dims)
+        return diagram(report, values, group=group, depth=depth)
+
+    def timeline(self, dims: dict | None = None) -> "Figure":
+        """When each activation storage lives: one bar per storage, the peak line. See :mod:`fxmem.timeline`.
+
+        >>> report.timeline({"B": 4, "N": 500}).save("gat_timeline.png")   # doctest: +SKIP
+        """
+        from .timeline import timeline
+
+        report, values = self._for_dims(dims)
+        return timeline(report, values)
+
+    def render(self, path: str, what: str = "diagram", dims: dict | None = None, group: str | None = None) -> str:
+        """Write the diagram (``what="timeline"``: the timeline) to ``path``; SVG, PNG or PDF by extension.
+
+        >>> report.render("gat.png", dims={"B": 4, "N": 500})        # doctest: +SKIP
+        'gat.png'
+        """
+        if what == "diagram":
+            return self.diagram(dims, group=group).save(path)
+        if what == "timeline":
+            return self.timeline(dims).save(path)
+        from .errors import SpecError
+
+        raise SpecError(f"render(what={what!r}): use what='diagram' or what='timeline'")
+
+    def _for_dims(self, dims: dict | None) -> tuple["Report", dict | None]:
+        """The report whose formulas hold at ``dims`` (self, or a re-analysis) and the checked dims."""
+        if not dims:
+            return self, None
+        values = check_dims(dims, self.symbols)
+        check_input_sizes(self.specs, values, self.symbols)
+        if self._plan.region.contains({self.symbols[k]: v for k, v in values.items()}):
+            key = tuple(sorted(values.items()))
+            if key not in self._regions:
+                self._regions[key] = self._reanalyze(values)
+            return self._regions[key], values
+        return self, values
+
     # --- views ----------------------------------------------------------------------------------
     @property
     def training(self) -> bool:
@@ -300,6 +371,18 @@ class Report:
 
     def __repr__(self) -> str:
         return f"<fxmem.Report {self.model_name}: peak = {self.peak}>"
+
+    def _repr_latex_(self) -> str:
+        """The headline formulas (bytes) as LaTeX, for notebooks and nbconvert."""
+        names = {k: k.replace("_", r"\_") for k in self.formulas()}
+        rows = [rf"\text{{{names[k]}}} &= {sympy.latex(v)}" for k, v in self.formulas().items()]
+        return r"$$\begin{aligned}" + r" \\ ".join(rows) + r"\end{aligned}$$"
+
+    def _repr_html_(self) -> str:
+        """The summary and the per-node table as HTML (notebooks show this)."""
+        from .report_html import report_html
+
+        return report_html(self)
 
 
 def _short_target(n: NodeInfo) -> str:

@@ -1,0 +1,257 @@
+"""Diagrams and timelines really render with graphviz's `dot`, and say what the report says.
+
+Every check reads the rendered SVG (or the file's bytes) and compares it with evidence taken from
+the report's own data, not from the drawing code: the peak's formula and ``evaluate()`` value,
+the storages autograd keeps, the storages' byte formulas, the module paths of the nodes.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+import xml.etree.ElementTree as ET
+
+import graphviz
+import pytest
+import sympy
+
+import fxmem
+from conftest import ROOT, load_example
+from fxmem.errors import SpecError
+
+gat = load_example("seed_gat")
+SVG = "{http://www.w3.org/2000/svg}"
+XLINK = "{http://www.w3.org/1999/xlink}"
+SEED = dict(B=4, N=500)
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return fxmem.analyze(gat.GraphAttentionLayer(6, 128), ("B", "N", 6), ("B", "N", "N"))
+
+
+@pytest.fixture(scope="module")
+def stack():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from analyze_speed import Stack
+    finally:
+        sys.path.pop(0)
+    return fxmem.analyze(Stack(depth=3, dim=32, heads=4), ("B", "L", 32))
+
+
+# --- reading the SVG ----------------------------------------------------------------------------
+def items(svg: str, cls: str) -> dict[str, types.SimpleNamespace]:
+    """Graphviz SVG groups of class ``node`` or ``edge``: title -> text, tooltips, polygon x-extent."""
+    out = {}
+    for g in ET.fromstring(svg).iter(SVG + "g"):
+        if g.get("class") != cls:
+            continue
+        title = g.find(SVG + "title").text
+        text = " ".join(re.sub(r"\s+", " ", (t.text or "").replace("\xa0", " ")).strip() for t in g.iter(SVG + "text"))
+        tips = " ".join(a.get(XLINK + "title", "") for a in g.iter(SVG + "a"))
+        xs = [float(p.split(",")[0]) for poly in g.iter(SVG + "polygon") for p in poly.get("points").split()]
+        fills = [e.get("fill") for e in g.iter() if e.tag in (SVG + "polygon", SVG + "path")]  # box first
+        out[title] = types.SimpleNamespace(text=text, tips=tips, x=(min(xs), max(xs)) if xs else None, fills=fills)
+    return out
+
+
+def pretty(expr) -> str:
+    """How a reader writes a formula: 1024*B*N**2 -> 1024·B·N² (only the squares these models have)."""
+    return str(expr).replace("**2", "²").replace("*", "·")
+
+
+def kept_nodes(report) -> set[str]:
+    """Nodes that allocate something autograd still holds when the forward returns."""
+    return {s.node for s in report.storages if s.kind == "activation" and s.saved_by and s.freed_at is None}
+
+
+# --- the diagram --------------------------------------------------------------------------------
+def test_peak_node_carries_the_peak_formula_and_value(layer):
+    fig = layer.diagram(SEED)
+    assert isinstance(fig, graphviz.Digraph)
+    nodes = items(fig.svg(), "node")
+    peak = layer.peak_node(**SEED)
+    value = layer.evaluate(**SEED)["peak"]
+    assert "PEAK" in nodes[peak].text
+    assert pretty(layer.peak) in nodes[peak].text  # the formula, in the user's dims
+    assert f"{value:,} B" in nodes[peak].text and fxmem.format_bytes(value) in nodes[peak].text
+    assert str(layer.peak) in nodes[peak].tips  # the exact sympy text on hover
+    assert [name for name, n in nodes.items() if "PEAK" in n.text] == [peak]
+
+
+def test_symbolic_labels_shapes_allocations_and_edges(layer):
+    svg = layer.diagram().svg()
+    nodes, edges = items(svg, "node"), items(svg, "edge")
+    pair = next(s for s in layer.storages if s.op == "aten.cat")
+    assert str(pair.bytes) == "1024*B*N**2"
+    text = nodes[pair.node].text
+    assert "(B, 2·N², 128)" in text and f"allocates {pretty(pair.bytes)}" in text
+    # the edge out of cat carries the pair tensor: its label is that tensor's size
+    consumers = [e for title, e in edges.items() if title.startswith(f"{pair.node}->")]
+    assert consumers and all(pretty(pair.bytes) in e.text for e in consumers)
+    # no numbers where formulas are asked for: the view's shape stays symbolic
+    assert "(B, N, N, 256)" in " ".join(n.text for n in nodes.values())
+
+
+def test_saved_for_backward_is_marked_on_exactly_those_nodes(layer):
+    nodes = items(layer.diagram().svg(), "node")
+    marked = {name for name, n in nodes.items() if "saved for backward" in n.text and name != "output"}
+    assert marked == kept_nodes(layer)
+    assert marked >= {"cat", "softmax", "dropout"}
+    assert f"saved for backward {pretty(layer.saved)}" in nodes["output"].text
+
+
+def test_numbers_at_dims(layer):
+    nodes = items(layer.diagram(SEED).svg(), "node")
+    pair = next(s for s in layer.storages if s.op == "aten.cat")
+    assert "(4, 500000, 128)" in nodes["cat"].text
+    assert f"allocates {fxmem.format_bytes(layer.at(pair.bytes, **SEED))}" in nodes["cat"].text
+    assert fxmem.format_bytes(layer.at(pair.bytes, **SEED)) == "976.56 MiB"
+    # every formula became a number (the peak banner quotes the peak's formula on purpose)
+    for name, n in nodes.items():
+        body = n.text.split(" at B=4, N=500")[-1] if name == "cat" else n.text
+        assert "·N" not in body and "B," not in body, (name, n.text)
+
+
+def test_heat_scale_follows_live_bytes(layer):
+    live = layer.liveness(SEED)
+    nodes = items(layer.diagram(SEED).svg(), "node")
+    order = list(fxmem.figure.HEAT)
+    fill = {n.name: nodes[n.name].fills[0] for n in layer.nodes if n.shapes and nodes[n.name].fills[0] in order}
+    assert fill["cat"] == order[-1]  # the peak is the reddest
+    high = dict(zip((n.name for n in layer.nodes), live.high))
+    for a in fill:
+        for b in fill:
+            if high[a] > high[b]:
+                assert order.index(fill[a]) >= order.index(fill[b]), (a, b)
+
+
+def test_liveness_agrees_with_the_formulas(layer):
+    live = layer.liveness(SEED)
+    numbers = layer.evaluate(**SEED)
+    assert max(live.high) == numbers["peak_above_resident"] and live.peak == numbers["peak"]
+    assert live.peak_node == layer.peak_node(**SEED)
+    assert live.after == [layer.at(n.live_after, **SEED) for n in layer.nodes]
+    assert live.after[-1] == numbers["retained"]
+
+
+def test_outside_the_region_the_diagram_is_of_the_real_code_path(layer):
+    fig = layer.diagram(dict(B=1, N=3))  # B=1 is outside B >= 2: re-analysed
+    nodes = items(fig.svg(), "node")
+    assert f"{layer.evaluate(B=1, N=3)['peak']:,} B" in nodes[fig.peak_node].text
+
+
+def test_group_by_module_collapses_blocks(stack):
+    plain = items(stack.diagram().svg(), "node")
+    grouped = items(stack.diagram(group="module").svg(), "node")
+    top = [n for n in stack.nodes if not n.module]
+    blocks = sorted({".".join(n.module.split(".")[:2]) for n in stack.nodes if n.module.startswith("blocks.")})
+    others = {n.module for n in stack.nodes if n.module and not n.module.startswith("blocks.")}
+    assert blocks == ["blocks.0", "blocks.1", "blocks.2"] and others == {"ln"}
+    assert len(plain) == len(stack.nodes)
+    assert len(grouped) == len(top) + len(blocks) + len(others) < len(plain)
+    assert {f"module {b}" for b in blocks} <= set(grouped)
+    # each block says what its nodes allocate, summed from the storages it allocated
+    dims = dict(B=2, L=16)
+    grouped = items(stack.diagram(dims, group="module").svg(), "node")
+    for b in blocks:
+        total = sum(stack.at(s.bytes, **dims) for s in stack.storages if s.module == b or s.module.startswith(b + "."))
+        assert f"allocates {fxmem.format_bytes(total)}" in grouped[f"module {b}"].text
+        assert f"{len([n for n in stack.nodes if n.module.startswith(b)])} nodes" in grouped[f"module {b}"].text
+    assert [t for t, n in grouped.items() if "PEAK" in n.text] == [stack.peak_node(**dims)]
+
+
+def test_group_holding_the_peak_says_so():
+    net = fxmem.analyze(gat.GAT(6, 8, 4, 2), ("B", "N", 6), ("B", "N", "N"))
+    peak = net.peak_node(**SEED)
+    module = next(n.module for n in net.nodes if n.name == peak)
+    assert module.startswith("out_att")
+    grouped = items(net.diagram(SEED, group="module").svg(), "node")
+    box = grouped["module out_att"]
+    assert "PEAK" in box.text and f"peak inside, at node {peak}" in box.text
+    assert f"{net.evaluate(**SEED)['peak']:,} B" in box.text
+    assert {"module attentions.0", "module attentions.1"} <= set(grouped)
+
+
+# --- the timeline -------------------------------------------------------------------------------
+def test_timeline_has_one_bar_per_activation_storage(layer):
+    nodes = items(layer.timeline().svg(), "node")
+    activations = [s for s in layer.storages if s.kind == "activation"]
+    assert sorted(t for t in nodes if t.startswith("bar:")) == sorted(f"bar:{s.index}" for s in activations)
+    # bars still alive at return run into the kept zone; saved ones are labelled so
+    assert {t for t in nodes if t.startswith("kept:")} == {f"kept:{s.index}" for s in activations if s.freed_at is None}
+    for s in activations:
+        fate = nodes[f"fate:{s.index}"].text
+        assert fate.startswith("saved for backward") == bool(s.saved_by and s.freed_at is None), (s.name, fate)
+        assert nodes[f"size:{s.index}"].text == pretty(s.bytes)
+
+
+def test_timeline_geometry_bars_and_peak_line(layer):
+    nodes = items(layer.timeline(SEED).svg(), "node")
+    position = {n.name: k for k, n in enumerate(layer.nodes)}
+    activations = [s for s in layer.storages if s.kind == "activation"]
+    end = nodes["line:return"].x[0]
+    peak_x = sum(nodes["line:peak"].x) / 2
+    peak = position[layer.peak_node(**SEED)]
+    for s in activations:
+        left, right = nodes[f"bar:{s.index}"].x
+        if s.freed_at is None or s.freed_at == "<return>":
+            assert right == pytest.approx(end, abs=1.5), s.name
+        else:
+            assert right < end - 1, s.name
+        # the peak line crosses exactly the storages live while the peak's node runs
+        born, dies = position[s.node], position.get(s.freed_at, len(layer.nodes))
+        assert (left < peak_x < right) == (born <= peak <= dies), s.name
+    lefts = [nodes[f"bar:{s.index}"].x[0] for s in activations]
+    assert lefts == sorted(lefts)  # allocation order runs left to right
+    value = layer.evaluate(**SEED)["peak"]
+    assert f"{value:,} B" in nodes["label:peak"].text and "peak in node cat" in nodes["label:peak"].text
+
+
+# --- files, command line, notebooks ------------------------------------------------------------
+MAGIC = {".svg": b"<?xml", ".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF-"}
+
+
+@pytest.mark.parametrize("what", ["diagram", "timeline"])
+@pytest.mark.parametrize("ext", sorted(MAGIC))
+def test_render_writes_real_files(layer, tmp_path, what, ext):
+    path = layer.render(str(tmp_path / f"gat{ext}"), what=what)
+    data = open(path, "rb").read()
+    assert data.startswith(MAGIC[ext]) and len(data) > 2000
+    if ext == ".svg":
+        assert "<svg" in data.decode() and ("PEAK" in data.decode() or "peak in node" in data.decode())
+
+
+def test_render_refuses_unknown_formats(layer, tmp_path):
+    with pytest.raises(SpecError, match=r"\.svg"):
+        layer.render(str(tmp_path / "gat.txt"))
+    with pytest.raises(SpecError, match="timeline"):
+        layer.render(str(tmp_path / "gat.svg"), what="table")
+
+
+def test_cli_writes_diagram_and_timeline(tmp_path):
+    diagram, timeline = tmp_path / "d.svg", tmp_path / "t.png"
+    out = subprocess.run([sys.executable, "-m", "fxmem", "analyze", "examples/seed_gat.py:GraphAttentionLayer",
+                          "--input", "B,N,6", "--input", "B,N,N", "--dims", "B=4,N=500",
+                          "--diagram", str(diagram), "--timeline", str(timeline)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {diagram}" in out.stderr and f"wrote {timeline}" in out.stderr
+    assert "976.56 MiB" in diagram.read_text()  # numbers at --dims
+    assert timeline.read_bytes().startswith(MAGIC[".png"])
+
+
+def test_notebook_display(layer):
+    fig = layer.diagram()
+    assert fig._repr_svg_().lstrip().startswith("<?xml") and "<svg" in fig._repr_html_()
+    assert "image/svg+xml" in fig._repr_mimebundle_()
+    assert "<svg" in layer.timeline()._repr_svg_()
+    latex = layer._repr_latex_()
+    assert latex.startswith("$$") and sympy.latex(layer.peak) in latex and sympy.latex(layer.saved) in latex
+    page = layer._repr_html_()
+    assert page.count("<table") == 2  # formulas, per-node table
+    rows = [line.split()[1] for line in layer.table().splitlines()[2:]]
+    assert all(f"<b>{name}</b>" in page for name in rows)
+    assert pretty(layer.peak) in page and "peak in node <b>cat</b>" in page

@@ -21,7 +21,7 @@ from . import _torch_compat as tc
 from .hidden import OUT
 from .simulate import Recording
 from .specs import dim_symbol
-from .symbolic import Evaluator, Region, Terms, add_terms, build_max, evaluate, max_of, terms, to_expr
+from .symbolic import Evaluator, Region, add_terms, build_max, evaluate, max_of, terms, to_expr
 
 CUDA_BLOCK = 512  # bytes; the caching allocator rounds every block up to a multiple of this
 

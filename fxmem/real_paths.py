@@ -74,9 +74,8 @@ def _max_pool1d(original: Callable, ctx: Context, *args: Any, **kwargs: Any) -> 
     with ctx.quiet(), torch.no_grad():
         shape = torch.ops.aten.max_pool1d_with_indices.default(*_pool_args(args, kwargs))[0].shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if not x.is_contiguous():  # the kernel then works on a contiguous copy of its input
-        copy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        del copy
+    if not x.is_contiguous():  # the kernel works on a contiguous copy of its input, freed on return
+        torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return out
 
 

@@ -210,6 +210,18 @@ class Report:
         values = check_dims(dims, self.symbols)
         return evaluate(sympy.sympify(expr), {self.symbols[k]: v for k, v in values.items()})
 
+    def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
+        """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
+
+        ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
+        dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.budget`).
+
+        >>> report.max_size("B", budget="32GiB", N=500)           # doctest: +SKIP
+        """
+        from .budget import max_size
+
+        return max_size(self, dim, budget, train=train, **fixed)
+
     def peak_node(self, **dims: int) -> str | None:
         """The fx node during which the peak happens (at ``dims``, or at the analysis' example sizes)."""
         values = check_dims(dims, self.symbols) if dims else self.hints

@@ -52,8 +52,25 @@ class Attention(nn.Module):
         return x
 
 
+# Seed 002's measurements on CUDA (memory_allocated after each line, MB = MiB), math mode.
+SEED_CUDA_AFTER = {
+    "qkv = self.qkv(x)": 21,
+    'qkv = einops.rearrange(qkv, "B L (K H D) -> K B H L D", K=3, H=self.num_heads)': 21,
+    "attn = (q @ k.transpose(-2, -1)) * self.scale": 31,
+    "attn = attn.softmax(dim=-1)": 31,
+    "attn = self.attn_drop(attn)": 31,
+    "x = (attn @ v).transpose(1, 2).reshape(B, L, C)": 39,
+    "x = self.proj(x)": 43,
+    "x = self.proj_drop(x)": 43,
+}
+SEED_CUDA_FINAL, SEED_CUDA_MAX = 30, 44
+
+
 def main() -> None:
+    import torch
+
     import fxmem
+    from fxmem.lines import format_lines
 
     seed = dict(B=64, L=32)
     mib = 1024**2
@@ -66,12 +83,48 @@ def main() -> None:
     print(f"  before forward          {n['resident'] / mib:6.2f} MiB   (seed: 8 MB = parameters + x)")
     print(f"  after forward           {(n['resident'] + n['retained']) / mib:6.2f} MiB   (seed: 30 MB)")
     print(f"  kept by the forward     {n['retained'] / mib:6.2f} MiB   (seed: 22 MB 'activation memory')")
-    print(f"  peak (graph mode)       {n['peak'] / mib:6.2f} MiB   (seed: 44 MB, measured on CUDA running the"
-          f" original forward, whose locals such as qkv stay alive)")
+    print(f"  peak (graph mode)       {n['peak'] / mib:6.2f} MiB   (the traced module frees each value after its last use)")
     attn = [s for s in report.storages if s.kind == "activation" and s.saved_by and s.freed_at is None]
     print("\n  what autograd keeps, and why:")
     for s in attn:
         print(f"    {str(s.bytes):>12} B  {s.op:<16} node {s.node:<10} saved by {', '.join(s.saved_by)}")
+
+    print("\n== The original forward, line by line (eager mode: locals live until it returns), CPU ==")
+    eager = fxmem.analyze(Attention(dim=512, num_heads=8), ("B", "L", 512), mode="eager")
+    print(format_lines(eager.by_line(seed)))
+    e = eager.evaluate(**seed)
+    print(f"  peak {e['peak'] / mib:.2f} MiB, after the call {(e['resident'] + e['retained']) / mib:.2f} MiB")
+
+    if not torch.backends.cuda.is_built():
+        print("\n(simulating CUDA needs a CUDA build of torch, no GPU: scripts/test.sh makes one in .venv-cuda)")
+        return
+    print("\n== The same on simulated CUDA, next to the seed's measured memory_allocated() ==")
+    cuda = fxmem.analyze(Attention(dim=512, num_heads=8), ("B", "L", 512), mode="eager", device="cuda")
+    print(f"  {'line':<78} {'fxmem':>8} {'seed':>6}")
+    for row in cuda.by_line(seed):
+        if row.code in SEED_CUDA_AFTER:
+            print(f"  {row.code:<78} {row.memory / mib:6.2f}MB {SEED_CUDA_AFTER[row.code]:>4}MB")
+    c = cuda.evaluate(**seed)
+    print(f"  {'after the call':<78} {(c['resident'] + c['retained']) / mib:6.2f}MB {SEED_CUDA_FINAL:>4}MB")
+    print(f"  {'max_memory_allocated':<78} {c['peak'] / mib:6.2f}MB {SEED_CUDA_MAX:>4}MB")
+    print(EXPLANATION)
+
+
+EXPLANATION = """
+  Where fxmem and the seed differ, and why (fxmem predicts tensors; it does not tune to match):
+  * 512-byte blocks: every tensor here is a multiple of 512 bytes, so the caching allocator's
+    rounding (which fxmem applies on device="cuda") changes nothing at these sizes.
+  * +1 MiB from the first matrix multiply until the call returns: no tensor of the model has that
+    size, and it is gone after the call, so it is not a workspace kept for the cuBLAS handle's
+    lifetime either. Without a GPU fxmem cannot attribute it (no GPU was lent to this work):
+    fxmem.validate on a GPU measures it; until then it is reported as unexplained, not modelled.
+  * max 44 vs 42 MiB: that 1 MiB plus 1 MiB that exists only inside one kernel call (the
+    seed's per-line prints never see it). fxmem's 42 MiB is the tensors' peak, which the CPU run
+    of this example matches byte for byte; the rest is kernel workspace, pending GPU validation.
+  * The seed's own explanation (`BLC*8 + BHLL` produced, `qkv` saved for backward) is not what
+    autograd keeps: it keeps matmul's contiguous copies of q, k^T and v and the reshape copy
+    (4 MiB each), the softmax output (2 MiB) and the output (4 MiB): 22 MiB, as printed above.
+"""
 
 
 if __name__ == "__main__":

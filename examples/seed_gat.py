@@ -103,6 +103,16 @@ def main() -> None:
     node = next(n for n in net.nodes if n.name == net.peak_node(**seed))
     print(f"  the peak is reached in node {node.name} ({node.module}, {node.source}: {node.source.code})")
 
+    print("\n== How large a batch fits a 32 GB card (N=500)? ==")
+    adam = lambda params: torch.optim.Adam(params, lr=5e-3)  # noqa: E731 - pyGAT's optimizer
+    for label, model in (("the layer (6 -> 128, corrected)", GraphAttentionLayerFixed(6, 128)),
+                         ("the network (8 heads + 1600-class head)", GAT(6, 128, 1600, 8))):
+        r = fxmem.analyze(model, *specs, optimizer=adam)
+        forward = r.max_size("B", budget="32GiB", N=500)
+        train = r.max_size("B", budget="32GiB", train=True, N=500)
+        print(f"  {label}: forward B <= {forward}, Adam training step B <= {train}")
+    print("  (after fxmem.optimize removes the pair tensor: see examples/gat_optimize.py)")
+
 
 if __name__ == "__main__":
     main()

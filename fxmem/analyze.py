@@ -1,27 +1,31 @@
-"""``fxmem.analyze``: exact memory formulas of one forward, in the user's dim names.
+"""``fxmem.analyze``: exact memory formulas of one forward (and training step), in the user's dims.
 
 >>> import torch, fxmem
 >>> report = fxmem.analyze(torch.nn.Linear(6, 128), ("B", "N", 6))
 >>> report.peak
-512*B*N + 24*B*N + 3584
+536*B*N + 3584
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .errors import ModelError, SpecError
+from .hparams import Blueprint, blueprint
 from .memory_plan import MemoryPlan
 from .report import Report
 from .simulate import simulate
-from .specs import choose_hints, parse_specs
+from .specs import choose_hints, parse_specs, spec_symbols
 from .tracing import forward_arguments, trace
 from .training import OptimizerFactory, Training
 
+MODES = ("graph", "eager")
+
 
 def analyze(
-    model: torch.nn.Module,
+    model: torch.nn.Module | type | Callable[..., torch.nn.Module],
     *input_specs: Any,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -30,11 +34,14 @@ def analyze(
     leaf_modules: Sequence[type] = (),
     optimizer: OptimizerFactory | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
+    mode: str = "graph",
+    hparams: Mapping[str, Any] | None = None,
+    init: Mapping[str, Any] | None = None,
 ) -> Report:
-    """Trace ``model`` and return its memory (bytes) as formulas in the dims named by the specs.
+    """Return the memory (bytes) of ``model`` as formulas in the dims named by the specs.
 
     Args:
-        model: an ``nn.Module``; it is traced with ``torch.fx`` and never modified.
+        model: an ``nn.Module`` (never modified), or its class / a factory with ``hparams``.
         *input_specs: one per positional ``forward`` argument - a tuple of ints and dim names
             (``("B", "N", 6)``), a :class:`fxmem.TensorSpec`, or a real tensor (a concrete input).
         device: whose memory to predict, ``"cpu"`` or ``"cuda"`` (CUDA code paths, 512-byte blocks).
@@ -47,12 +54,16 @@ def analyze(
         optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
             steady-state training step with this optimizer (``train_peak``, ``grads``, ...).
         loss: ``loss(output) -> scalar`` for the training step (default: ``output.sum()``).
+        mode: ``"graph"`` - the fx-traced module, which frees each value after its last use;
+            ``"eager"`` - the original ``forward``, whose locals live until it returns (no tracing,
+            so it also works where fx cannot trace); ``report.by_line()`` then has every line.
+        hparams: ``{"dim": "H*D", "num_heads": "H"}`` - build ``model`` (a class or factory) with
+            these constructor arguments as dims, so formulas hold in them too (see
+            :mod:`fxmem.hparams`).
+        init: concrete constructor arguments for a class or factory.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ModelError(
-            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module "
-            f"whose forward calls it"
-        )
+    if mode not in MODES:
+        raise SpecError(f"mode={mode!r}: use 'graph' (the traced module) or 'eager' (the original forward)")
     if not isinstance(dtype, torch.dtype):
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
@@ -61,17 +72,66 @@ def analyze(
         raise SpecError("loss= describes a training step; pass optimizer= as well")
     if optimizer is not None and not callable(optimizer):
         raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
+    if not isinstance(model, torch.nn.Module) and not (hparams is not None or init is not None):
+        if isinstance(model, type) or not callable(model):
+            raise ModelError(
+                f"model must be a torch.nn.Module, got {getattr(model, '__name__', type(model).__name__)}; "
+                f"pass an instance, or its class with hparams=/init= to build it")
+        raise ModelError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
+            f"forward calls it, or pass a factory with hparams=/init=")
     training = Training(optimizer, loss) if optimizer is not None else None
-    name = type(model).__name__
-    gm = trace(model, leaf_modules)
-    arg_names, required = forward_arguments(gm)
-    specs, symbols = parse_specs(input_specs, arg_names, required, dtype, name)
+
+    symbols: dict = {}
+    target: torch.nn.Module | Blueprint
+    if isinstance(model, torch.nn.Module):
+        if hparams is not None or init is not None:
+            blueprint(model, hparams, init, symbols)  # raises: hparams need a class or factory
+        example: torch.nn.Module = model
+        target = model
+    else:
+        target = blueprint(model, hparams, init, symbols)
+        example = None  # built below, once the hints are known
+    name = target.name if isinstance(target, Blueprint) else type(model).__name__
+
+    def arguments(module: torch.nn.Module) -> tuple[list[str], int, torch.fx.GraphModule | None]:
+        if mode == "graph":
+            gm = trace(module, leaf_modules)
+            return (*forward_arguments(gm), gm)
+        return (*_forward_signature(module), None)
+
+    if example is None:  # names come from a concrete instance on the meta device (no memory)
+        all_symbols = spec_symbols(input_specs, dict(symbols))
+        at = choose_hints(all_symbols, hints)
+        example = target.example({all_symbols[k]: v for k, v in at.items()})
+    arg_names, required, gm = arguments(example)
+    specs, named = parse_specs(input_specs, arg_names, required, dtype, name)
+    for k, v in named.items():
+        symbols.setdefault(k, v)
     chosen = choose_hints(symbols, hints)
+    if isinstance(target, torch.nn.Module) and mode == "graph":
+        target = gm
 
     def run(at: Mapping[str, int]) -> Report:
-        rec = simulate(gm, specs, symbols, dict(at), device=device, grad=grad, training=training)
+        rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
+                       leaf_modules=leaf_modules)
         plan = MemoryPlan(rec, dict(at))
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
-                      hints=dict(at), graph_module=gm, mode="graph", reanalyze=run)
+                      hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
 
     return run(chosen)
+
+
+def _forward_signature(module: torch.nn.Module) -> tuple[list[str], int]:
+    """Positional parameters of ``module.forward`` and how many have no default."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [], 0
+    names, required = [], 0
+    for p in params:
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            if p.default is inspect.Parameter.empty:
+                required += 1
+    return names, required

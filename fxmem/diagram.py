@@ -81,6 +81,9 @@ def diagram(report: Report, dims: Mapping[str, int] | None = None, group: str | 
     ``depth`` components of the module path; nodes at top level stay as they are.
     Byte counts are bytes; live bytes are above resident (parameters, buffers, inputs).
     """
+    if report.graph_module is None:
+        raise SpecError("the diagram draws the fx graph, which an eager-mode analysis has none of; analyse with "
+                        "mode='graph', or use report.timeline() / report.by_line()")
     if group not in GROUPS:
         raise SpecError(f"diagram(group={group!r}): use group=None or group='module'")
     live = liveness(report, dims)

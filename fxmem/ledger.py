@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any
 
 import sympy
@@ -103,6 +104,7 @@ class Recording:
     device: str
     forward_end: int = -1
     training: bool = False
+    graph_module: Any = None  # the GraphModule that ran (graph mode)
 
     def user_map(self) -> dict:
         """ShapeEnv symbol -> user symbol (dims PyTorch specialised to a constant, e.g. 1, have none)."""
@@ -127,13 +129,35 @@ class Ledger:
         self.pending_packs: list[int] = []
         self.notes: list[str] = []
         self.quiet_depth = 0
-        self.keeps: dict[str, list[int]] = {}  # fx node -> hidden storages autograd keeps
+        self.keeps: dict[str, list[int]] = {}  # fx node -> hidden storages autograd keeps, not yet bound
+        self._unbound: list[tuple[Any, str, list[int]]] = []  # (weakref to op output, node, keeps)
 
     def release_keeps(self, node: str) -> None:
-        """The backward of ``node`` ran: autograd released what it kept for it."""
-        for idx in self.keeps.pop(node, []):
-            self.storages[idx].freed = True
-            self.events.append(("free", idx))
+        """The backward of ``node`` ran: autograd released what it kept for it (fallback when the
+        op's own autograd node could not be found)."""
+        self._release(self.keeps.pop(node, []))
+
+    def _release(self, indices: list[int]) -> None:
+        for idx in indices:
+            if not self.storages[idx].freed:
+                self.storages[idx].freed = True
+                self.events.append(("free", idx))
+
+    def _bind_keeps(self) -> None:
+        # Autograd attaches an op's grad_fn after the op returns, so this runs at the next op: the
+        # kept storages die when that node's backward has run (and it releases its variables).
+        for ref, node, indices in self._unbound:
+            t = ref()
+            fn = getattr(t, "grad_fn", None) if t is not None else None
+            if fn is None:
+                continue
+            fn.register_hook(lambda *_, indices=indices: self._release(indices))
+            left = [i for i in self.keeps.get(node, []) if i not in indices]
+            if left:
+                self.keeps[node] = left
+            else:
+                self.keeps.pop(node, None)
+        self._unbound.clear()
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -193,6 +217,8 @@ class Ledger:
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self.quiet_depth:
             return
+        if self._unbound:
+            self._bind_keeps()
         name = tc.op_name(func)
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled())
@@ -232,6 +258,9 @@ class Ledger:
             note = f"node '{self.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})"
             if note not in self.notes:
                 self.notes.append(note)
+        kept = [i for i in new if self.storages[i].shape == () and i in self.keeps.get(self.node, [])]
+        if kept and outs:
+            self._unbound.append((weakref.ref(outs[0]), self.node, kept))
         program = [p for p in program if not isinstance(p, (hidden.Keep, hidden.Unknown))]
         if new or program:
             program = [p if p is hidden.OUT else tc.size_expr(self.env, p) for p in program]
@@ -284,6 +313,8 @@ class Ledger:
         self.pending_packs.clear()
 
     def end_node(self) -> None:
+        if self._unbound:
+            self._bind_keeps()
         self._resolve_packs(set(), None)
         self.poll()
 

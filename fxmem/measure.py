@@ -89,3 +89,65 @@ def _measure_cuda(fn: Callable[[], Any], keep_result: bool) -> Measurement:
     m = Measurement(peak, retained, out if keep_result else None)
     del out
     return m
+
+
+def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> list[tuple[str, int]]:
+    """Run ``fn()`` for real (CPU) and read the allocator's total after every executed line of
+    ``files``: ``[("file.py:35", bytes above the start), ...]`` in execution order.
+
+    Each line runs inside a profiler ``record_function`` span named after it, so the allocator's
+    own events can be assigned to lines; nothing of fxmem's analysis is involved.
+    """
+    import sys
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        out = fn()
+        del out
+    gc.collect()
+    spans: list = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event in ("line", "return") and spans and spans[-1][1] is frame:
+            spans[-1][2].__exit__(None, None, None)
+            spans.pop()
+        if event == "line":
+            label = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+            rf = torch.profiler.record_function(f"fxmem_line {label}")
+            rf.__enter__()
+            spans.append((label, frame, rf))
+        return local
+
+    def global_trace(frame: Any, event: str, arg: Any) -> Any:
+        return local if event == "call" and frame.f_code.co_filename in files else None
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        previous = sys.gettrace()
+        sys.settrace(global_trace)
+        try:
+            out = fn()
+        finally:
+            sys.settrace(previous)
+        del out
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                 key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    start = int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"]) if mem else 0
+    lines = sorted((e for e in events if str(e.get("name", "")).startswith("fxmem_line ") and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    result = []
+    for span in lines:
+        end = span["ts"] + span["dur"]
+        before = [m for m in mem if m["ts"] <= end]
+        total = int(before[-1]["args"]["Total Allocated"]) - start if before else 0
+        result.append((span["name"][len("fxmem_line "):], total))
+    return result

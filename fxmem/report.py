@@ -210,6 +210,17 @@ class Report:
         values = check_dims(dims, self.symbols)
         return evaluate(sympy.sympify(expr), {self.symbols[k]: v for k, v in values.items()})
 
+    def by_line(self, dims: dict | None = None) -> list:
+        """Seed 002's per-line table, automatic: per source line, bytes allocated, freed, and live
+        after it (formulas, or numbers at ``dims``). Eager mode has every executed line; graph mode
+        merges the fx nodes of each line. See :mod:`fxmem.lines`.
+
+        >>> print(fxmem.lines.format_lines(report.by_line(dict(B=64, L=32))))   # doctest: +SKIP
+        """
+        from .lines import by_line
+
+        return by_line(self, dims)
+
     def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
         """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
 

@@ -14,6 +14,8 @@ steps (one per allocating aten op), from which :mod:`fxmem.memory_plan` computes
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -22,9 +24,12 @@ import torch.fx
 from . import _torch_compat as tc
 from .errors import DeviceError, FxMemError, ShapeError
 from .graph_runner import GraphRunner
+from .hparams import Blueprint
 from .ledger import Ledger, NodeRecord, Recorder, Recording
+from .line_runner import LineRunner
 from .real_paths import RealPaths
 from .specs import InputSpec
+from .tracing import model_files, trace
 from .training import Training
 
 class _Phases:
@@ -116,15 +121,22 @@ def _check_device(device: str) -> None:
 
 
 def simulate(
-    gm: torch.fx.GraphModule,
+    model: torch.nn.Module | Blueprint,
     specs: Sequence[InputSpec],
     symbols: dict,
     hints: dict,
     device: str = "cpu",
     grad: bool = True,
     training: Training | None = None,
+    mode: str = "graph",
+    leaf_modules: Sequence[type] = (),
 ) -> Recording:
-    """Run ``gm`` once on fake inputs described by ``specs`` and record its memory behaviour.
+    """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
+
+    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
+    :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
+    ``forward`` runs, memory attributed to source lines. ``model`` may be a Blueprint, built here
+    with symbolic hyperparameters.
 
     With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
     the optimizer's state is created first (quietly, from placeholder gradients), then forward,
@@ -133,39 +145,51 @@ def simulate(
     _check_device(device)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")
-    mode, env = tc.new_fake_mode()
+    fake_mode, env = tc.new_fake_mode()
     env_symbols = {name: tc.make_dim_symbol(env, name, hints[name]) for name in symbols}
     to_env = {symbols[name]: s for name, s in env_symbols.items()}  # s is a number if specialised
     hint_of = {symbols[name]: hints[name] for name in symbols}
+
+    def symint(expr: Any) -> Any:
+        return tc.make_symint(env, expr.xreplace(to_env), int(expr.xreplace(hint_of)))
+
+    if isinstance(model, Blueprint):
+        with fake_mode:
+            model = model.build(symint)
+        if mode == "graph":
+            with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
+                warnings.filterwarnings("ignore", message="Raw Sym")
+                model = trace(model, leaf_modules)
     ledger = Ledger(env, device)
-    with mode:
-        inputs = []
-        for spec in specs:
-            sizes = [tc.make_symint(env, d.xreplace(to_env), int(d.xreplace(hint_of))) for d in spec.dims]
-            inputs.append(torch.empty(sizes, dtype=spec.dtype, device=device,
-                                      requires_grad=spec.requires_grad and grad))
-        memo: dict = {}
-        fake_gm = _fake_module_copy(gm, device, grad, memo)
+    with fake_mode:
+        inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                              requires_grad=spec.requires_grad and grad) for spec in specs]
+        fake_model = _fake_module_copy(model, device, grad, {})
         for spec, t in zip(specs, inputs):
             ledger.add(t, "input", spec.arg)
-        named_params = list(fake_gm.named_parameters(remove_duplicate=True))
+        named_params = list(fake_model.named_parameters(remove_duplicate=True))
         for qual, p in named_params:
             ledger.add(p, "parameter", qual)
-        for qual, b in fake_gm.named_buffers(remove_duplicate=True):
+        for qual, b in fake_model.named_buffers(remove_duplicate=True):
             ledger.add(b, "buffer", qual)
-        for mod_name, m in fake_gm.named_modules():
+        for mod_name, m in fake_model.named_modules():
             for k, v in m.__dict__.items():
                 if isinstance(v, torch.Tensor):
                     ledger.add(v, "constant", f"{mod_name}.{k}" if mod_name else k)
-        runner = GraphRunner(fake_gm, ledger, specs, name_backward=training is not None)
+        real_paths = RealPaths(device, ledger.quiet, ledger.note)
+        if mode == "graph":
+            runner = GraphRunner(fake_model, ledger, specs, name_backward=training is not None)
+            runner.real_paths = real_paths
+            records, run = runner.node_records, runner.run_graph
+        else:
+            line_runner = LineRunner(ledger, model_files(model))
+            records, run = line_runner.records, functools.partial(line_runner.run, fake_model)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         hooks = tc.saved_tensor_hooks(ledger.mark_saved) if grad else contextlib.nullcontext()
         optimizer_ctx = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
-        real_paths = RealPaths(device, ledger.quiet, ledger.note)
-        runner.real_paths = real_paths
         with grad_ctx, hooks, optimizer_ctx, real_paths, Recorder(ledger):
             optimizer = _steady_state_optimizer(training, named_params, ledger) if training else None
-            out = runner.run_graph(inputs)
+            out = run(inputs)
             ledger.end_node()
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and ledger._counts(t):
@@ -175,7 +199,7 @@ def simulate(
             ledger.poll()
             forward_end = len(ledger.events)
             if training is not None:
-                phases = _Phases(ledger, runner.node_records)
+                phases = _Phases(ledger, records)
                 with phase_errors("the loss"), phases.phase("loss"):
                     loss = training.loss_fn(out)
                 _watch_engine(loss, ledger)
@@ -194,9 +218,10 @@ def simulate(
                     for t in inputs:
                         t.grad = None
                 out = None
-        del out, inputs, fake_gm, runner.env
-    return Recording(ledger.storages, ledger.steps, runner.node_records, ledger.events, ledger.notes, env,
-                     env_symbols, device, forward_end, training is not None)
+        del out, inputs, fake_model
+    return Recording(ledger.storages, ledger.steps, records, ledger.events, ledger.notes, env,
+                     env_symbols, device, forward_end, training is not None,
+                     model if isinstance(model, torch.fx.GraphModule) else None)
 
 
 def _steady_state_optimizer(training: Training, named_params: list, ledger: Ledger) -> torch.optim.Optimizer:

@@ -170,6 +170,18 @@ def parse_specs(
     return parsed, symbols
 
 
+def spec_symbols(specs: Sequence[Any], symbols: dict[str, sympy.Symbol]) -> dict[str, sympy.Symbol]:
+    """Add the dim names used by ``specs`` to ``symbols`` (no checking against a model)."""
+    for spec in specs:
+        if isinstance(spec, TensorSpec):
+            spec = spec.shape
+        if isinstance(spec, (tuple, list)):
+            for d in spec:
+                if isinstance(d, (str, sympy.Expr)):
+                    parse_dim(d, symbols)
+    return symbols
+
+
 def choose_hints(symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int] | None) -> dict[str, int]:
     """Example sizes for every dim: the user's where given, else distinct defaults."""
     hints = dict(hints or {})

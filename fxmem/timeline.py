@@ -72,8 +72,8 @@ def timeline(report: Report, dims: Mapping[str, int] | None = None) -> Figure:
     """
     live = liveness(report, dims)
     concrete = bool(dims)
-    in_graph = {n.name for n in report.graph_module.graph.nodes}
-    position = {n.name: k for k, n in enumerate(report.nodes) if n.name in in_graph}
+    in_forward = {n.name for n in report.nodes if n.op != "phase"}  # fx nodes, or lines in eager mode
+    position = {n.name: k for k, n in enumerate(report.nodes) if n.name in in_forward}
     storages = [s for s in report.storages if s.kind == "activation" and s.node in position]
 
     # columns: the nodes where something is allocated or freed (and the peak's)

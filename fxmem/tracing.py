@@ -11,7 +11,9 @@ fake tensors like any other call.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -25,6 +27,9 @@ import torch.fx
 from .errors import TraceError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# statements that contain other statements: a line inside them belongs to the inner one
+_COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.AsyncFor, ast.While,
+             ast.With, ast.AsyncWith, ast.Try) + ((ast.Match,) if hasattr(ast, "Match") else ())
 _FXMEM_DIR = os.path.dirname(__file__)
 
 
@@ -67,13 +72,47 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = ()) -> torch.fx
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _is_user_file(filename: str) -> bool:
+def _library_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        paths.update(site.getsitepackages())
+    except AttributeError:  # virtualenvs without site.getsitepackages
+        pass
+    return tuple(sorted(p for p in paths if p))
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def is_user_file(filename: str, model_files: frozenset = frozenset()) -> bool:
+    """Whether ``filename`` is the user's code: a file defining one of the model's modules, or
+    any file outside torch, fxmem, the standard library and installed packages."""
+    if filename in model_files:
+        return True
     return not (filename.startswith(_TORCH_DIR) or filename.startswith(_FXMEM_DIR) or "<" in filename
-                or os.sep + "einops" + os.sep in filename)
+                or filename.startswith(_LIBRARY_DIRS))
+
+
+def model_files(model: torch.nn.Module) -> frozenset:
+    """Source files of the classes of ``model``'s modules (torch's own excluded)."""
+    import inspect
+
+    files = set()
+    for m in model.modules():
+        try:
+            f = inspect.getsourcefile(type(m))
+        except (TypeError, OSError):
+            continue
+        if f and not f.startswith(_TORCH_DIR):
+            files.add(f)
+    return frozenset(files)
 
 
 def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else "(unknown line)"
     reason = f"{type(exc).__name__}: {exc}"
     text = str(exc)
@@ -103,6 +142,38 @@ class SourceLine:
         return f"{os.path.basename(self.file)}:{self.line}"
 
 
+@functools.lru_cache(maxsize=256)
+def _statements(filename: str) -> tuple:
+    """(start, end) line ranges of the simple statements in a source file, innermost first."""
+    import ast
+    import linecache
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return ()
+    spans = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
+             if isinstance(n, ast.stmt) and not isinstance(n, _COMPOUND)]
+    return tuple(sorted(spans, key=lambda se: se[1] - se[0]))
+
+
+def statement_of(filename: str, line: int) -> tuple[int, int]:
+    """The (first, last) line of the statement that ``line`` belongs to (Python 3.11+ reports the
+    line of each sub-expression, so one statement spread over lines has several)."""
+    for start, end in _statements(filename):
+        if start <= line <= end:
+            return start, end
+    return line, line
+
+
+def statement_text(filename: str, line: int) -> str:
+    """The statement around ``line``, joined onto one line."""
+    import linecache
+
+    start, end = statement_of(filename, line)
+    return " ".join(linecache.getline(filename, k).strip() for k in range(start, end + 1))
+
+
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
 
 
@@ -111,7 +182,7 @@ def source_line(node: torch.fx.Node) -> SourceLine | None:
     text = node.stack_trace or node.meta.get("stack_trace") or ""
     best = None
     for m in _FRAME.finditer(text):
-        if _is_user_file(m.group("file")):
+        if is_user_file(m.group("file")):
             best = SourceLine(m.group("file"), int(m.group("line")), m.group("fn").strip(), m.group("code").strip())
     return best
 

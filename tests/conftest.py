@@ -116,8 +116,9 @@ def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes:
         for dims in sizes:
             xs = real_inputs(report, dims, makers)
             opt = optimizer(model.parameters())
-            train_step(report.graph_module, xs, opt, loss)  # creates the optimizer state
-            m = measure(lambda: train_step(report.graph_module, xs, opt, loss))
+            module = report.graph_module if report.mode == "graph" else model
+            train_step(module, xs, opt, loss)  # creates the optimizer state
+            m = measure(lambda: train_step(module, xs, opt, loss))
             pred = report.evaluate(**dims)
             measured = (m.peak_above_start, m.retained)
             predicted = (pred["train_peak"] - pred["train_resident"], pred["train_retained"])

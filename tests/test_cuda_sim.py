@@ -82,3 +82,17 @@ def test_gpu_chosen_kernels_are_flagged_without_a_gpu():
 
     report = fxmem.analyze(Attn(), ("B", 4, "L", 16), device="cuda")
     assert any("scaled_dot_product_attention" in n and "validate" in n for n in report.notes)
+
+
+def test_seed002_per_line_on_simulated_cuda():
+    """Seed 002 on simulated CUDA: the per-line memory_allocated() fxmem predicts, in MiB, next to
+    the seed's measured 21/21/31/31/31/39/43/43 MB - 1 MiB lower on every line (the seed's extra
+    MiB is not a tensor of the model: see examples/seed_attention.py), equal after the call."""
+    attention = load_example("seed_attention")
+    report = fxmem.analyze(attention.Attention(512, 8), ("B", "L", 512), mode="eager", device="cuda")
+    rows = {r.code: r.memory for r in report.by_line(dict(B=64, L=32))}
+    mib = 1024**2
+    for code, seed_mb in attention.SEED_CUDA_AFTER.items():
+        assert rows[code] == (seed_mb - 1) * mib + 2048, code  # parameters: 4 MiB + proj's 2 KiB bias
+    n = report.evaluate(B=64, L=32)
+    assert n["resident"] + n["retained"] == attention.SEED_CUDA_FINAL * mib + 2048  # the wrapped scalar is host memory

@@ -50,6 +50,7 @@ class Call:
     outputs: tuple  # tensor outputs, in order
     device: str
     grad_enabled: bool = False
+    phase: str = "forward"
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         return self.args[i] if i < len(self.args) else self.kwargs.get(name, default)
@@ -156,6 +157,8 @@ def _tensor_iterator(call: Call) -> Program:
     after: list = []
     for k, n in enumerate(numbers):
         wrapped = _WRAPPED_DTYPE[type(n)]
+        if call.phase == "backward" and k < len(in_tensor_slot):
+            continue  # a backward formula's number in a Tensor slot is the wrapped tensor it saved
         if saved and k == 0:
             before.append(Keep(wrapped.itemsize, wrapped, f"{packet} saves the wrapped number {n!r} for backward"))
         else:
@@ -238,6 +241,110 @@ def _sdpa_flash_cpu_backward(call: Call) -> Program:
     return [OUT, copy, buf, reduced, dsum, -dsum, -reduced, -buf, -copy]
 
 
+# Kernels that work on a contiguous copy of some operands (``x.expect_contiguous()`` inside),
+# made before or after the op's outputs are allocated. Gradients often arrive expanded (zero
+# strides) from a sum or mean; saved inputs are often transposed views.
+_CONTIGUOUS_OPERANDS = {
+    "aten._softmax_backward_data": ((0, "after"),),
+    "aten._log_softmax_backward_data": ((0, "after"),),
+    "aten.gelu_backward": ((0, "after"),),
+    "aten.native_layer_norm": ((0, "before"),),
+    "aten.native_layer_norm_backward": ((1, "before"), (0, "after")),
+}
+
+
+def _copy_if_strided(t: Any) -> Any:
+    return 0 if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.numel() * t.element_size()
+
+
+@rule(*_CONTIGUOUS_OPERANDS, device="cpu")
+def _contiguous_copies(call: Call) -> Program | None:
+    before, after = [], []
+    for index, when in _CONTIGUOUS_OPERANDS[tc.op_packet_name(call.func)]:
+        copy = _copy_if_strided(call.args[index] if index < len(call.args) else None)
+        if not (isinstance(copy, int) and copy == 0):
+            (before if when == "before" else after).append(copy)
+    if not before and not after:
+        return None
+    return [*before, OUT, *after, *[-c for c in reversed(before + after)]]
+
+
+def _blas_copy(m: torch.Tensor) -> Any:
+    # ATen's gemm takes a matrix as is when one of its last two strides is 1 and the other a valid
+    # leading dimension; anything else (an expanded gradient with zero strides) is copied first.
+    if m.dim() < 2:
+        return 0
+    rows, cols = m.shape[-2], m.shape[-1]
+    s_row, s_col = m.stride()[-2], m.stride()[-1]
+    one = 1
+    if (s_col == 1 and s_row >= (cols if cols > one else one)) or (s_row == 1 and s_col >= (rows if rows > one else one)):
+        return 0
+    return m.numel() * m.element_size()
+
+
+def _nonzero(values: list) -> list:
+    return [c for c in values if not (isinstance(c, int) and c == 0)]
+
+
+@rule("aten.mm", device="cpu")
+def _mm_copies(call: Call) -> Program | None:
+    copies = _nonzero([_blas_copy(call.args[0]), _blas_copy(call.args[1])])
+    return [OUT, *copies, *[-c for c in reversed(copies)]] if copies else None
+
+
+def _item_gemm_ready(t: torch.Tensor) -> bool:
+    # bmm's batch_items_contiguous_or_transposed (a size-1 dim's stride does not matter)
+    size, stride = t.shape, t.stride()
+    return bool((stride[2] == 1 and (size[1] == 1 or stride[1] >= size[2]))
+                or (stride[1] == 1 and (size[2] == 1 or stride[2] >= size[1])))
+
+
+@rule("aten.bmm", device="cpu")
+def _bmm_copies(call: Call) -> Program | None:
+    # bmm_out_or_baddbmm_: a naive strided loop for small items, batched GEMM when both operands'
+    # items are GEMM-ready (and the result contiguous), else one mm per item, which copies an
+    # item that BLAS cannot take - one item at a time.
+    a, b, out = call.args[0], call.args[1], call.outputs[0]
+    if a.shape[2] * a.shape[1] * b.shape[2] < 400:
+        return None
+    if a.is_floating_point() and _item_gemm_ready(a) and _item_gemm_ready(b) and out.is_contiguous():
+        return None
+    copies = _nonzero([_blas_copy(a[0]), _blas_copy(b[0])])
+    return [OUT, *copies, *[-c for c in reversed(copies)]] if copies else None
+
+
+@rule("aten.native_group_norm_backward", device="cpu")
+def _group_norm_backward_cpu(call: Call) -> Program:
+    # GroupNormBackwardKernelImpl: per-(sample, channel) ds and db buffers in the accumulate type.
+    x = call.args[1]
+    n, c = x.shape[0], x.shape[1]
+    acc = 4 if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x.element_size()
+    return [OUT, n * c * acc, n * c * acc, -n * c * acc, -n * c * acc]
+
+
+@rule("aten.mse_loss", "aten.smooth_l1_loss", device="cpu")
+def _pointwise_loss_cpu(call: Call) -> Program | None:
+    # The elementwise loss, then a result allocated input-sized and reduced in place: the 0-dim
+    # output keeps that input-sized storage (see output_storage below).
+    reduction = call.arg(2, "reduction", 1)
+    if reduction == 0:  # 'none'
+        return None
+    x = call.args[0]
+    size = x.numel() * x.element_size()
+    tail = [8, x.element_size(), -x.element_size(), -8] if reduction == 1 else []  # mean divides by numel
+    return [size, OUT, *tail, -size]
+
+
+def output_storage(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: str) -> dict:
+    """Outputs whose real storage is larger than the fake one: {output index: bytes}."""
+    if device != "cpu" or tc.op_packet_name(func) not in ("aten.mse_loss", "aten.smooth_l1_loss"):
+        return {}
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    if reduction == 0:
+        return {}
+    return {0: args[0].numel() * args[0].element_size()}
+
+
 @rule("aten.mean", device="cpu")
 def _mean_cpu(call: Call) -> Program | None:
     # sum then div_ by the element count: an int64 wrapped scalar copied to the result dtype.
@@ -272,11 +379,12 @@ def _foreach_scalars(call: Call) -> Program:
     return [wrapped.itemsize, cast, OUT, -cast, -wrapped.itemsize] if cast else [wrapped.itemsize, OUT, -wrapped.itemsize]
 
 
-def program_for(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: str, grad_enabled: bool = False) -> Program:
+def program_for(func: Any, args: tuple, kwargs: dict, outputs: tuple, device: str, grad_enabled: bool = False,
+                phase: str = "forward") -> Program:
     """The hidden-allocation program of one aten call ([] when the kernel hides nothing)."""
     if device != "cpu":
         return []
-    call = Call(func, args, kwargs, outputs, device, grad_enabled)
+    call = Call(func, args, kwargs, outputs, device, grad_enabled, phase)
     program = _tensor_iterator(call) or _foreach_scalars(call)
     fn = _RULES.get((tc.op_packet_name(func), device))
     extra = fn(call) if fn is not None else None

@@ -221,7 +221,7 @@ class Ledger:
             self._bind_keeps()
         name = tc.op_name(func)
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled())
+        program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), self.phase)
         if not outs and not self.pending_packs and not program:  # e.g. in-place _foreach ops
             return
         self.poll()
@@ -232,7 +232,9 @@ class Ledger:
                     self.add(a, "constant", f"{self.node}:{name}")
         self._resolve_packs({self.lookup(a) for a in arg_tensors}, name)
         step = len(self.steps)
-        if self.engine_gap and self.phase == "backward" and self._accumulates_in_place(func, args, outs):
+        if self.phase == "backward" and (
+                (self.engine_gap and self._accumulates_in_place(func, args, outs))
+                or self._fills_fresh_zeros(func, args, outs)):
             return
         new = []
         for t in outs:
@@ -245,6 +247,10 @@ class Ledger:
                     self.live.pop(tc.storage_key(t).cdata)
                     continue
                 new.append(idx)
+        for i, nbytes in hidden.output_storage(func, args, kwargs, tuple(outs), self.device).items():
+            idx = self.lookup(outs[i])
+            if idx is not None and idx in new:  # the real kernel's storage is larger than the fake's
+                self.storages[idx].nbytes = tc.size_expr(self.env, nbytes)
         for keep in [p for p in program if isinstance(p, hidden.Keep)]:
             # allocated before the op's outputs and alive until its backward ran: an allocation
             # of this step, freed by release_keeps() (it has no tensor whose death we could see)
@@ -293,6 +299,32 @@ class Ledger:
                 self.live[ref.cdata] = (ref, idx)
                 return True
         return False
+
+    # Backward formulas that fill fresh zeros *in place* for real tensors but, for subclass-like
+    # (fake) ones, out of place (FunctionsManual: index_select_backward, gather_backward,
+    # value_selecting_reduction_backward ...): the fake result takes over the zeros' record.
+    _IN_PLACE_FOR_REAL = {"aten.scatter", "aten.scatter_add", "aten.index_add", "aten.index_put",
+                          "aten.masked_scatter", "aten.index_fill", "aten.index_copy"}
+    _ZEROS = {"aten.zeros", "aten.new_zeros", "aten.zeros_like", "aten.full", "aten.new_full", "aten.full_like"}
+
+    def _fills_fresh_zeros(self, func: Any, args: tuple, outs: list) -> bool:
+        if tc.op_packet_name(func) not in self._IN_PLACE_FOR_REAL or len(outs) != 1 or not args:
+            return False
+        base = args[0]
+        if not isinstance(base, torch.Tensor) or base.shape != outs[0].shape:
+            return False
+        idx = self.lookup(base)
+        if idx is None:
+            return False
+        rec = self.storages[idx]
+        fresh = (rec.phase_backward and rec.node == self.node and (rec.op or "").split(".")[0:2] and
+                 ".".join((rec.op or "").split(".")[:2]) in self._ZEROS and not rec.saved_by)
+        if not fresh:
+            return False
+        self.live.pop(tc.storage_key(base).cdata, None)
+        ref = tc.storage_key(outs[0])
+        self.live[ref.cdata] = (ref, idx)
+        return True
 
     # --- autograd -------------------------------------------------------------------------------
     def mark_saved(self, t: torch.Tensor) -> None:

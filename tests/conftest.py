@@ -50,10 +50,14 @@ def real_inputs(report: fxmem.Report, dims: Mapping[str, int],
     return out
 
 
-def real_resident(model: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages of parameters, buffers and inputs of a real model."""
+def real_resident(model: torch.nn.Module, inputs: list[torch.Tensor], traced: torch.nn.Module | None = None) -> int:
+    """Bytes of the distinct storages of parameters, buffers and inputs of a real model (and of
+    the tensor constants fx put on the traced module, e.g. a ``torch.tensor([0, 2])`` in forward)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers()) + list(inputs)
+    if traced is not None:
+        tensors += list(traced.buffers())
+        tensors += [v for m in traced.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         key = t.untyped_storage().data_ptr()
         if key not in seen:
@@ -82,7 +86,7 @@ def check_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dic
             f"{report.model_name} at {dims}: measured (peak above start, retained) = {measured}, "
             f"fxmem predicted {predicted}\nformulas:\n{report.summary()}"
         )
-        assert pred["resident"] == real_resident(model, xs), f"{report.model_name} at {dims}: resident"
+        assert pred["resident"] == real_resident(model, xs, gm), f"{report.model_name} at {dims}: resident"
     return report
 
 
@@ -129,7 +133,8 @@ def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes:
             state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
                         if isinstance(t, torch.Tensor))
             assert pred["optimizer_state"] == state, f"{report.model_name}: optimizer state bytes"
-            assert pred["train_resident"] == real_resident(model, xs) + state
+            assert pred["train_resident"] == real_resident(model, xs, report.graph_module) + state, \
+                f"{report.model_name}: resident bytes of the training step"
     return report
 
 

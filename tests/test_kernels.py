@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmem
-from conftest import check_against_real_run
+from conftest import check_against_real_run, check_training_against_real_run
 
 
 class Op(nn.Module):
@@ -105,3 +105,41 @@ def test_batchnorm_eval_and_train_match_real_run():
         model = nn.Sequential(nn.BatchNorm2d(5), nn.Conv2d(5, 4, 1), nn.BatchNorm2d(4))
         getattr(model, mode)()
         check_against_real_run(model, (("B", 5, "H", "W"),), [dict(B=2, H=6, W=7), dict(B=4, H=3, W=9), dict(B=3, H=10, W=2)])
+
+
+class Grad(nn.Module):
+    """``fn(x @ w)`` as a model output: with the default ``out.sum()`` loss its gradient arrives
+    expanded (zero strides), which several CPU backward kernels copy."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.w = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return self.fn(x @ self.w)
+
+
+TRAINING_OPS = {
+    "softmax": lambda h: h.softmax(-1), "log_softmax": lambda h: h.log_softmax(-1),
+    "softmax-dim1": lambda h: h.softmax(1), "layer_norm": lambda h: F.layer_norm(h, (6,)),
+    "layer_norm-transposed": lambda h: F.layer_norm(h.transpose(1, 2), (h.shape[1],)),
+    "group_norm": lambda h: F.group_norm(h.transpose(1, 2), 2), "gelu": F.gelu, "relu": F.relu,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "elu": F.elu, "silu": F.silu, "softplus": F.softplus,
+    "leaky_relu": lambda h: F.leaky_relu(h, 0.2), "exp": torch.exp, "pow": lambda h: h ** 2,
+    "bmm": lambda h: h @ h.transpose(1, 2), "mean": lambda h: h.mean(1), "sum-dim": lambda h: h.sum(1),
+    "cat": lambda h: torch.cat([h, h], -1), "max": lambda h: h.max(-1).values, "topk": lambda h: h.topk(2, -1).values,
+    "norm": lambda h: h.norm(dim=-1), "var": lambda h: h.var(-1), "logsumexp": lambda h: h.logsumexp(-1),
+    "cumsum": lambda h: h.cumsum(1), "index_select": lambda h: h.index_select(1, torch.tensor([0, 2])),
+    "embedding": lambda h: F.embedding(torch.tensor([[0, 1], [2, 3]]), h[0]),
+    "cross_entropy": lambda h: F.cross_entropy(h.flatten(0, 1), torch.zeros(h.shape[0] * h.shape[1], dtype=torch.long)),
+    "mse_loss": lambda h: F.mse_loss(h, torch.zeros_like(h)), "dropout": lambda h: F.dropout(h, 0.3),
+    "where": lambda h: torch.where(h > 0, h, h * 0.1), "clamp": lambda h: h.clamp(-1, 1),
+    "sqrt": lambda h: (h * h + 1).sqrt(), "abs": torch.abs, "hardtanh": F.hardtanh,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_OPS))
+def test_backward_kernels_match_a_real_training_step(name):
+    check_training_against_real_run(Grad(TRAINING_OPS[name]), (("B", "N", 6),), [dict(B=3, N=5), dict(B=2, N=9)],
+                                    lambda p: torch.optim.SGD(p, lr=0.1))

@@ -16,6 +16,7 @@ OPTIMIZERS = {
     "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
     "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-3, fused=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
 }

@@ -6,11 +6,12 @@
 """
 from .analyze import analyze
 from .errors import DeviceError, FxMemError, ModelError, ShapeError, SpecError, TraceError, UnsupportedOpError
+from .optimize import optimize
 from .report import Report, format_bytes
 from .specs import TensorSpec
 
 __all__ = [
-    "analyze", "Report", "TensorSpec", "format_bytes",
+    "analyze", "optimize", "Report", "TensorSpec", "format_bytes",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,17 @@
+"""Rewrite passes of :func:`fxmem.optimize`, as data: each is a :class:`Pass` (a name, a ``find``
+that decides, a ``rewrite`` that applies). ``optimize`` runs them in this order.
+
+>>> [p.name for p in PASSES]
+['pair-linear']
+"""
+from __future__ import annotations
+
+from . import pair_linear
+from .base import Finding, Pass, Probe
+
+PASSES: tuple[Pass, ...] = (
+    # a linear map over pairs [h_i || h_j] -> L1(h_i) + L2(h_j), a broadcast add (GAT attention)
+    Pass(pair_linear.RULE, pair_linear.find, pair_linear.rewrite),
+)
+
+__all__ = ["PASSES", "Pass", "Finding", "Probe"]

@@ -1,0 +1,139 @@
+"""The pair-linear rule: a linear map applied to pairs ``[h_i || h_j]`` splits into two small terms.
+
+    a · [h_i || h_j]        =  a[:F] · h_i  +  a[F:] · h_j
+    W [h_i || h_j] + b      =  W[:, :F] h_i + b  +  W[:, F:] h_j
+
+so the ``[.., N, N, 2F]`` pair tensor of GAT attention (and the ``repeat`` copies that build it)
+is never needed: the result is the broadcast sum of a ``[.., N, 1, k]`` and a ``[.., 1, N, k]``
+tensor. pyGAT fixed its own code this way by hand; PyG's ``DenseGATConv`` is written that way.
+
+The rule matches by meaning, not spelling. A *linear map* is a node linear in the last dim of its
+input ``x`` with weights that do not depend on the inputs (table ``LINEAR_MAPS``). ``x`` is a
+*pair tensor* when running the copying ops that build it on id tensors
+(:mod:`fxmem.passes.data_movement`) shows: the first half of the last dim copies one operand's
+features in order, the second half another's, each operand varies along some axes of ``x`` and is
+broadcast along the others, and some axis is the first operand's alone (i) and some the
+second's alone (j). Look-alikes are declined with the reason: a nonlinearity before the map
+(GATv2), products ``h_i * h_j``, and pairs that are not (row i, row j) - such as seed 000's
+``cat(..., dim=1)``, which scrambles rows.
+
+>>> [f.status for f in find(gm, probes)]                         # doctest: +SKIP
+['match']
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from .base import Finding, Probe
+from .data_movement import Movement, Provenance, provenance, trace_movement
+from .linear_maps import SPLITS, LinearMap, Weights, linear_map
+from .pair_layout import Arrangement, arrangement, emit_arrangement, half_strides
+from .pair_reasons import not_pairs, upstream_reason, variable_name
+
+RULE = "pair-linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class PairPlan:
+    """A linear map over pairs, and where the two halves of its input come from."""
+
+    map: LinearMap
+    left: Arrangement
+    right: Arrangement
+
+
+def _decode(m: LinearMap, movements: list[Movement], provs: list[Provenance], probes: Sequence[Probe],
+            modules: Mapping) -> PairPlan | str:
+    """The plan if ``m.x`` holds pairs (h_i, h_j); otherwise why not, in words."""
+    if any([s.name for s in mv.sources] != [s.name for s in movements[0].sources] for mv in movements):
+        return "the tensor is built differently at different sizes"
+    f = m.features // 2
+    halves: list[list] = [[], []]
+    for p, prov in enumerate(provs):
+        for h in (0, 1):
+            found = half_strides(prov, h * f, f)
+            if isinstance(found, str):
+                return not_pairs(m, movements[0], provs[0], probes[0], modules)
+            halves[h].append(found)
+    half_shapes = [tuple(p.env[m.x].shape[:-1]) + (f,) for p in probes]
+    arranged = [arrangement(halves[h], movements[0].sources, [pv.source_shapes for pv in provs], half_shapes)
+                for h in (0, 1)]
+    if any(isinstance(a, str) for a in arranged):
+        return not_pairs(m, movements[0], provs[0], probes[0], modules)
+    left, right = arranged
+    rank = probes[0].env[m.x].ndim
+    for a in (left, right):
+        if rank - 1 in a.unsqueeze and f > 1:
+            return f"the features of {variable_name(a.source)} are not copied in order (one value fills the half)"
+    shape = probes[0].env[m.x].shape
+    spare = [ax for ax in range(rank - 1) if shape[ax] > 1 and ax not in left.axes | right.axes]
+    if spare:
+        return f"dim {spare[0]} of the pair tensor repeats the same pairs; not a plain pair tensor"
+    if not (left.axes - right.axes) or not (right.axes - left.axes):
+        return (f"only one side is broadcast: the tensor concatenates {variable_name(left.source)} and "
+                f"{variable_name(right.source)} without pairing a row i of one with every row j of the other")
+    return PairPlan(m, left, right)
+
+
+# --- the rule -----------------------------------------------------------------------------------------
+
+def find(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> list[Finding]:
+    """Every linear map over pairs in ``gm`` (a match), and every look-alike (declined, with why)."""
+    modules = dict(gm.named_modules())
+    is_weight = Weights()
+    findings = []
+    for node in gm.graph.nodes:
+        m = linear_map(node, probes[0].env, modules, is_weight)
+        if m is None:
+            continue
+        movements = [trace_movement(m.x, p.env, modules) for p in probes]
+        if movements[0].nodes:
+            provs = [provenance(mv, p.env, modules) for mv, p in zip(movements, probes)]
+            if provs[0].has_duplicates:  # some element is copied many times: pairs, or a look-alike
+                plan = _decode(m, movements, provs, probes, modules)
+                if isinstance(plan, str):
+                    findings.append(Finding(RULE, node, "declined", plan))
+                else:
+                    findings.append(Finding(RULE, node, "match", _describe(plan, modules), plan,
+                                            frozenset(movements[0].nodes)))
+                continue
+        reason = upstream_reason(m, probes[0], modules, is_weight)
+        if reason is not None:
+            findings.append(Finding(RULE, node, "declined", reason))
+    return findings
+
+
+def _describe(plan: PairPlan, modules: Mapping) -> str:
+    m, f = plan.map, plan.map.features // 2
+    hi, hj = f"{variable_name(plan.left.source)}_i", f"{variable_name(plan.right.source)}_j"
+    x = f"x = [{hi} || {hj}] (node {m.x.name})"
+    w = _weight_name(m.weight)
+    if m.kind == "matmul":
+        split = f"x @ {w} = {hi} @ {w}[:{f}] + {hj} @ {w}[{f}:]"
+    elif m.kind == "linear":
+        split = f"linear(x) = linear({hi}, W[:, :{f}], b) + linear({hj}, W[:, {f}:])"
+    else:
+        split = f"(x * {w}).sum(-1) = ({hi} * {w}[..., :{f}]).sum(-1) + ({hj} * {w}[..., {f}:]).sum(-1)"
+    return f"pairs {x}: {split}, a broadcast add"
+
+
+def _weight_name(ref: Any) -> str:
+    if isinstance(ref, str):
+        return ref
+    return str(ref.target) if ref.op == "get_attr" else variable_name(ref)
+
+
+def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """Insert ``L1(h_i) + L2(h_j)`` before the linear map; returns the sum (the map's new value)."""
+    plan: PairPlan = finding.plan
+    with graph.inserting_before(nodes[plan.map.node]):
+        shared: dict = {}
+        left = emit_arrangement(graph, nodes[plan.left.source], plan.left, shared)
+        right = emit_arrangement(graph, nodes[plan.right.source], plan.right, shared)
+        e1, e2 = SPLITS[plan.map.kind](graph, nodes, plan.map, left, right, plan.map.features // 2)
+        return graph.call_function(operator.add, (e1, e2))

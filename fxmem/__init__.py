@@ -9,9 +9,10 @@ from .errors import DeviceError, FxMemError, ModelError, ShapeError, SpecError, 
 from .optimize import optimize
 from .report import Report, format_bytes
 from .specs import TensorSpec
+from .validate import validate
 
 __all__ = [
-    "analyze", "optimize", "Report", "TensorSpec", "format_bytes",
+    "analyze", "optimize", "validate", "Report", "TensorSpec", "format_bytes",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
 ]
 __version__ = "0.1.0"

@@ -105,61 +105,108 @@ def load_model(target: str, init: dict[str, Any]) -> torch.nn.Module:
     raise SpecError(f"model {target!r}: {name} is a {type(obj).__name__}, not a Module, class or factory")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxmem", description="Exact memory formulas for PyTorch models.")
-    sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("analyze", help="print memory formulas of one forward")
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=1e-3),
+    "momentum": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+}
+
+
+def _common(a: argparse.ArgumentParser) -> None:
     a.add_argument("model", help="path/to/file.py:ClassOrFactory")
     a.add_argument("--input", action="append", default=[], metavar="DIMS[:DTYPE]",
                    help="one per forward argument, e.g. B,N,6 or B,N,N:bool")
-    a.add_argument("--dims", help="evaluate at these sizes, e.g. B=4,N=500")
     a.add_argument("--hints", help="example sizes to analyse at, e.g. N=512")
     a.add_argument("--init", help="constructor/factory keyword arguments, e.g. dim=512,num_heads=8")
-    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a.add_argument("--dtype", default="float32", help="dtype of inputs without one (default float32)")
-    a.add_argument("--no-grad", action="store_true", help="inference memory (no autograd recording)")
+    a.add_argument("--mode", default="graph", choices=["graph", "eager"],
+                   help="graph: the traced module; eager: the original forward, line by line")
+    a.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="also analyse a training step with it")
     a.add_argument("--eval", action="store_true", help="put the model in eval mode first")
-    a.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    a.add_argument("--json", action="store_true", help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxmem", description="Exact memory formulas for PyTorch models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("analyze", help="print memory formulas of one forward (and training step)")
+    _common(a)
+    a.add_argument("--dims", help="evaluate at these sizes, e.g. B=4,N=500")
+    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    a.add_argument("--no-grad", action="store_true", help="inference memory (no autograd recording)")
+    a.add_argument("--lines", action="store_true", help="print the per-line table instead of the per-node one")
     a.add_argument("--diagram", metavar="PATH", help="write the liveness diagram (.svg, .png, .pdf); numbers at --dims")
     a.add_argument("--timeline", metavar="PATH", help="write the liveness timeline (.svg, .png, .pdf); numbers at --dims")
     a.add_argument("--group", choices=["module"], help="--diagram: one box per module (blocks.3) instead of per node")
+    v = sub.add_parser("validate", help="run for real and compare with the prediction (exit 1 if off)")
+    _common(v)
+    v.add_argument("--dims", required=True, help="sizes to measure at, e.g. B=4,N=500")
+    v.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    v.add_argument("--tolerance", type=float, default=0.01, help="allowed relative difference (default 0.01)")
     return p
+
+
+def _prepare(args: argparse.Namespace) -> tuple[torch.nn.Module, list, dict]:
+    model = load_model(args.model, parse_assignments(args.init, "--init", literal=True))
+    if args.eval:
+        model.eval()
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SpecError(f"--dtype {args.dtype!r} is not a torch dtype")
+    kw = {"dtype": dtype, "hints": parse_assignments(args.hints, "--hints") or None, "mode": args.mode}
+    if args.optimizer:
+        kw["optimizer"] = OPTIMIZERS[args.optimizer]
+    return model, [parse_input(t) for t in args.input], kw
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    import json
+
+    from .lines import format_lines
+
+    model, specs, kw = _prepare(args)
+    for path in (args.diagram, args.timeline):
+        if path:
+            output_format(path)  # a bad extension fails before the analysis, not after
+    report = analyze(model, *specs, device=args.device, grad=not args.no_grad, **kw)
+    dims = parse_assignments(args.dims, "--dims") or None
+    if args.json:
+        data = report.to_dict()
+        if dims:
+            data["evaluated"] = {"dims": dims, "bytes": report.evaluate(**dims)}
+        print(json.dumps(data, indent=2))
+    else:
+        print(report.summary(dims))
+        print()
+        print(format_lines(report.by_line(dims)) if args.lines else report.table(dims))
+    # after the text, and on stderr: --json keeps stdout pure JSON
+    if args.diagram:
+        print(f"fxmem: wrote {report.render(args.diagram, 'diagram', dims, group=args.group)}", file=sys.stderr)
+    if args.timeline:
+        print(f"fxmem: wrote {report.render(args.timeline, 'timeline', dims)}", file=sys.stderr)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import json
+
+    from .validate import validate
+
+    model, specs, kw = _prepare(args)
+    result = validate(model, *specs, dims=parse_assignments(args.dims, "--dims"), device=args.device,
+                      tolerance=args.tolerance, **kw)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0 if result.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        model = load_model(args.model, parse_assignments(args.init, "--init", literal=True))
-        if args.eval:
-            model.eval()
-        dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise SpecError(f"--dtype {args.dtype!r} is not a torch dtype")
-        specs = [parse_input(t) for t in args.input]
-        for path in (args.diagram, args.timeline):
-            if path:
-                output_format(path)  # a bad extension fails before the analysis, not after
-        report = analyze(model, *specs, device=args.device, dtype=dtype, grad=not args.no_grad,
-                         hints=parse_assignments(args.hints, "--hints") or None)
-        dims = parse_assignments(args.dims, "--dims") or None
-        if args.json:
-            data = report.to_dict()
-            if dims:
-                data["evaluated"] = {"dims": dims, "bytes": report.evaluate(**dims)}
-            print(report.to_json(indent=2) if not dims else __import__("json").dumps(data, indent=2))
-        else:
-            print(report.summary(dims))
-            print()
-            print(report.table(dims))
-        # after the text, and on stderr: --json keeps stdout pure JSON
-        if args.diagram:
-            print(f"fxmem: wrote {report.render(args.diagram, 'diagram', dims, group=args.group)}", file=sys.stderr)
-        if args.timeline:
-            print(f"fxmem: wrote {report.render(args.timeline, 'timeline', dims)}", file=sys.stderr)
+        return _analyze(args) if args.command == "analyze" else _validate(args)
     except FxMemError as exc:
         print(f"fxmem: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

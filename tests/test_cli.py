@@ -50,3 +50,17 @@ def test_bad_input_is_a_clear_error_with_exit_code_2():
 def test_input_dtype_suffix():
     spec = parse_input("2,E:int64")
     assert spec.shape == (2, "E") and str(spec.dtype) == "torch.int64"
+
+
+def test_validate_command_on_cpu():
+    out = run("validate", "examples/seed_gat.py:GraphAttentionLayerFixed", "--input", "B,N,6", "--input", "B,N,N",
+              "--dims", "B=2,N=9", "--device", "cpu", "--optimizer", "adam")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "training step: peak above resident" in out.stdout and "all within 1.0%: yes" in out.stdout
+
+
+def test_eager_lines_and_training_flags():
+    out = run("analyze", "examples/seed_attention.py:Attention", "--init", "dim=64", "--input", "B,L,64",
+              "--mode", "eager", "--lines", "--optimizer", "sgd", "--dims", "B=2,L=8")
+    assert out.returncode == 0, out.stderr
+    assert "qkv = self.qkv(x)" in out.stdout and "train_peak" in out.stdout and "memory" in out.stdout

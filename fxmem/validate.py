@@ -1,0 +1,205 @@
+"""``fxmem.validate``: run the model for real and put fxmem's prediction next to the measurement.
+
+    v = fxmem.validate(model, ("B", "N", 6), ("B", "N", "N"), dims=dict(B=4, N=500), device="cuda")
+    print(v)          # predicted vs measured peak (above resident) and retained, forward and a training step
+
+Measured the way trustworthy tools do it: a copy of the model on the device (the user's model is
+untouched), one warm-up forward+backward and training step first (cuBLAS/cuBLASLt allocate their
+workspaces through the caching allocator once per handle; the optimizer creates its state), then
+``empty_cache``, ``reset_peak_memory_stats`` and differences against ``memory_allocated()`` taken
+just before. On CPU the allocator's own counters are read through the profiler (fxmem.measure).
+With ``optimized=`` (a GraphModule from ``fxmem.optimize``) the rewrite is measured too and its
+outputs and gradients are compared with the original's on the device.
+
+A row is "ok" when prediction and measurement agree within ``tolerance`` (1 % by default); the
+goal is equality after allocator rounding, and every difference is reported in bytes.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import platform
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .analyze import analyze
+from .errors import DeviceError, SpecError
+from .measure import measure
+from .report import Report
+from .training import default_loss, train_step
+from .tracing import trace
+
+
+@dataclasses.dataclass
+class Row:
+    """One quantity: fxmem's prediction and the measurement, in bytes."""
+
+    what: str
+    predicted: int
+    measured: int
+
+    @property
+    def diff(self) -> int:
+        return self.measured - self.predicted
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.diff / self.measured if self.measured else (0.0 if not self.diff else float("inf"))
+
+    def ok(self, tolerance: float) -> bool:
+        return abs(self.percent) <= 100 * tolerance
+
+
+@dataclasses.dataclass
+class Validation:
+    """The table of predicted vs measured bytes (and, with ``optimized``, the equivalence check)."""
+
+    model: str
+    device: str
+    dims: dict
+    rows: list
+    tolerance: float
+    machine: str
+    torch_version: str
+    outputs_match: bool | None = None
+    grads_match: bool | None = None
+    max_abs_diff: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        equivalent = self.outputs_match is not False and self.grads_match is not False
+        return equivalent and all(r.ok(self.tolerance) for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "device": self.device, "dims": self.dims, "machine": self.machine,
+                "torch": self.torch_version, "tolerance": self.tolerance, "ok": self.ok,
+                "rows": [{"what": r.what, "predicted": r.predicted, "measured": r.measured, "diff": r.diff,
+                          "percent": round(r.percent, 4)} for r in self.rows],
+                "outputs_match": self.outputs_match, "grads_match": self.grads_match,
+                "max_abs_diff": self.max_abs_diff}
+
+    def __str__(self) -> str:
+        head = f"fxmem.validate · {self.model} · {self.device} ({self.machine}) · torch {self.torch_version} · {self.dims}"
+        lines = [head, f"{'quantity':<40} {'predicted':>16} {'measured':>16} {'diff':>12} {'%':>8}"]
+        for r in self.rows:
+            mark = "" if r.ok(self.tolerance) else "   <-- off"
+            lines.append(f"{r.what:<40} {r.predicted:>16,} {r.measured:>16,} {r.diff:>12,} {r.percent:>7.3f}%{mark}")
+        if self.outputs_match is not None:
+            lines.append(f"optimized rewrite: outputs {'match' if self.outputs_match else 'DIFFER'}, gradients "
+                         f"{'match' if self.grads_match else 'DIFFER'} (max |diff| {self.max_abs_diff:.3g})")
+        lines.append("all within {:.1%}: {}".format(self.tolerance, "yes" if self.ok else "NO"))
+        return "\n".join(lines)
+
+
+def _real_inputs(report: Report, dims: Mapping[str, int], device: str, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in report.specs:
+        shape = tuple(report.at(d, **dims) for d in spec.dims)
+        if spec.dtype == torch.bool:
+            t = torch.rand(shape, generator=g) > 0.5
+        elif spec.dtype.is_floating_point:
+            t = torch.randn(shape, generator=g, dtype=spec.dtype)
+        else:  # index-like: valid for any dim of the smallest size present
+            high = max(1, min([v for v in dims.values()] or [1]))
+            t = torch.randint(0, high, shape, generator=g, dtype=spec.dtype)
+        out.append(t.to(device).requires_grad_(spec.requires_grad))
+    return out
+
+
+def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
+    m = measure(fn, device=device, warmup=1)
+    return m.peak_above_start, m.retained
+
+
+def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int], device: str = "cuda",
+             optimized: torch.nn.Module | None = None, optimizer: Callable | None = None,
+             loss: Callable[[Any], torch.Tensor] | None = None, inputs: list | None = None,
+             tolerance: float = 0.01, mode: str = "graph", **analyze_kw: Any) -> Validation:
+    """Predict with fxmem and measure for real on ``device``; see the module docstring.
+
+    ``optimizer`` (default: plain SGD) is the training step's optimizer; ``inputs`` overrides the
+    random inputs (e.g. valid edge indices).
+    """
+    if device not in ("cpu", "cuda"):
+        raise DeviceError(f"device={device!r}: validate measures on 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("device='cuda' needs a CUDA GPU to measure on; none is available here "
+                          "(validate on device='cpu', or run on a machine with a GPU)")
+    if not isinstance(dims, Mapping) or not dims:
+        raise SpecError("validate(dims=...) needs the sizes to measure at, e.g. dims=dict(B=4, N=500)")
+    optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
+    loss_fn = loss or default_loss
+    report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode, **analyze_kw)
+    predicted = report.evaluate(**dims)
+    real = copy.deepcopy(model).to(device)
+    module = trace(real) if mode == "graph" else real
+    xs = inputs if inputs is not None else _real_inputs(report, dims, device)
+    xs = [x.to(device) for x in xs]
+    rows = []
+    fwd = _measure(lambda: module(*xs), device)
+    rows += [Row("forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
+             Row("forward: retained", predicted["retained"], fwd[1])]
+    opt = optimizer(real.parameters())
+    train_step(module, xs, opt, loss_fn)  # the optimizer's state now exists: steady state
+    step = _measure(lambda: train_step(module, xs, opt, loss_fn), device)
+    state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.device.type == device)
+    rows += [Row("training step: peak above resident", predicted["train_peak"] - predicted["train_resident"], step[0]),
+             Row("training step: retained", predicted["train_retained"], step[1]),
+             Row("optimizer state", predicted["optimizer_state"], _rounded(state, device, opt))]
+    result = Validation(report.model_name, device, dict(dims), rows, tolerance, _machine(device), torch.__version__)
+    if optimized is not None:
+        _check_optimized(result, model, optimized, input_specs, dims, device, xs, analyze_kw)
+    return result
+
+
+def _rounded(state: int, device: str, opt: torch.optim.Optimizer) -> int:
+    if device != "cuda":
+        return state
+    from .memory_plan import cuda_block_bytes
+
+    return sum(cuda_block_bytes(t.untyped_storage().nbytes()) for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.device.type == device)
+
+
+def _check_optimized(result: Validation, model: torch.nn.Module, optimized: torch.nn.Module, specs: tuple,
+                     dims: Mapping[str, int], device: str, xs: list, analyze_kw: dict) -> None:
+    """Outputs and gradients of the rewrite against the original, and its memory, on the device."""
+    reference = copy.deepcopy(model).to(device)
+    rewritten = copy.deepcopy(optimized).to(device)
+    rewritten.load_state_dict(reference.state_dict())  # identical weights, even if optimized trained since
+    out_a, out_b = reference(*xs), rewritten(*xs)
+    leaves_a = [t for t in torch.utils._pytree.tree_leaves(out_a) if isinstance(t, torch.Tensor)]
+    leaves_b = [t for t in torch.utils._pytree.tree_leaves(out_b) if isinstance(t, torch.Tensor)]
+    diffs = [(a.double() - b.double()).abs().max().item() for a, b in zip(leaves_a, leaves_b) if a.numel()]
+    result.outputs_match = len(leaves_a) == len(leaves_b) and all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(leaves_a, leaves_b))
+    weights = [torch.randn_like(t) for t in leaves_a if t.is_floating_point()]
+    sum(((a * w).sum() for a, w in zip([t for t in leaves_a if t.is_floating_point()], weights)), torch.zeros((), device=device)).backward()
+    sum(((b * w).sum() for b, w in zip([t for t in leaves_b if t.is_floating_point()], weights)), torch.zeros((), device=device)).backward()
+    grads_a = dict(reference.named_parameters())
+    grads_b = dict(rewritten.named_parameters())
+    pairs = [(grads_a[k].grad, grads_b[k].grad) for k in grads_a if k in grads_b]
+    diffs += [(a.double() - b.double()).abs().max().item() for a, b in pairs if a is not None and b is not None]
+    result.grads_match = all((a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+                             for a, b in pairs)
+    result.max_abs_diff = max(diffs, default=0.0)
+    report = analyze(optimized, *specs, device=device, **analyze_kw)
+    predicted = report.evaluate(**dims)
+    fwd = _measure(lambda: rewritten(*xs), device)
+    result.rows += [Row("optimized forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
+                    Row("optimized forward: retained", predicted["retained"], fwd[1])]
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return cpu

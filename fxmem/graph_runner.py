@@ -92,7 +92,7 @@ class GraphRunner(torch.fx.Interpreter):
             self.env[node] = value
             if self.name_backward:
                 attribute_backward(self.ledger, node.name, value, self._grad_fns)
-            self.ledger.end_node()
+            self.ledger.end_node(poll=False)  # polled below, once the node's dead values are dropped
             self.node_records.append(self._describe(node, value, first))
             if node.op == "output":
                 result = value

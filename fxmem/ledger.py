@@ -224,7 +224,10 @@ class Ledger:
         program = hidden.program_for(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), self.phase)
         if not outs and not self.pending_packs and not program:  # e.g. in-place _foreach ops
             return
-        self.poll()
+        # Frees only matter before something is allocated (and at node ends): a view or an
+        # in-place op allocates nothing, so it needs no poll.
+        if program or any(self._counts(t) and self.lookup(t) is None for t in outs):
+            self.poll()
         arg_tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if tc.op_packet_name(func) not in _LIFT:
             for a in arg_tensors:  # a fake tensor made outside the recorder: treat as a constant
@@ -344,11 +347,12 @@ class Ledger:
                 self.storages[idx].saved_by.append(entry)
         self.pending_packs.clear()
 
-    def end_node(self) -> None:
+    def end_node(self, poll: bool = True) -> None:
         if self._unbound:
             self._bind_keeps()
         self._resolve_packs(set(), None)
-        self.poll()
+        if poll:
+            self.poll()
 
 
 class Recorder(tc.DispatchMode):

@@ -86,20 +86,16 @@ def main() -> None:
         rows.append({"model": name, "first_s": round(first, 3), "warm_median_s": round(statistics.median(warm), 3),
                      "warm_all_s": [round(w, 3) for w in warm],
                      "parameters": sum(p.numel() for p in model.parameters())})
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    meta = {"machine": f"{cpu}, {os.cpu_count()} cores", "python": platform.python_version(),
+    from fxmem.measure import machine_name
+
+    meta = {"machine": machine_name("cpu"), "python": platform.python_version(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "command": "python benchmarks/analyze_speed.py", "target_s": 3.0}
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analyze_speed.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=2)
-    lines = [f"# fxmem.analyze speed", "",
+    lines = ["# fxmem.analyze speed", "",
              f"Machine: {meta['machine']}; Python {meta['python']}; torch {meta['torch']}; "
              f"command: `{meta['command']}`. Target: under {meta['target_s']} s.", "",
              "| model | parameters | first analysis in a process (s) | warm, median of 5 (s) |",

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 import fxmem  # noqa: E402
-from fxmem.measure import measure  # noqa: E402
+from fxmem.measure import machine_name, measure  # noqa: E402
 from fxmem.training import train_step  # noqa: E402
 from seed_gat import GraphAttentionLayerFixed  # noqa: E402
 
@@ -94,12 +94,10 @@ def variants() -> dict:
         "fxmem.optimize": lambda: fxmem.optimize(MultiHead(heads), ("B", "N", IN), ("B", "N", "N")),
         "hand-decomposed": lambda: MultiHead([DecomposedHead(h.W.data, h.a.data) for h in heads]),
     }
-    try:
-        import torch_geometric  # noqa: F401
+    import importlib.util
 
+    if importlib.util.find_spec("torch_geometric") is not None:
         out["PyG DenseGATConv"] = lambda: PygGAT(heads)
-    except ImportError:
-        pass
     return out
 
 
@@ -151,21 +149,10 @@ def run(device: str, sizes: list[int], budget: int | None, repeats: int) -> list
                 torch.cuda.empty_cache() if device == "cuda" else None
             rows.append(row)
             print(row, flush=True)
-            del x, adj, opt
+            x = adj = opt = step = None  # free this size's tensors before the next one  # noqa: F841
             if row["status"] == "out of memory":
                 break
     return rows
-
-
-def machine(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def main() -> None:
@@ -181,7 +168,7 @@ def main() -> None:
     budget = int(budget_gib * 2**30) if budget_gib else None
     repeats = args.repeats or (20 if args.device == "cuda" else 3)
     rows = run(args.device, sizes, budget, repeats)
-    meta = {"device": args.device, "machine": machine(args.device), "torch": torch.__version__,
+    meta = {"device": args.device, "machine": machine_name(args.device), "torch": torch.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "command": "python benchmarks/gat.py " + " ".join(sys.argv[1:]), "batch": B, "heads": HEADS,
             "features": [IN, F_OUT], "repeats": repeats, "budget_gib": budget_gib}

@@ -25,9 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
-import os
-import tempfile
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
@@ -80,17 +77,9 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
 
 
 def _memory_events(prof: Any) -> list[tuple[int, int]]:
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
-    mem = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    mem.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    return [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in mem]
+    from .measure import trace_events
+
+    return [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in trace_events(prof)[1]]
 
 
 # Column sets tried in order: when numel(out) is proportional to numel(in) for every shape of an

@@ -250,6 +250,9 @@ _CONTIGUOUS_OPERANDS = {
     "aten.gelu_backward": ((0, "after"),),
     "aten.native_layer_norm": ((0, "before"),),
     "aten.native_layer_norm_backward": ((1, "before"), (0, "after")),
+    # torch >= 2.14 makes group norm's operands contiguous inside the kernels (2.13 did it in the
+    # group_norm composite, which fake tensors see as a clone)
+    "aten.native_group_norm": ((0, "after"),),
 }
 
 
@@ -315,11 +318,14 @@ def _bmm_copies(call: Call) -> Program | None:
 
 @rule("aten.native_group_norm_backward", device="cpu")
 def _group_norm_backward_cpu(call: Call) -> Program:
-    # GroupNormBackwardKernelImpl: per-(sample, channel) ds and db buffers in the accumulate type.
-    x = call.args[1]
+    # Contiguous copies of a strided gradient and input (torch >= 2.14 makes them in here), then
+    # GroupNormBackwardKernelImpl's per-(sample, channel) ds and db buffers (accumulate type).
+    grad, x = call.args[0], call.args[1]
+    copies = _nonzero([_copy_if_strided(grad), _copy_if_strided(x)])
     n, c = x.shape[0], x.shape[1]
     acc = 4 if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x.element_size()
-    return [OUT, n * c * acc, n * c * acc, -n * c * acc, -n * c * acc]
+    ds = n * c * acc
+    return [*copies, OUT, ds, ds, -ds, -ds, *[-k for k in reversed(copies)]]
 
 
 @rule("aten.mse_loss", "aten.smooth_l1_loss", device="cpu")

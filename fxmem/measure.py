@@ -57,8 +57,12 @@ def _measure_cpu(fn: Callable[[], Any], keep_result: bool) -> Measurement:
     return m
 
 
-def _cpu_totals(prof: Any) -> list[int]:
-    # The chrome trace is the one stable, documented export that carries "Total Allocated".
+def trace_events(prof: Any) -> tuple[list[dict], list[dict]]:
+    """A finished CPU profile's events: (all events, the CPU allocator's memory events in order).
+
+    The chrome trace is the one stable, documented export that carries the allocator's running
+    total ("Total Allocated") and the block addresses.
+    """
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -69,9 +73,17 @@ def _cpu_totals(prof: Any) -> list[int]:
         os.unlink(path)
     mem = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
     mem.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    if not mem:
-        return []
-    start = int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"])
+    return events, mem
+
+
+def _start_total(mem: list[dict]) -> int:
+    # the running total is process-wide: read it relative to just before the first event
+    return int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"]) if mem else 0
+
+
+def _cpu_totals(prof: Any) -> list[int]:
+    _, mem = trace_events(prof)
+    start = _start_total(mem)
     return [int(e["args"]["Total Allocated"]) - start for e in mem]
 
 
@@ -131,17 +143,8 @@ def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> li
         finally:
             sys.settrace(previous)
         del out
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-                 key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    start = int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"]) if mem else 0
+    events, mem = trace_events(prof)
+    start = _start_total(mem)
     lines = sorted((e for e in events if str(e.get("name", "")).startswith("fxmem_line ") and e.get("ph") == "X"),
                    key=lambda e: e["ts"])
     result = []
@@ -151,3 +154,20 @@ def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> li
         total = int(before[-1]["args"]["Total Allocated"]) - start if before else 0
         result.append((span["name"][len("fxmem_line "):], total))
     return result
+
+
+def machine_name(device: str = "cpu") -> str:
+    """The GPU's name, or the CPU's model and core count (for benchmark and validation records)."""
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"

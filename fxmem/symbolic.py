@@ -47,8 +47,8 @@ def to_expr(t: Terms) -> sympy.Expr:
     return sympy.Add(*[c * m for m, c in t.items()])
 
 
-def add_terms(*parts: Terms, signs: Sequence[int] | None = None) -> Terms:
-    """Sum of several ``Terms`` (with optional +1/-1 signs)."""
+def add_terms(*parts: Terms, signs: Sequence[Any] | None = None) -> Terms:
+    """Sum of several ``Terms``, each optionally scaled (``signs``: +1/-1 or any coefficient)."""
     out: Terms = {}
     for i, p in enumerate(parts):
         s = 1 if signs is None else signs[i]
@@ -123,15 +123,8 @@ class Region:
 
     def shifted(self, t: Terms) -> Terms:
         """``t`` over non-negative offsets from the region's lower corner (see class docstring)."""
-        out: Terms = {}
-        for mono, c in t.items():
-            for m, k in self.shifted_monomial(mono).items():
-                v = out.get(m, 0) + c * k
-                if v:
-                    out[m] = v
-                else:
-                    out.pop(m, None)
-        return out
+        monomials = list(t)
+        return add_terms(*[self.shifted_monomial(m) for m in monomials], signs=[t[m] for m in monomials])
 
 
 def _dominates(a_shift: Terms, b_shift: Terms) -> bool:

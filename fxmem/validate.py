@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import platform
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .analyze import analyze
 from .errors import DeviceError, SpecError
-from .measure import measure
+from .measure import machine_name, measure
 from .report import Report
 from .training import default_loss, train_step
 from .tracing import trace
@@ -149,7 +148,7 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     rows += [Row("training step: peak above resident", predicted["train_peak"] - predicted["train_resident"], step[0]),
              Row("training step: retained", predicted["train_retained"], step[1]),
              Row("optimizer state", predicted["optimizer_state"], _rounded(state, device, opt))]
-    result = Validation(report.model_name, device, dict(dims), rows, tolerance, _machine(device), torch.__version__)
+    result = Validation(report.model_name, device, dict(dims), rows, tolerance, machine_name(device), torch.__version__)
     if optimized is not None:
         _check_optimized(result, model, optimized, input_specs, dims, device, xs, analyze_kw)
     return result
@@ -191,15 +190,3 @@ def _check_optimized(result: Validation, model: torch.nn.Module, optimized: torc
     fwd = _measure(lambda: rewritten(*xs), device)
     result.rows += [Row("optimized forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
                     Row("optimized forward: retained", predicted["retained"], fwd[1])]
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return cpu

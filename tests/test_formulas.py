@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 
 import sympy
-import torch
 import torch.nn as nn
 
 import fxmem
@@ -57,7 +56,6 @@ def test_peak_keeps_only_candidates_that_cross():
     peak = report.peak - report.resident
     assert isinstance(peak, sympy.Max) and len(peak.args) == 2
     a, b = peak.args
-    L = report.symbols["L"]
     values = [(report.at(a, B=1, L=l), report.at(b, B=1, L=l)) for l in (2, 10_000)]
     # each candidate is the larger one for some sequence length: the Max is needed
     assert (values[0][0] > values[0][1]) != (values[1][0] > values[1][1])

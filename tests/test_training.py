@@ -3,7 +3,6 @@ byte for byte, checked against real steps at sizes the analysis never saw."""
 from __future__ import annotations
 
 import pytest
-import sympy
 import torch
 import torch.nn as nn
 

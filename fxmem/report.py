@@ -192,15 +192,8 @@ class Report:
         the model is re-analysed at those sizes, so the numbers are always those of a real run.
         On ``device="cuda"`` every block is rounded up to 512 bytes, as the caching allocator does.
         """
-        values = check_dims(dims, self.symbols)
-        check_input_sizes(self.specs, values, self.symbols)
-        subs = {self.symbols[k]: v for k, v in values.items()}
-        if self._plan.region.contains(subs):
-            key = tuple(sorted(values.items()))
-            if key not in self._regions:
-                self._regions[key] = self._reanalyze(values)
-            return self._regions[key].evaluate(**values)
-        result = self._plan.evaluate(subs)
+        report, values = self._for_dims(dims)
+        result = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return {k: v for k, v in result.items() if not k.startswith("_")}
 
     def at(self, expr: sympy.Expr, **dims: int) -> int:
@@ -235,12 +228,10 @@ class Report:
 
     def peak_node(self, **dims: int) -> str | None:
         """The fx node during which the peak happens (at ``dims``, or at the analysis' example sizes)."""
-        values = check_dims(dims, self.symbols) if dims else self.hints
-        subs = {self.symbols[k]: v for k, v in values.items()}
-        if dims and self._plan.region.contains(subs):
-            return self._reanalyze(values).peak_node(**values)
-        step = self._plan.evaluate(subs)["_peak_step"]
-        return None if step is None else self._plan.rec.steps[step].node
+        report, values = self._for_dims(dims)
+        values = values if values is not None else self.hints
+        step = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})["_peak_step"]
+        return None if step is None else report._plan.rec.steps[step].node
 
     def liveness(self, dims: dict | None = None) -> "Liveness":
         """Live activation bytes node by node, at ``dims`` (default: the example sizes ``hints``).
@@ -297,7 +288,8 @@ class Report:
         raise SpecError(f"render(what={what!r}): use what='diagram' or what='timeline'")
 
     def _for_dims(self, dims: dict | None) -> tuple["Report", dict | None]:
-        """The report whose formulas hold at ``dims`` (self, or a re-analysis) and the checked dims."""
+        """The report whose formulas hold at ``dims`` (self, or a re-analysis, cached) and the
+        checked dims; the one place that decides when to re-analyse."""
         if not dims:
             return self, None
         values = check_dims(dims, self.symbols)
@@ -341,12 +333,12 @@ class Report:
 
         With ``dims`` the byte columns are numbers at those sizes instead of formulas.
         """
-        nums = None
-        if dims:
-            values = check_dims(dims, self.symbols)
+        report, values = self._for_dims(dims)
+        if report is not self:
+            return report.table(values, max_width)
+        nums = subs = None
+        if values is not None:
             subs = {self.symbols[k]: v for k, v in values.items()}
-            if self._plan.region.contains(subs):
-                return self._reanalyze(values).table(values, max_width)
             nums = self._plan.evaluate(subs)
 
         def fmt(expr: sympy.Expr, k: int | None = None, node_live: bool = False) -> str:

@@ -193,6 +193,8 @@ class Report:
         On ``device="cuda"`` every block is rounded up to 512 bytes, as the caching allocator does.
         """
         report, values = self._for_dims(dims)
+        if values is None:  # no dims given: fine only when the model has none (all sizes concrete)
+            values = check_dims(dims, self.symbols)
         result = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return {k: v for k, v in result.items() if not k.startswith("_")}
 
@@ -294,7 +296,7 @@ class Report:
             return self, None
         values = check_dims(dims, self.symbols)
         check_input_sizes(self.specs, values, self.symbols)
-        if self._plan.region.contains({self.symbols[k]: v for k, v in values.items()}):
+        if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
             key = tuple(sorted(values.items()))
             if key not in self._regions:
                 self._regions[key] = self._reanalyze(values)

@@ -88,7 +88,7 @@ class Region:
         self._shifted: dict[sympy.Expr, Terms] = {}
         self._atoms: dict[sympy.Expr, sympy.Expr] = {}
 
-    def contains(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
+    def violations(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
         """Reasons ``values`` lies outside the region ([] when inside)."""
         why = []
         for s, lo in self.lower.items():

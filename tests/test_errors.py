@@ -61,6 +61,8 @@ def test_malformed_specs():
 
 def test_evaluate_rejects_missing_unknown_and_non_positive_dims():
     report = fxmem.analyze(layer(), *SPECS)
+    with pytest.raises(fxmem.SpecError, match=r"missing dim\(s\) \['B', 'N'\]"):
+        report.evaluate()
     with pytest.raises(fxmem.SpecError, match=r"missing dim\(s\) \['N'\]"):
         report.evaluate(B=4)
     with pytest.raises(fxmem.SpecError, match=r"unknown dim\(s\) \['Q'\]"):

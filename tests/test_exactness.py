@@ -71,3 +71,11 @@ def test_outside_region_reanalyses_and_stays_exact():
     model = gat.GraphAttentionLayerFixed(6, 16, dropout=0.0)
     report = check_against_real_run(model, (("B", "N", 6), ("B", "N", "N")), [dict(B=1, N=1), dict(B=1, N=9)])
     assert "B >= 2" in report.region and "N >= 2" in report.region
+
+
+def test_all_concrete_sizes_evaluate_without_dims():
+    """A model analysed at concrete sizes has no dims: evaluate() takes none and matches a real run."""
+    torch.manual_seed(0)
+    model = gat.GraphAttentionLayerFixed(6, 16, dropout=0.0)
+    report = check_against_real_run(model, ((3, 7, 6), (3, 7, 7)), [{}])
+    assert report.symbols == {} and report.peak.is_Integer

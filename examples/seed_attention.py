@@ -70,7 +70,7 @@ def main() -> None:
     import torch
 
     import fxmem
-    from fxmem.lines import format_lines
+    from fxmem.views import format_lines
 
     seed = dict(B=64, L=32)
     mib = 1024**2
@@ -84,10 +84,10 @@ def main() -> None:
     print(f"  after forward           {(n['resident'] + n['retained']) / mib:6.2f} MiB   (seed: 30 MB)")
     print(f"  kept by the forward     {n['retained'] / mib:6.2f} MiB   (seed: 22 MB 'activation memory')")
     print(f"  peak (graph mode)       {n['peak'] / mib:6.2f} MiB   (the traced module frees each value after its last use)")
-    attn = [s for s in report.storages if s.kind == "activation" and s.saved_by and s.freed_at is None]
+    attn = [s for s in report.storages if s.step is not None and s.saved_by and s.freed_at is None]
     print("\n  what autograd keeps, and why:")
     for s in attn:
-        print(f"    {str(s.bytes):>12} B  {s.op:<16} node {s.node:<10} saved by {', '.join(s.saved_by)}")
+        print(f"    {str(s.bytes):>12} B  {s.op:<16} node {s.node:<10} saved by {', '.join(map(str, s.saved_by))}")
 
     print("\n== The original forward, line by line (eager mode: locals live until it returns), CPU ==")
     eager = fxmem.analyze(Attention(dim=512, num_heads=8), ("B", "L", 512), mode="eager")

@@ -10,6 +10,11 @@ What we borrow, and why:
 * ``StorageWeakRef`` - tells when a storage has died, i.e. when the real allocator would free it.
 * ``torch.utils._sympy.functions`` - PyTorch's own sympy functions (``FloorDiv`` ...), converted to
   plain sympy before anything reaches a user.
+* ``torch.utils._pytree`` - the leaves of nested outputs (tuples, dicts, dataclasses).
+* op objects (``OpOverload``) and their schemas - kernel rules are keyed by op and read arguments by
+  name; ``nn.Module`` internals - a structural copy of a model whose tensors are fake.
+
+``tests/test_torch_compat.py`` fails when any other module of fxmem touches private torch API.
 
 Supported: torch 2.5 and newer.
 """
@@ -28,7 +33,9 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:  # torch >= 2.1
@@ -139,6 +146,93 @@ def storage_nbytes(t: torch.Tensor) -> Any:
     return t.untyped_storage().nbytes()
 
 
+def tree_leaves(tree: Any) -> list:
+    """The leaves of a nested structure of tuples, lists, dicts (and registered containers)."""
+    return _pytree.tree_leaves(tree)
+
+
+def torch_release() -> str:
+    """This torch's ``major.minor`` (``"2.13"``), as kernel rules state what they were checked on."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def is_op(obj: Any) -> bool:
+    """Whether ``obj`` is a torch op (``torch.ops.aten.mm`` or ``torch.ops.aten.mm.default``)."""
+    return isinstance(obj, (OpOverload, OpOverloadPacket))
+
+
+def op_packet(func: Any) -> Any:
+    """The op packet of an overload (``aten.mul.Tensor`` -> ``aten.mul``); anything else as it is."""
+    return getattr(func, "overloadpacket", func)
+
+
+def argument_names(op: Any) -> list[str]:
+    """The names of an op overload's schema arguments (a packet: its default overload's)."""
+    if isinstance(op, OpOverloadPacket):
+        op = getattr(op, "default", None) or getattr(op, op.overloads()[0])
+    return [a.name for a in op._schema.arguments]
+
+
+def bind_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
+    """The arguments of one call of ``func`` by schema name, in schema order (only those given)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return dict(kwargs)
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args):
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+    return out
+
+
+def fake_module_copy(module: torch.nn.Module, make: Any, memo: dict | None = None) -> torch.nn.Module:
+    """A structural copy of ``module`` whose tensors are ``make(t, trainable)``; ``module`` is untouched.
+
+    Parameters, buffers and plain tensor attributes of every submodule are replaced; shared (tied)
+    tensors and modules stay shared. ``trainable`` is True for parameters.
+    """
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return memo[id(module)]
+    new = object.__new__(type(module))
+    memo[id(module)] = new
+    new.__dict__.update(module.__dict__)
+
+    def fake(t: torch.Tensor | None, trainable: bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        key = ("t", id(t))
+        if key not in memo:
+            memo[key] = make(t, trainable)
+        return memo[key]
+
+    new.__dict__["_parameters"] = {k: fake(v, True) for k, v in module._parameters.items()}
+    new.__dict__["_buffers"] = {k: fake(v, False) for k, v in module._buffers.items()}
+    new.__dict__["_modules"] = {k: (fake_module_copy(v, make, memo) if v is not None else None)
+                                for k, v in module._modules.items()}
+    for k, v in list(new.__dict__.items()):
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+            new.__dict__[k] = fake(v, False)
+    return new
+
+
+def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Plain tensor attributes (neither parameters nor buffers) of every submodule, by qualified name."""
+    found = []
+    for prefix, m in module.named_modules():
+        for k, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                found.append((f"{prefix}.{k}" if prefix else k, v))
+    return found
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> set:
+    """Names of ``module``'s own buffers that are left out of its ``state_dict``."""
+    return set(module._non_persistent_buffers_set)
+
+
 def op_name(func: Any) -> str:
     """``aten.mm.default`` -> ``aten.mm``; overload kept only when it is not ``default``."""
     name = str(func)
@@ -182,7 +276,7 @@ def scalar_args(func: Any, args: tuple, kwargs: dict, names: tuple = ("other",))
 
 
 # Python numbers, and symbolic ones (a SymInt numel passed as a Scalar is wrapped like an int)
-_NUMBERS = (bool, int, float, complex, torch.SymInt, torch.SymFloat, torch.SymBool)
+NUMBERS = _NUMBERS = (bool, int, float, complex, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def plain_number(value: Any) -> Any:
@@ -326,3 +420,49 @@ def non_overlapping_and_dense(t: torch.Tensor) -> bool:
     check = getattr(prims_common, "is_non_overlapping_and_dense", None) or getattr(
         prims_common, "is_non_overlapping_and_dense_or_false")
     return bool(check(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# building a model with symbolic hyperparameters
+# ---------------------------------------------------------------------------------------------
+def _init_functions() -> list[tuple[Any, str]]:
+    import torch.nn.init as init
+
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    return [(init, n) for n in names]
+
+
+def _reset_methods() -> list[tuple[Any, str]]:
+    import torch.nn.modules as modules
+
+    found = []
+    for mod_name in dir(modules):
+        mod = getattr(modules, mod_name)
+        for cls in vars(mod).values() if isinstance(mod, type(modules)) else []:
+            if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+                for meth in ("reset_parameters", "_reset_parameters"):
+                    if meth in cls.__dict__:
+                        found.append((cls, meth))
+    return found
+
+
+@contextlib.contextmanager
+def skip_parameter_init() -> Iterator[None]:
+    """Parameter initialisation does nothing (torch.nn.init functions, modules' reset_parameters).
+
+    A patch, not a mode: ``reset_parameters`` does Python arithmetic on sizes (``1 / math.sqrt(fan_in)``)
+    that would force a symbolic size to a number, and no torch function mode sees Python arithmetic.
+    Scoped to the ``with`` block, which builds one model.
+    """
+    saved = []
+    for owner, name in _init_functions():
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, lambda tensor, *a, **k: tensor)
+    for owner, name in _reset_methods():
+        saved.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, lambda self, *a, **k: None)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)

@@ -12,13 +12,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .accounting import MemoryPlan
+from .capture import forward_arguments, trace
 from .errors import ModelError, SpecError
 from .hparams import Blueprint, blueprint
-from .memory_plan import MemoryPlan
 from .report import Report
-from .simulate import simulate
+from .simulation import simulate
 from .specs import choose_hints, parse_specs, spec_symbols
-from .tracing import forward_arguments, trace
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
@@ -37,6 +37,7 @@ def analyze(
     mode: str = "graph",
     hparams: Mapping[str, Any] | None = None,
     init: Mapping[str, Any] | None = None,
+    kernels: Mapping[Any, Callable] | None = None,
 ) -> Report:
     """Return the memory (bytes) of ``model`` as formulas in the dims named by the specs.
 
@@ -61,6 +62,8 @@ def analyze(
             these constructor arguments as dims, so formulas hold in them too (see
             :mod:`fxmem.hparams`).
         init: concrete constructor arguments for a class or factory.
+        kernels: ``{op: fn}`` - what your own ops' real kernels allocate beyond their outputs, for
+            this analysis (``fn(call)`` returns a program; see :func:`fxmem.kernels.register`).
     """
     if mode not in MODES:
         raise SpecError(f"mode={mode!r}: use 'graph' (the traced module) or 'eager' (the original forward)")
@@ -114,7 +117,7 @@ def analyze(
 
     def run(at: Mapping[str, int]) -> Report:
         rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
-                       leaf_modules=leaf_modules)
+                       leaf_modules=leaf_modules, kernels=kernels)
         plan = MemoryPlan(rec, dict(at))
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)

@@ -20,8 +20,8 @@ import torch
 
 from .analyze import analyze
 from .errors import FxMemError, SpecError
-from .figure import output_format
 from .specs import TensorSpec
+from .views import format_lines, output_format
 
 
 def parse_input(text: str) -> TensorSpec:
@@ -163,8 +163,6 @@ def _prepare(args: argparse.Namespace) -> tuple[torch.nn.Module, list, dict]:
 def _analyze(args: argparse.Namespace) -> int:
     import json
 
-    from .lines import format_lines
-
     model, specs, kw = _prepare(args)
     for path in (args.diagram, args.timeline):
         if path:
@@ -174,7 +172,7 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.json:
         data = report.to_dict()
         if dims:
-            data["evaluated"] = {"dims": dims, "bytes": report.evaluate(**dims)}
+            data["evaluated"] = {"dims": dims, "bytes": dict(report.evaluate(**dims))}
         print(json.dumps(data, indent=2))
     else:
         print(report.summary(dims))

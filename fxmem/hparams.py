@@ -18,14 +18,14 @@ dim was specialised, and ``evaluate`` at other values re-analyses - so numbers s
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy
 import torch
 
+from . import _torch_compat as tc
 from .errors import ModelError, SpecError
 from .specs import parse_dim
 
@@ -45,7 +45,7 @@ class Blueprint:
     def build(self, symint: Callable[[sympy.Expr], Any]) -> torch.nn.Module:
         """Call the factory with ``symint(expr)`` for each hyperparameter (initialisation skipped)."""
         kwargs = {**self.init, **{k: symint(e) for k, e in self.hparams.items()}}
-        with skip_init():
+        with tc.skip_parameter_init():
             model = self.factory(**kwargs)
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"{self.name}(...) returned {type(model).__name__}, not an nn.Module")
@@ -82,41 +82,3 @@ def blueprint(factory: Any, hparams: Mapping[str, Any] | None, init: Mapping[str
         if params and not takes_any and arg not in params:
             raise SpecError(f"init: {getattr(factory, '__name__', factory)} has no argument {arg!r}")
     return Blueprint(factory, parsed, dict(init or {}))
-
-
-def _init_functions() -> list[tuple[Any, str]]:
-    import torch.nn.init as init
-
-    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
-    return [(init, n) for n in names]
-
-
-def _reset_methods() -> list[tuple[Any, str]]:
-    import torch.nn.modules as modules
-
-    found = []
-    for mod_name in dir(modules):
-        mod = getattr(modules, mod_name)
-        for cls in vars(mod).values() if isinstance(mod, type(modules)) else []:
-            if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-                for meth in ("reset_parameters", "_reset_parameters"):
-                    if meth in cls.__dict__:
-                        found.append((cls, meth))
-    return found
-
-
-@contextlib.contextmanager
-def skip_init() -> Iterator[None]:
-    """Parameter initialisation does nothing (torch.nn.init functions, modules' reset_parameters)."""
-    saved = []
-    for owner, name in _init_functions():
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, lambda tensor, *a, **k: tensor)
-    for owner, name in _reset_methods():
-        saved.append((owner, name, owner.__dict__[name]))
-        setattr(owner, name, lambda self, *a, **k: None)
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)

@@ -76,6 +76,11 @@ def trace_events(prof: Any) -> tuple[list[dict], list[dict]]:
     return events, mem
 
 
+def allocator_events(prof: Any) -> list[tuple[int, int]]:
+    """The CPU allocator's events of a finished profile, in order: ``(address, bytes)``, bytes < 0 for a free."""
+    return [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in trace_events(prof)[1]]
+
+
 def _start_total(mem: list[dict]) -> int:
     # the running total is process-wide: read it relative to just before the first event
     return int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"]) if mem else 0

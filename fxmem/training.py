@@ -11,24 +11,30 @@ A *steady-state* step starts with the optimizer's state already created (after a
 and no gradients (``set_to_none=True`` freed them); ``out`` and the loss are locals, freed when
 the step returns. Inputs are fresh each step (their ``.grad``, if any, is not kept).
 
+The simulation runs this very function, on fake tensors, with :class:`StepHooks` that attribute
+each phase (:class:`fxmem.records.Phase`) of the step.
+
 >>> opt = torch.optim.Adam(model.parameters())                         # doctest: +SKIP
->>> train_step(model, (x,), opt, default_loss)                          # doctest: +SKIP
+>>> train_step(model, (x,), opt)                                        # doctest: +SKIP
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from . import _torch_compat as tc
 from .errors import FxMemError
+from .records import Phase
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 def default_loss(out: Any) -> torch.Tensor:
     """``out.sum()``; for several outputs, the sum of the sums of those that require grad."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves(out)
+    tensors = [t for t in tc.tree_leaves(out)
                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not tensors:
         raise FxMemError("the model's output does not require grad, so there is nothing to train; "
@@ -59,11 +65,39 @@ class Training:
         return self.loss or default_loss
 
 
-def train_step(module: torch.nn.Module, inputs: tuple, optimizer: torch.optim.Optimizer,
-               loss: Callable[[Any], torch.Tensor] = default_loss) -> None:
+class StepHooks:
+    """What :func:`train_step` lets an observer do: run the forward its own way, and wrap each phase.
+
+    The default runs ``module(*inputs)`` and observes nothing (a real step).
+    """
+
+    def forward(self, module: Any, inputs: tuple) -> Any:
+        return module(*inputs)
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        yield
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Called with the loss just before ``backward()``."""
+
+
+def train_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer,
+               loss: Callable[[Any], torch.Tensor] = default_loss, hooks: StepHooks | None = None) -> None:
     """One training step exactly as fxmem simulates it (see the module docstring)."""
-    out = module(*inputs)
-    value = loss(out)
-    value.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    hooks = hooks or StepHooks()
+    out = hooks.forward(module, inputs)
+    with hooks.phase(Phase.LOSS):
+        value = loss(out)
+    hooks.before_backward(value)
+    with hooks.phase(Phase.BACKWARD):
+        value.backward()
+    with hooks.phase(Phase.STEP):
+        optimizer.step()
+    with hooks.phase(Phase.ZERO_GRAD):
+        optimizer.zero_grad(set_to_none=True)
+    with hooks.phase(Phase.RETURN):  # the step's locals (output, loss) die as it returns
+        del value, out
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                t.grad = None

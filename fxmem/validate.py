@@ -22,12 +22,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .accounting import cuda_block_bytes
 from .analyze import analyze
+from .capture import trace
 from .errors import DeviceError, SpecError
+from .inputs import random_inputs
 from .measure import machine_name, measure
-from .report import Report
+from .passes import compare
 from .training import default_loss, train_step
-from .tracing import trace
 
 
 @dataclasses.dataclass
@@ -85,26 +87,11 @@ class Validation:
             mark = "" if r.ok(self.tolerance) else "   <-- off"
             lines.append(f"{r.what:<40} {r.predicted:>16,} {r.measured:>16,} {r.diff:>12,} {r.percent:>7.3f}%{mark}")
         if self.outputs_match is not None:
+            grads = {True: "match", False: "DIFFER", None: "not compared"}[self.grads_match]
             lines.append(f"optimized rewrite: outputs {'match' if self.outputs_match else 'DIFFER'}, gradients "
-                         f"{'match' if self.grads_match else 'DIFFER'} (max |diff| {self.max_abs_diff:.3g})")
+                         f"{grads} (max |diff| {self.max_abs_diff:.3g})")
         lines.append("all within {:.1%}: {}".format(self.tolerance, "yes" if self.ok else "NO"))
         return "\n".join(lines)
-
-
-def _real_inputs(report: Report, dims: Mapping[str, int], device: str, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for spec in report.specs:
-        shape = tuple(report.at(d, **dims) for d in spec.dims)
-        if spec.dtype == torch.bool:
-            t = torch.rand(shape, generator=g) > 0.5
-        elif spec.dtype.is_floating_point:
-            t = torch.randn(shape, generator=g, dtype=spec.dtype)
-        else:  # index-like: valid for any dim of the smallest size present
-            high = max(1, min([v for v in dims.values()] or [1]))
-            t = torch.randint(0, high, shape, generator=g, dtype=spec.dtype)
-        out.append(t.to(device).requires_grad_(spec.requires_grad))
-    return out
 
 
 def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
@@ -134,7 +121,7 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     predicted = report.evaluate(**dims)
     real = copy.deepcopy(model).to(device)
     module = trace(real) if mode == "graph" else real
-    xs = inputs if inputs is not None else _real_inputs(report, dims, device)
+    xs = inputs if inputs is not None else random_inputs(report.specs, dims, device=device)
     xs = [x.to(device) for x in xs]
     rows = []
     fwd = _measure(lambda: module(*xs), device)
@@ -157,8 +144,6 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
 def _rounded(state: int, device: str, opt: torch.optim.Optimizer) -> int:
     if device != "cuda":
         return state
-    from .memory_plan import cuda_block_bytes
-
     return sum(cuda_block_bytes(t.untyped_storage().nbytes()) for st in opt.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.device.type == device)
 
@@ -166,27 +151,14 @@ def _rounded(state: int, device: str, opt: torch.optim.Optimizer) -> int:
 def _check_optimized(result: Validation, model: torch.nn.Module, optimized: torch.nn.Module, specs: tuple,
                      dims: Mapping[str, int], device: str, xs: list, analyze_kw: dict) -> None:
     """Outputs and gradients of the rewrite against the original, and its memory, on the device."""
-    reference = copy.deepcopy(model).to(device)
-    rewritten = copy.deepcopy(optimized).to(device)
-    rewritten.load_state_dict(reference.state_dict())  # identical weights, even if optimized trained since
-    out_a, out_b = reference(*xs), rewritten(*xs)
-    leaves_a = [t for t in torch.utils._pytree.tree_leaves(out_a) if isinstance(t, torch.Tensor)]
-    leaves_b = [t for t in torch.utils._pytree.tree_leaves(out_b) if isinstance(t, torch.Tensor)]
-    diffs = [(a.double() - b.double()).abs().max().item() for a, b in zip(leaves_a, leaves_b) if a.numel()]
-    result.outputs_match = len(leaves_a) == len(leaves_b) and all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(leaves_a, leaves_b))
-    weights = [torch.randn_like(t) for t in leaves_a if t.is_floating_point()]
-    sum(((a * w).sum() for a, w in zip([t for t in leaves_a if t.is_floating_point()], weights)), torch.zeros((), device=device)).backward()
-    sum(((b * w).sum() for b, w in zip([t for t in leaves_b if t.is_floating_point()], weights)), torch.zeros((), device=device)).backward()
-    grads_a = dict(reference.named_parameters())
-    grads_b = dict(rewritten.named_parameters())
-    pairs = [(grads_a[k].grad, grads_b[k].grad) for k in grads_a if k in grads_b]
-    diffs += [(a.double() - b.double()).abs().max().item() for a, b in pairs if a is not None and b is not None]
-    result.grads_match = all((a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-5))
-                             for a, b in pairs)
-    result.max_abs_diff = max(diffs, default=0.0)
+    diff = compare(model, optimized, [xs], device=device)
+    failed_output = not diff.ok and diff.where.startswith("output")
+    result.outputs_match = not failed_output
+    result.grads_match = diff.ok if not failed_output else None
+    result.max_abs_diff = diff.max_abs
     report = analyze(optimized, *specs, device=device, **analyze_kw)
     predicted = report.evaluate(**dims)
+    rewritten = copy.deepcopy(optimized).to(device)
     fwd = _measure(lambda: rewritten(*xs), device)
     result.rows += [Row("optimized forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
                     Row("optimized forward: retained", predicted["retained"], fwd[1])]

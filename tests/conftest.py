@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fxmem
+from fxmem.inputs import random_inputs
 from fxmem.measure import measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,20 +35,8 @@ def load_example(name: str) -> Any:
 def real_inputs(report: fxmem.Report, dims: Mapping[str, int],
                 makers: Mapping[str, Callable[[tuple], torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """Real tensors matching the report's input specs at ``dims``."""
-    torch.manual_seed(0)
-    out = []
-    for spec in report.specs:
-        shape = tuple(report.at(d, **dims) for d in spec.dims)
-        if makers and spec.arg in makers:
-            t = makers[spec.arg](shape, dims)
-        elif spec.dtype == torch.bool:
-            t = torch.rand(shape) > 0.5
-        elif spec.dtype.is_floating_point:
-            t = torch.randn(shape, dtype=spec.dtype)
-        else:
-            t = torch.randint(0, 3, shape, dtype=spec.dtype)
-        out.append(t.requires_grad_(spec.requires_grad) if spec.requires_grad else t)
-    return out
+    torch.manual_seed(0)  # makers draw from the global generator
+    return random_inputs(report.specs, dims, makers=makers)
 
 
 def real_resident(model: torch.nn.Module, inputs: list[torch.Tensor], traced: torch.nn.Module | None = None) -> int:

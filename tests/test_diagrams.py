@@ -118,7 +118,7 @@ def test_numbers_at_dims(layer):
 def test_heat_scale_follows_live_bytes(layer):
     live = layer.liveness(SEED)
     nodes = items(layer.diagram(SEED).svg(), "node")
-    order = list(fxmem.figure.HEAT)
+    order = list(fxmem.views.figure.HEAT)
     fill = {n.name: nodes[n.name].fills[0] for n in layer.nodes if n.shapes and nodes[n.name].fills[0] in order}
     assert fill["cat"] == order[-1]  # the peak is the reddest
     high = dict(zip((n.name for n in layer.nodes), live.high))

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import fxmem
 from conftest import check_training_against_real_run, load_example, real_inputs, real_resident
-from fxmem.lines import format_lines
+from fxmem.views import format_lines
 from fxmem.measure import measure
 from test_exactness import CASES
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import fxmem
 from conftest import load_example
-from fxmem.symbolic import Region, max_of, terms, to_expr
+from fxmem.accounting.symbolic import Region, max_of, terms, to_expr
 
 gat = load_example("seed_gat")
 attention = load_example("seed_attention")

@@ -10,7 +10,7 @@ import torch.nn as nn
 import fxmem
 from conftest import load_example, real_resident
 from fxmem.measure import measure
-from fxmem.tracing import trace
+from fxmem.capture import trace
 
 attention = load_example("seed_attention")
 gat = load_example("seed_gat")

@@ -1,4 +1,4 @@
-"""Each hidden-allocation rule (fxmem.hidden) and real-path rule (fxmem.real_paths), checked
+"""Each kernel rule of fxmem.kernels (hidden allocations, real paths), checked
 against a real run of a one-op model at three sizes. A rule that drifts from the kernel it
 describes (say after a torch upgrade) fails here with the op's name."""
 from __future__ import annotations

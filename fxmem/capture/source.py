@@ -1,0 +1,133 @@
+"""Where code came from: the user's source line of an fx node or a frame, and whether a file is the
+user's code (not torch's, fxmem's, the standard library's or an installed package's).
+
+>>> statement_of(__file__, 1)
+(1, 7)
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import os
+import re
+from typing import Any
+
+import torch
+import torch.fx
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fxmem's own code: the package, and the rewrite passes (the top-level passes/ of a source checkout)
+_OWN_DIRS = (_FXMEM_DIR, os.path.join(os.path.dirname(_FXMEM_DIR), "passes") + os.sep)
+# statements that contain other statements: a line inside them belongs to the inner one
+_COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.AsyncFor, ast.While,
+             ast.With, ast.AsyncWith, ast.Try) + ((ast.Match,) if hasattr(ast, "Match") else ())
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        paths.update(site.getsitepackages())
+    except AttributeError:  # virtualenvs without site.getsitepackages
+        pass
+    return tuple(sorted(p for p in paths if p))
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def is_user_file(filename: str, model_files: frozenset = frozenset()) -> bool:
+    """Whether ``filename`` is the user's code: a file defining one of the model's modules, or
+    any file outside torch, fxmem, the standard library and installed packages."""
+    if filename in model_files:
+        return True
+    return not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIRS) or "<" in filename
+                or filename.startswith(_LIBRARY_DIRS))
+
+
+def model_files(model: torch.nn.Module) -> frozenset:
+    """Source files of the classes of ``model``'s modules (torch's own excluded)."""
+    import inspect
+
+    files = set()
+    for m in model.modules():
+        try:
+            f = inspect.getsourcefile(type(m))
+        except (TypeError, OSError):
+            continue
+        if f and not f.startswith(_TORCH_DIR):
+            files.add(f)
+    return frozenset(files)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLine:
+    """Where a node came from in the user's code."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+@functools.lru_cache(maxsize=256)
+def _statements(filename: str) -> tuple:
+    """(start, end) line ranges of the simple statements in a source file, innermost first."""
+    import ast
+    import linecache
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return ()
+    spans = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
+             if isinstance(n, ast.stmt) and not isinstance(n, _COMPOUND)]
+    return tuple(sorted(spans, key=lambda se: se[1] - se[0]))
+
+
+def statement_of(filename: str, line: int) -> tuple[int, int]:
+    """The (first, last) line of the statement that ``line`` belongs to (Python 3.11+ reports the
+    line of each sub-expression, so one statement spread over lines has several)."""
+    for start, end in _statements(filename):
+        if start <= line <= end:
+            return start, end
+    return line, line
+
+
+def statement_text(filename: str, line: int) -> str:
+    """The statement around ``line``, joined onto one line."""
+    import linecache
+
+    start, end = statement_of(filename, line)
+    return " ".join(linecache.getline(filename, k).strip() for k in range(start, end + 1))
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
+
+
+def source_line(node: torch.fx.Node) -> SourceLine | None:
+    """The innermost user frame of ``node.stack_trace`` (fx and fxmem frames skipped)."""
+    text = node.stack_trace or node.meta.get("stack_trace") or ""
+    best = None
+    for m in _FRAME.finditer(text):
+        if is_user_file(m.group("file")):
+            best = SourceLine(m.group("file"), int(m.group("line")), m.group("fn").strip(), m.group("code").strip())
+    return best
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Dotted path of the innermost module a node belongs to ('' at top level)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        last: Any = list(stack.values())[-1]
+        return str(last[0] if isinstance(last, tuple) else last)
+    return ""

@@ -1,0 +1,61 @@
+"""Kernel knowledge: what real kernels do that fake ones do not, in one registry.
+
+The simulation asks three questions of every aten call, and one of every torch function:
+
+* :func:`hidden_program` - what scratch does the real kernel allocate around its outputs?
+* :func:`output_storage` - is a real output's storage larger than the fake one?
+* :func:`engine_takes_over` - does the real engine write the result into an existing buffer?
+* :class:`RealPaths` - does a composite take another code path for real tensors?
+
+Rules live in :mod:`~fxmem.kernels.scalars` (wrapped Python numbers, dtype casts),
+:mod:`~fxmem.kernels.cpu` (CPU kernels' scratch), :mod:`~fxmem.kernels.calibrate` (opaque
+oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine)
+and :mod:`~fxmem.kernels.real_paths` (composites). Users describe their own ops with
+:func:`register` or ``fxmem.analyze(..., kernels={op: fn})``.
+
+>>> [r.name for r in REGISTRY.rules(Kind.HIDDEN)][:2]          # doctest: +SKIP
+['aten.repeat', 'aten._scaled_dot_product_flash_attention_for_cpu']
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import calibrate, cpu, engine, real_paths, scalars  # noqa: F401 - registers the built-in rules
+from .real_paths import RealPaths
+from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, Rule, Unknown, register, unregister
+
+__all__ = ["hidden_program", "output_storage", "engine_takes_over", "RealPaths", "register", "unregister",
+           "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "ANY", "CHECKED"]
+
+
+def hidden_program(call: Call, used: set | None = None) -> list:
+    """The hidden-allocation program of one aten call ([] when the real kernel hides nothing).
+
+    On CPU, wrapped Python numbers exist for the whole call, around the op's own program. Each
+    rule that contributed is added to ``used``.
+    """
+    outer = (scalars.wrapped_numbers(call) or scalars.foreach_numbers(call)) if call.device == "cpu" else []
+    found = REGISTRY.lookup(Kind.HIDDEN, call.func, call.device)
+    inner = found.fn(call) if found is not None else None
+    if inner and used is not None:
+        used.add(found)
+    if isinstance(inner, Unknown):
+        return outer + [inner] if outer else [inner]
+    if not inner:
+        return outer
+    if not outer:
+        return list(inner)
+    i = outer.index(OUT)
+    return outer[:i] + list(inner) + outer[i + 1:]
+
+
+def output_storage(call: Call) -> dict:
+    """Outputs whose real storage is larger than the fake one: ``{output index: bytes}``."""
+    found = REGISTRY.lookup(Kind.OUTPUT_STORAGE, call.func, call.device)
+    return found.fn(call) if found is not None else {}
+
+
+def engine_takes_over(call: Call, table: Any, between_nodes: bool, node: str) -> Any:
+    """The argument whose buffer the real engine reuses for this call's output, or None."""
+    found = REGISTRY.lookup(Kind.ENGINE, call.func, call.device)
+    return found.fn(call, table, between_nodes, node) if found is not None else None

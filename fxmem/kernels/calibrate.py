@@ -1,0 +1,368 @@
+"""Calibrating opaque CPU kernels: measure their hidden buffers, fit them, verify the fit.
+
+Some kernels allocate through PyTorch's allocator in ways no formula in PyTorch describes: a
+oneDNN convolution reorders its input, weights and output into blocked layouts whose channel
+padding depends on the CPU's vector width (16 on AVX-512, 8 on AVX2); batch norm keeps
+per-thread or per-channel temporaries that differ between its contiguous, channels-last and 2-D
+paths. For those, fxmem runs the real kernel on small inputs with the *same* channels, kernel,
+strides, dtype and memory layout, reads the allocator's events, and fits every hidden buffer as
+
+    bytes = a * numel(driver input) + b * numel(output) + c      (a, b, c exact rationals)
+
+on a few shapes, then checks the fit on the others. The guarantee: exact wherever the kernel
+keeps the behaviour it showed at the sampled shapes; a fit that fails its check is not used and
+the report says the op's workspace is unknown instead of guessing.
+
+Each op has an *adapter* (data): which argument (by schema name) drives the symbolic sizes, how
+to build the real call at a sampled shape, and which number plays "output". Adapters exist for
+``convolution``, ``convolution_backward``, ``native_batch_norm`` and ``native_batch_norm_backward``;
+each registers a HIDDEN rule in :mod:`fxmem.kernels.registry`.
+
+>>> program_for_call(Call(torch.ops.aten.convolution.default, args, {}, outputs, "cpu"))   # doctest: +SKIP
+[192, 1728, 8*in + ..., OUT, ...]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from .. import _torch_compat as tc
+from ..measure import allocator_events
+from .registry import OUT, Call, Unknown, hidden, require_args
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One real run: the hidden-allocation deltas (``OUT`` where outputs appear) and numels."""
+
+    program: tuple
+    in_numel: int
+    out_numel: int
+
+
+def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
+    """Run ``fn`` for real under the profiler; the allocation deltas it made, OUT for its result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with tc.real_mode():
+        for _ in range(2):  # warm-up: first calls create oneDNN primitives and caches
+            fn()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        out_ptrs = {t.untyped_storage().data_ptr() for t in outs if t.numel()}
+        events = allocator_events(prof)
+    # an output is the *last* block born at its address (a temporary may have lived there before)
+    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in out_ptrs}
+    program: list = []
+    born: dict[int, int] = {}
+    for i, (addr, nbytes) in enumerate(events):
+        if nbytes > 0:
+            if last_birth.get(addr) == i:
+                if OUT not in program:
+                    program.append(OUT)
+                continue
+            born[addr] = nbytes
+            program.append(nbytes)
+        elif addr in born:  # frees of blocks born before this call are not ours
+            program.append(-born.pop(addr))
+    if OUT not in program:
+        program.append(OUT)
+    return tuple(program), out
+
+
+# Column sets tried in order: when numel(out) is proportional to numel(in) for every shape of an
+# op (a same-padding convolution, batch norm), the samples cannot separate the two.
+_BASES = ((0, 1, 2), (1, 2), (0, 2), (2,))
+
+
+def fit(samples: Sequence[Sample]) -> list | None:
+    """Fit each hidden delta as ``(sign, a, b, c)`` over (in_numel, out_numel, 1); None if it fails.
+
+    Enough samples to determine the fit are solved exactly; every other sample must then be
+    reproduced exactly.
+    """
+    shapes = {tuple(p if p == OUT else (p > 0) for p in s.program) for s in samples}
+    if len(shapes) != 1:
+        return None  # the kernel changed its behaviour between shapes
+    rows = [(s.in_numel, s.out_numel, 1) for s in samples]
+    for cols in _BASES:
+        chosen = _independent(rows, cols)
+        if chosen is None:
+            continue
+        m = sympy.Matrix([[rows[i][c] for c in cols] for i in chosen])
+        fitted: list = []
+        for k, p in enumerate(samples[0].program):
+            if p == OUT:
+                fitted.append(OUT)
+                continue
+            sol = m.LUsolve(sympy.Matrix([abs(samples[i].program[k]) for i in chosen]))
+            coef = [Fraction(0)] * 3
+            for c, v in zip(cols, sol):
+                coef[c] = Fraction(int(v.p), int(v.q))
+            if any(sum(coef[c] * r[c] for c in range(3)) != abs(s.program[k]) for r, s in zip(rows, samples)):
+                fitted = []
+                break
+            fitted.append((1 if p > 0 else -1, *coef))
+        if fitted:
+            return fitted
+    return None
+
+
+def _independent(rows: Sequence[tuple], cols: tuple) -> list[int] | None:
+    """Indices of ``len(cols)`` rows whose restriction to ``cols`` is invertible."""
+    for pick in itertools.combinations(range(len(rows)), len(cols)):
+        if sympy.Matrix([[rows[i][c] for c in cols] for i in pick]).det() != 0:
+            return list(pick)
+    return None
+
+
+def symbolic_program(fitted: list, in_numel: sympy.Expr, out_numel: sympy.Expr) -> list:
+    """The fitted program with the op's own (symbolic) numels substituted."""
+    out = []
+    for item in fitted:
+        if item == OUT:
+            out.append(OUT)
+            continue
+        sign, a, b, c = item
+        q = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
+        out.append(sign * (q(a) * in_numel + q(b) * out_numel + q(c)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling
+# ------------------------------------------------------------------------------------------------
+def layout_key(t: torch.Tensor) -> tuple:
+    """How ``t`` is laid out, independent of its sizes: dim order by stride, and broadcast dims."""
+    strides = [int(s) if isinstance(s, int) else s for s in t.stride()]
+    zero = tuple(i for i, s in enumerate(strides) if s == 0)
+    order = tuple(sorted(range(t.dim()), key=lambda i: (-strides[i] if strides[i] != 0 else 1, i)))
+    return order, zero
+
+
+def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A real random tensor of ``shape`` laid out like the fake one ``layout`` describes."""
+    order, zero = layout
+    base_shape = [1 if i in zero else d for i, d in enumerate(shape)]
+    dense = torch.randn([base_shape[i] for i in order], dtype=dtype) if dtype.is_floating_point else \
+        torch.zeros([base_shape[i] for i in order], dtype=dtype)
+    inverse = [order.index(i) for i in range(len(order))]
+    return dense.permute(inverse).expand(list(shape))
+
+
+def sample_shapes(shape: Sequence[Any], minimum: Sequence[int]) -> list[list[int]]:
+    """Small shapes for a driver tensor: constant dims kept, symbolic ones varied from ``minimum``."""
+    free = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+    base = [d if isinstance(d, int) else minimum[i] for i, d in enumerate(shape)]
+    shapes = [list(base)]
+    for n, i in enumerate(free):
+        s = list(base)
+        s[i] += 1 + n
+        shapes.append(s)
+    for bump in (2, 3):
+        s = list(base)
+        for n, i in enumerate(free):
+            s[i] += bump + (n % 2)
+        shapes.append(s)
+    return shapes
+
+
+
+# ------------------------------------------------------------------------------------------------
+# adapters: how to run one op for real at a sampled shape, arguments bound by schema name
+# ------------------------------------------------------------------------------------------------
+Frozen = dict  # argument name -> hashable stand-in (see _freeze)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """How to calibrate one op.
+
+    ``driver``: the argument whose symbolic sizes are sampled; ``grad``: an argument with the same
+    symbolic sizes that is rebuilt for each sample (a backward's incoming gradient);
+    ``minimum(frozen, shape)``: the smallest sample sizes; ``build(frozen, x)``: the real call at
+    driver ``x`` and a function of its result giving the second fitting feature ("output" numel);
+    ``feature(call)``: the same quantity for the fake call, symbolically.
+    """
+
+    driver: str
+    minimum: Callable[[Frozen, tuple], list[int]]
+    build: Callable[[Frozen, torch.Tensor], tuple[Callable[[], Any], Callable[[Any], int]]]
+    feature: Callable[[Call], Any]
+    grad: str | None = None
+
+
+def _spatial_minimum(key: tuple, shape: tuple, batch: int) -> list[int]:
+    kernel, stride, padding, dilation = key
+    out = []
+    for i, d in enumerate(shape):
+        if i == 0:
+            out.append(batch)
+        elif i == 1:
+            out.append(1)
+        else:
+            j = i - 2
+            need = dilation[j] * (kernel[j] - 1) + 1 - 2 * padding[j] if kernel else 1
+            out.append(max(need, 1) + 2 * (stride[j] if stride else 1) + 1)
+    return out
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for an argument: tensors by (shape, dtype, layout), lists as tuples."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(int(d) if isinstance(d, int) else None for d in value.shape), value.dtype,
+                layout_key(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _is_tensor(f: Any) -> bool:
+    return isinstance(f, tuple) and bool(f) and f[0] == "T"
+
+
+def _real_arg(frozen: Any) -> Any:
+    if _is_tensor(frozen):
+        _, shape, dtype, layout = frozen
+        if any(d is None for d in shape):
+            raise ValueError("symbolic non-driver tensor")
+        return real_like(layout, shape, dtype)
+    if isinstance(frozen, tuple):
+        return [_real_arg(f) for f in frozen]
+    return frozen
+
+
+def _real_args(frozen: Frozen, skip: tuple = ()) -> dict:
+    return {name: _real_arg(f) for name, f in frozen.items() if name not in skip}
+
+
+def _has_symbolic_tensor(f: Any) -> bool:
+    if _is_tensor(f):
+        return any(d is None for d in f[1])
+    if isinstance(f, tuple):
+        return any(_has_symbolic_tensor(v) for v in f)
+    return False
+
+
+aten = torch.ops.aten
+
+
+def _conv_key(frozen: Frozen) -> tuple:
+    w = frozen["weight"]
+    return tuple(w[1][2:]), tuple(frozen["stride"]), tuple(frozen["padding"]), tuple(frozen["dilation"])
+
+
+def _conv_batch(frozen: Frozen, shape: tuple) -> int:
+    # ATen's use_mkldnn: a single-threaded 1x1 convolution uses oneDNN only from batch 16 on.
+    kernel, stride, _, dilation = _conv_key(frozen)
+    batch = shape[0]
+    if isinstance(batch, int):
+        return batch
+    single_1x1 = all(s == 1 for s in stride) and all(d == 1 for d in dilation) and all(k == 1 for k in kernel) \
+        and torch.get_num_threads() == 1
+    return 16 if (single_1x1 and batch >= 16) else 2
+
+
+def _conv_forward(frozen: Frozen, x: torch.Tensor) -> tuple:
+    args = _real_args(frozen, skip=("input",))
+    return (lambda: aten.convolution.default(input=x, **args)), lambda out: out.numel()
+
+
+_CONV_GEOMETRY = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
+
+
+def _conv_backward(frozen: Frozen, x: torch.Tensor) -> tuple:
+    args = _real_args(frozen, skip=("input", "grad_output"))
+    with torch.no_grad():
+        out_shape = aten.convolution.default(x, args["weight"], None, *[args[k] for k in _CONV_GEOMETRY]).shape
+    grad = real_like(frozen["grad_output"][3], list(out_shape), frozen["grad_output"][2])
+    return (lambda: aten.convolution_backward.default(grad_output=grad, input=x, **args)), lambda out: grad.numel()
+
+
+def _bn_forward(frozen: Frozen, x: torch.Tensor) -> tuple:
+    args = _real_args(frozen, skip=("input",))
+    return (lambda: aten.native_batch_norm.default(input=x, **args)), lambda out: x.numel()
+
+
+def _bn_backward(frozen: Frozen, x: torch.Tensor) -> tuple:
+    args = _real_args(frozen, skip=("input", "grad_out"))
+    grad = real_like(frozen["grad_out"][3], list(x.shape), frozen["grad_out"][2])
+    if args.get("save_invstd") is not None:  # must be positive to be a plausible input
+        args["save_invstd"] = args["save_invstd"].abs() + 1
+    return (lambda: aten.native_batch_norm_backward.default(grad_out=grad, input=x, **args)), lambda out: x.numel()
+
+
+def _bn_minimum(frozen: Frozen, shape: tuple) -> list[int]:
+    return [d if isinstance(d, int) else (2 if i == 0 else 3) for i, d in enumerate(shape)]
+
+
+ADAPTERS: dict[Any, Adapter] = {
+    aten.convolution.default: Adapter(
+        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_forward,
+        lambda call: call.outputs[0].numel()),
+    aten.convolution_backward.default: Adapter(
+        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_backward,
+        lambda call: call.arg("grad_output").numel(), grad="grad_output"),
+    aten.native_batch_norm.default: Adapter("input", _bn_minimum, _bn_forward, lambda call: call.arg("input").numel()),
+    aten.native_batch_norm_backward.default: Adapter(
+        "input", _bn_minimum, _bn_backward, lambda call: call.arg("input").numel(), grad="grad_out"),
+}
+require_args(aten.convolution.default, "input", "weight", *_CONV_GEOMETRY)
+require_args(aten.convolution_backward.default, "grad_output", "input", "weight", *_CONV_GEOMETRY)
+require_args(aten.native_batch_norm.default, "input")
+require_args(aten.native_batch_norm_backward.default, "grad_out", "input", "save_invstd")
+
+
+@functools.lru_cache(maxsize=512)
+def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int) -> list | None:
+    adapter = ADAPTERS[op]
+    frozen = dict(frozen_items)
+    _, shape, dtype, layout = frozen[adapter.driver]
+    samples = []
+    with tc.real_mode():
+        for s in sample_shapes(shape, min_shape):
+            x = real_like(layout, s, dtype)
+            call, feature = adapter.build(frozen, x)
+            program, out = run_and_read(call)
+            samples.append(Sample(program, x.numel(), feature(out)))
+            del out
+    return fit(samples)
+
+
+def program_for_call(call: Call) -> list | None:
+    """Hidden-allocation program of a real CPU run of ``call`` at its (symbolic) shapes, or None."""
+    adapter = ADAPTERS.get(call.func)
+    if adapter is None:
+        return None
+    frozen = {name: _freeze(v) for name, v in call.bound.items()}
+    if not _is_tensor(frozen.get(adapter.driver)):
+        return None
+    for name, f in frozen.items():  # every other tensor must have constant sizes
+        if name not in (adapter.driver, adapter.grad) and _has_symbolic_tensor(f):
+            return None
+    x = call.arg(adapter.driver)
+    min_shape = tuple(adapter.minimum(frozen, tuple(x.shape)))
+    # the thread count is part of the key: oneDNN picks its path (and its buffers) by it
+    key = (call.func, tuple(frozen.items()), min_shape, torch.get_num_threads())
+    # a failed fit is retried once uncached: oneDNN's first runs may still be settling its caches
+    fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
+    if fitted is None:
+        return None
+    return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+@hidden(*ADAPTERS, device="cpu")
+def _calibrated_cpu(call: Call) -> list | Unknown | None:
+    """oneDNN's blocked-layout reorders and batch norm's per-thread/per-channel temporaries are not
+    described anywhere in PyTorch: measured and fitted on small real runs."""
+    program = program_for_call(call)
+    if program is None:
+        return Unknown(call.op, "its kernel's workspace could not be fitted at small sizes")
+    return program

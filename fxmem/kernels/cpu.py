@@ -1,0 +1,197 @@
+"""Hidden allocations of CPU kernels, one small rule per kernel family.
+
+Each rule was read off a real run with the profiler and is re-checked against real runs at several
+sizes by ``tests/test_kernels.py``. Arguments are read by their schema names (checked at import:
+a schema change fails loudly here, not silently in a user's numbers).
+
+>>> hidden_rule(torch.ops.aten.repeat.default).why                    # doctest: +SKIP
+"The CPU kernel builds int64 index/permutation tensors of length ndim and 2*ndim."
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .registry import OUT, Call, Kind, hidden, require_args, rule
+
+aten = torch.ops.aten
+
+
+@hidden(aten.repeat, device="cpu")
+def _repeat_cpu(call: Call) -> list:
+    """The CPU kernel builds int64 index/permutation tensors of length ndim and 2*ndim."""
+    n = call.outputs[0].dim()
+    return [OUT, 8 * n, 8, 8 * n, -8, 16 * n, -8 * n, -8 * n, -16 * n]
+
+
+# --- CPU flash attention ------------------------------------------------------------------------
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu
+require_args(_FLASH.default, "query", "key")
+require_args(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", "query", "key")
+
+
+def _flash_splits(q: torch.Tensor, k: torch.Tensor) -> tuple[Any, Any, int]:
+    """ATen's CPU flash-attention block sizes for this query/key length (comparisons become guards)."""
+    L, S = q.shape[-2], k.shape[-2]
+    q_split = 256 if L >= 768 else (64 if L >= 192 else 32)
+    qs = L if L < q_split else q_split
+    kvs = S if S < 512 else 512
+    acc = 4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else q.element_size()
+    return qs, kvs, acc
+
+
+@hidden(_FLASH, device="cpu")
+def _sdpa_flash_cpu(call: Call) -> list:
+    """cpu_flash_attention: per thread a float (qSplit x kvSplit) score block, its row max and sum,
+    and a (qSplit x headSize) accumulator."""
+    q, k = call.arg("query"), call.arg("key")
+    qs, kvs, acc = _flash_splits(q, k)
+    threads = torch.get_num_threads()
+    buf = threads * (qs * kvs + 2 * qs + qs * q.shape[-1]) * acc
+    reduced = threads * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
+    return [OUT, buf, reduced, -reduced, -buf] if reduced else [OUT, buf, -buf]
+
+
+@hidden(aten._scaled_dot_product_flash_attention_for_cpu_backward, device="cpu")
+def _sdpa_flash_cpu_backward(call: Call) -> list:
+    """grad_out.contiguous() in (B, L, H, D) layout, a per-thread (attn, grad_attn) block buffer, then
+    a qSplit-long row sum per worker thread inside the parallel loop (the CPU profiler sees only the
+    calling thread's; all of them are real)."""
+    grad_out, q, k = call.arg("grad_out"), call.arg("query"), call.arg("key")
+    qs, kvs, acc = _flash_splits(q, k)
+    threads = torch.get_num_threads()
+    copy = 0 if grad_out.transpose(1, 2).is_contiguous() else grad_out.numel() * grad_out.element_size()
+    buf = threads * 2 * qs * kvs * acc
+    reduced = threads * 2 * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
+    work = q.shape[0] * q.shape[1]
+    workers = work if work < threads else threads
+    dsum = workers * qs * acc
+    return [OUT, copy, buf, reduced, dsum, -dsum, -reduced, -buf, -copy]
+
+
+# --- contiguous copies inside kernels ------------------------------------------------------------
+# Kernels that work on a contiguous copy of some operands (``x.expect_contiguous()`` inside), made
+# before or after the op's outputs are allocated. Gradients often arrive expanded (zero strides)
+# from a sum or mean; saved inputs are often transposed views.
+_CONTIGUOUS_OPERANDS = {
+    aten._softmax_backward_data.default: (("grad_output", "after"),),
+    aten._log_softmax_backward_data.default: (("grad_output", "after"),),
+    aten.gelu_backward.default: (("grad_output", "after"),),
+    aten.native_layer_norm.default: (("input", "before"),),
+    aten.native_layer_norm_backward.default: (("input", "before"), ("grad_out", "after")),
+    # torch >= 2.14 makes group norm's operands contiguous inside the kernels (2.13 did it in the
+    # group_norm composite, which fake tensors see as a clone, so the kernel gets them contiguous)
+    aten.native_group_norm.default: (("input", "after"),),
+}
+for _op, _operands in _CONTIGUOUS_OPERANDS.items():
+    require_args(_op, *(name for name, _ in _operands))
+
+
+def copy_bytes(t: Any) -> Any:
+    """Bytes of ``t.contiguous()`` when that copies (0 for a contiguous tensor or a non-tensor)."""
+    return 0 if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.numel() * t.element_size()
+
+
+def _nonzero(values: list) -> list:
+    return [c for c in values if not (isinstance(c, int) and c == 0)]
+
+
+@hidden(*_CONTIGUOUS_OPERANDS, device="cpu")
+def _contiguous_copies(call: Call) -> list | None:
+    """Contiguous copies of strided operands (softmax/gelu/layer-norm/group-norm kernels)."""
+    before, after = [], []
+    for name, when in _CONTIGUOUS_OPERANDS[call.func]:
+        copy = copy_bytes(call.arg(name))
+        if not (isinstance(copy, int) and copy == 0):
+            (before if when == "before" else after).append(copy)
+    if not before and not after:
+        return None
+    return [*before, OUT, *after, *[-c for c in reversed(before + after)]]
+
+
+def _blas_copy(m: torch.Tensor) -> Any:
+    # ATen's gemm takes a matrix as is when one of its last two strides is 1 and the other a valid
+    # leading dimension; anything else (an expanded gradient with zero strides) is copied first.
+    if m.dim() < 2:
+        return 0
+    rows, cols = m.shape[-2], m.shape[-1]
+    s_row, s_col = m.stride()[-2], m.stride()[-1]
+    one = 1
+    if (s_col == 1 and s_row >= (cols if cols > one else one)) or (s_row == 1 and s_col >= (rows if rows > one else one)):
+        return 0
+    return m.numel() * m.element_size()
+
+
+require_args(aten.mm.default, "self", "mat2")
+require_args(aten.bmm.default, "self", "mat2")
+
+
+@hidden(aten.mm, device="cpu")
+def _mm_copies(call: Call) -> list | None:
+    """gemm copies an operand BLAS cannot take (neither of its last two strides is 1)."""
+    copies = _nonzero([_blas_copy(call.arg("self")), _blas_copy(call.arg("mat2"))])
+    return [OUT, *copies, *[-c for c in reversed(copies)]] if copies else None
+
+
+def _item_gemm_ready(t: torch.Tensor) -> bool:
+    # bmm's batch_items_contiguous_or_transposed (a size-1 dim's stride does not matter)
+    size, stride = t.shape, t.stride()
+    return bool((stride[2] == 1 and (size[1] == 1 or stride[1] >= size[2]))
+                or (stride[1] == 1 and (size[2] == 1 or stride[2] >= size[1])))
+
+
+@hidden(aten.bmm, device="cpu")
+def _bmm_copies(call: Call) -> list | None:
+    """bmm_out_or_baddbmm_: a strided loop for small items, batched GEMM when both operands' items are
+    GEMM-ready (and the result contiguous), else one mm per item, copying one item at a time."""
+    a, b, out = call.arg("self"), call.arg("mat2"), call.outputs[0]
+    if a.shape[2] * a.shape[1] * b.shape[2] < 400:
+        return None
+    if a.is_floating_point() and _item_gemm_ready(a) and _item_gemm_ready(b) and out.is_contiguous():
+        return None
+    copies = _nonzero([_blas_copy(a[0]), _blas_copy(b[0])])
+    return [OUT, *copies, *[-c for c in reversed(copies)]] if copies else None
+
+
+# --- normalisation and losses --------------------------------------------------------------------
+require_args(aten.native_group_norm_backward.default, "grad_out", "input")
+
+
+@hidden(aten.native_group_norm_backward, device="cpu")
+def _group_norm_backward_cpu(call: Call) -> list:
+    """Contiguous copies of a strided gradient and input (torch >= 2.14 makes them in here), then
+    GroupNormBackwardKernelImpl's per-(sample, channel) ds and db buffers (accumulate type)."""
+    grad, x = call.arg("grad_out"), call.arg("input")
+    copies = _nonzero([copy_bytes(grad), copy_bytes(x)])
+    n, c = x.shape[0], x.shape[1]
+    acc = 4 if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x.element_size()
+    ds = n * c * acc
+    return [*copies, OUT, ds, ds, -ds, -ds, *[-k for k in reversed(copies)]]
+
+
+_POINTWISE_LOSSES = (aten.mse_loss, aten.smooth_l1_loss)
+for _loss in _POINTWISE_LOSSES:
+    require_args(_loss.default, "self", "reduction")
+
+
+@hidden(*_POINTWISE_LOSSES, device="cpu")
+def _pointwise_loss_cpu(call: Call) -> list | None:
+    """The elementwise loss, then a result allocated input-sized and reduced in place (the 0-dim
+    output keeps that input-sized storage: see the OUTPUT_STORAGE rule below)."""
+    reduction = call.arg("reduction", 1)
+    if reduction == 0:  # 'none'
+        return None
+    x = call.arg("self")
+    size = x.numel() * x.element_size()
+    tail = [8, x.element_size(), -x.element_size(), -8] if reduction == 1 else []  # mean divides by numel
+    return [size, OUT, *tail, -size]
+
+
+@rule(Kind.OUTPUT_STORAGE, *_POINTWISE_LOSSES, device="cpu")
+def _pointwise_loss_storage(call: Call) -> dict:
+    """A reduced mse/smooth-L1 loss is a 0-dim view of an input-sized storage."""
+    if call.arg("reduction", 1) == 0:
+        return {}
+    x = call.arg("self")
+    return {0: x.numel() * x.element_size()}

@@ -1,0 +1,70 @@
+"""Where the autograd engine (and backward formulas) reuse a buffer in place for real tensors but
+allocate a new one for fake tensors, which count as tensor subclasses.
+
+An ENGINE rule is ``fn(call, table, between_nodes, node) -> tensor | None``: the argument whose
+storage record the op's output takes over (the real kernel wrote into that buffer: no allocation,
+and the argument's death is not a free), or None when real and fake agree. ``table`` is the
+simulation's :class:`~fxmem.simulation.storages.StorageTable`; ``between_nodes`` says the engine is
+between two backward nodes (where it accumulates gradients); ``node`` is the fx node being run.
+
+>>> engine_rule(torch.ops.aten.add.Tensor).why                                     # doctest: +SKIP
+'InputBuffer::accumulate adds two gradients for one input in place ...'
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _torch_compat as tc
+from ..records import Phase, Role
+from .registry import ANY, Call, Kind, rule
+
+aten = torch.ops.aten
+
+
+@rule(Kind.ENGINE, aten.add.Tensor, device=ANY)
+def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str) -> torch.Tensor | None:
+    """InputBuffer::accumulate adds two gradients for one input in place into one of them when it is a
+    plain dense tensor it holds the last reference to (can_accumulate_inplace); for subclass-like
+    (fake) tensors it always adds out of place."""
+    outs, args = call.outputs, call.args
+    if not between_nodes or call.phase != Phase.BACKWARD or len(outs) != 1 or len(args) < 2:
+        return None
+    for old in (args[0], args[1]):
+        if not isinstance(old, torch.Tensor) or old.shape != outs[0].shape or old.dtype != outs[0].dtype:
+            continue
+        index = table.lookup(old)
+        if index is None:
+            continue
+        rec = table.storages[index]
+        if (rec.step is not None and rec.phase == Phase.BACKWARD and not rec.saved_by and not rec.is_output
+                and rec.role != Role.GRADIENT and table.is_whole(old, index) and tc.non_overlapping_and_dense(old)):
+            return old
+    return None
+
+
+# ops that make the zeros a backward formula then fills (by op name, as storages record it)
+_ZEROS = frozenset(tc.op_name(p) for p in (aten.zeros, aten.new_zeros, aten.zeros_like, aten.full, aten.new_full,
+                                           aten.full_like))
+
+
+@rule(Kind.ENGINE, aten.scatter, aten.scatter_add, aten.index_add, aten.index_put, aten.masked_scatter,
+      aten.index_fill, aten.index_copy, device=ANY)
+def _fills_fresh_zeros(call: Call, table: Any, between_nodes: bool, node: str) -> torch.Tensor | None:
+    """Backward formulas (index_select_backward, gather_backward, value_selecting_reduction_backward
+    ...) fill fresh zeros in place for real tensors, out of place for subclass-like (fake) ones."""
+    outs, args = call.outputs, call.args
+    if call.phase != Phase.BACKWARD or len(outs) != 1 or not args:
+        return None
+    base = args[0]
+    if not isinstance(base, torch.Tensor) or base.shape != outs[0].shape:
+        return None
+    index = table.lookup(base)
+    if index is None:
+        return None
+    rec = table.storages[index]
+    made_here = rec.phase == Phase.BACKWARD and rec.node == node
+    if made_here and ".".join((rec.op or "").split(".")[:2]) in _ZEROS and not rec.saved_by:
+        return base
+    return None

@@ -1,0 +1,124 @@
+"""Where a real tensor takes another code path than a fake one, and how to follow the real one.
+
+ATen composites sometimes branch on ``isTensorSubclassLike``, and fake tensors are subclass-like:
+
+* ``linear`` on a non-contiguous 3-D input runs ``matmul`` then adds the bias *in place* for a
+  real tensor, out of place (one more output-sized buffer) for a fake one;
+* ``max_pool1d`` on a CPU tensor that needs no grad runs a kernel that allocates only the values
+  (plus a contiguous copy of a non-contiguous input); a fake tensor goes through
+  ``max_pool1d_with_indices`` and allocates int64 indices too.
+
+A REAL_PATH rule is ``fn(func, ctx, *args, **kwargs)``: the result along the real path, or
+``NotImplemented`` when the real and fake paths agree. :class:`RealPaths` is a
+``TorchFunctionMode`` that applies them while a model is simulated - scoped to the simulation, so
+nothing of torch is patched - and notes the functions whose CUDA kernel is picked by asking the GPU
+when CUDA is simulated without one.
+
+>>> with RealPaths("cpu", quiet, note): model(x)        # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .registry import ANY, REGISTRY, Kind, rule
+
+
+@dataclasses.dataclass
+class Context:
+    device: str
+    quiet: Callable[[], Any]  # context in which fake computations are not recorded (shape probes)
+    note: Callable[[str], None]
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda" and torch.cuda.is_available()
+
+
+@rule(Kind.REAL_PATH, F.linear, device=ANY)
+def _linear(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """ATen's linear: a 2-D or contiguous input takes the fused addmm; otherwise matmul, then the bias
+    is added in place for real tensors (out of place only for subclass-like ones)."""
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if bias is None or x.dim() == 2 or x.is_contiguous():
+        return NotImplemented
+    return torch.matmul(x, weight.t()).add_(bias)
+
+
+@rule(Kind.REAL_PATH, torch.max_pool1d, F.max_pool1d, device="cpu")
+def _max_pool1d(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """max_pool1d_impl on CPU without grad: one contiguous output, no indices (plus a contiguous copy
+    of a non-contiguous input, freed on return)."""
+    x = args[0] if args else kwargs["input"]
+    if (x.requires_grad and torch.is_grad_enabled()) or x.is_quantized:
+        return NotImplemented
+    if kwargs.get("return_indices") or (len(args) > 6 and args[6]):
+        return NotImplemented
+    with ctx.quiet(), torch.no_grad():  # its shape is what the indices path gives
+        shape = torch.ops.aten.max_pool1d_with_indices.default(*_pool_args(args, kwargs))[0].shape
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if not x.is_contiguous():
+        torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out
+
+
+def _pool_args(args: tuple, kwargs: dict) -> tuple:
+    names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
+    vals = list(args[:6]) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    if len(vals) > 2 and vals[2] is None:  # F.max_pool1d's stride=None means stride = kernel_size
+        vals[2] = []
+    return tuple(vals)
+
+
+def _gpu_choice(why: str) -> Callable:
+    def note(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+        if not ctx.gpu:
+            ctx.note(f"simulated CUDA without a GPU: {why}; check with fxmem.validate on a GPU")
+        return NotImplemented
+
+    note.__doc__ = f"On a GPU {why}."
+    return note
+
+
+# Functions whose CUDA kernel is chosen by querying the GPU. Without one, fake CUDA tensors take a
+# fallback (SDPA's math path, ATen's own convolution and batch norm instead of cuDNN's).
+rule(Kind.REAL_PATH, F.scaled_dot_product_attention, device="cuda")(_gpu_choice(
+    "scaled_dot_product_attention picks flash/memory-efficient kernels on a GPU; without one the math path is "
+    "simulated"))
+rule(Kind.REAL_PATH, F.conv1d, F.conv2d, F.conv3d, device="cuda")(_gpu_choice(
+    "cuDNN convolutions may take workspace from the allocator"))
+rule(Kind.REAL_PATH, F.batch_norm, torch.batch_norm, device="cuda")(_gpu_choice(
+    "cuDNN batch norm is chosen on a GPU; without one ATen's kernel is simulated"))
+
+
+class RealPaths(TorchFunctionMode):
+    """While active, the functions with a REAL_PATH rule follow the real device's code path."""
+
+    def __init__(self, device: str, quiet: Callable[[], Any], note: Callable[[str], None] = lambda s: None):
+        super().__init__()
+        self.ctx = Context(device, quiet, note)
+        self.used: set = set()  # the rules that changed a result
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        found = REGISTRY.lookup(Kind.REAL_PATH, func, self.ctx.device) if _hashable(func) else None
+        if found is not None:
+            result = found.fn(func, self.ctx, *args, **kwargs)
+            if result is not NotImplemented:
+                self.used.add(found)
+                return result
+        return func(*args, **kwargs)
+
+
+def _hashable(func: Any) -> bool:
+    try:
+        hash(func)
+    except TypeError:
+        return False
+    return True

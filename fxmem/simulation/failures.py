@@ -1,0 +1,38 @@
+"""One translation of what went wrong in a simulated run into an error the user can act on.
+
+Both runners (graph mode's fx nodes, eager mode's source lines) and the training step's phases
+report failures through :func:`failure`: a missing fake kernel, a size that depends on tensor
+values, or a shape the model does not accept - each with where it happened and what to do.
+
+>>> raise failure(exc, "fx node 'matmul' from model.py:12", shapes="; operand shapes ...")   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from .. import _torch_compat as tc
+from ..errors import FxMemError, ShapeError, UnsupportedOpError
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def failure(exc: BaseException, where: str, *, op: object = None, detail: str = "",
+            advice: str = "check the rank and sizes of the input specs against what the model expects") -> FxMemError:
+    """The FxMemError for ``exc`` raised at ``where`` (``op``: the function that ran)."""
+    if isinstance(exc, FxMemError):
+        return exc
+    text = str(exc)
+    if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS) or "fake impl" in text or "'Meta' backend" in text \
+            or "meta kernel" in text.lower() or "register_fake" in text:
+        op = getattr(exc, "func", None) or op
+        return UnsupportedOpError(
+            f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
+            f"({type(exc).__name__}: {first_line(exc) if text.strip() else ''}). "
+            f"Register one with torch.library.register_fake (it only computes output shapes).")
+    if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
+        return UnsupportedOpError(
+            f"{where}: the result depends on tensor values ({type(exc).__name__}: {first_line(exc)}). fxmem gives "
+            f"formulas in input sizes; replace value-dependent code (.item(), nonzero, boolean masks) by size-only ops.")
+    return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(exc)}\n"
+                      f"  what to do: {advice}.")

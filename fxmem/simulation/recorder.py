@@ -1,0 +1,128 @@
+"""The recorder: a dispatch mode that sees every aten call of a simulated run and writes it down.
+
+A dispatch mode sits below autograd and composite decompositions, so it sees the internal copies
+``matmul`` makes, not just the fx node that asked for them. For each call it asks the kernel
+registry (:mod:`fxmem.kernels`) what the real kernel would do beyond the fake one, records new
+storages in the :class:`~.storages.StorageTable`, attributes saved tensors (:class:`~.autograd.Autograd`)
+and appends the step to the :class:`~.events.EventLog`.
+
+>>> recorder = Recorder(table, log, autograd, "cpu")                 # doctest: +SKIP
+>>> with recorder: out = model(x)                                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import sympy
+import torch
+
+from .. import _torch_compat as tc
+from .. import kernels
+from ..kernels import OUT, Call, Keep, Unknown
+from ..records import Role, SavedBy, Storage
+from .autograd import Autograd
+from .events import EventLog
+from .storages import StorageTable
+
+aten = torch.ops.aten
+# ops that never allocate and are too frequent to be worth a look
+_SKIP = frozenset({torch.ops.prim.device, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
+                   aten.is_contiguous, aten.is_same_size, aten.is_non_overlapping_and_dense})
+# ops that turn a tensor made outside the run into one of the run's (not a constant of the model)
+_LIFT = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
+
+
+class Recorder(tc.DispatchMode):
+    def __init__(self, table: StorageTable, log: EventLog, autograd: Autograd, device: str):
+        super().__init__()
+        self.table, self.log, self.autograd, self.device = table, log, autograd, device
+        self.used: set = set()  # kernel rules that shaped the numbers
+        self._quiet = 0
+        self._last_op: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._quiet and tc.op_packet(func) not in _SKIP:
+            self._record(func, args, kwargs, out)
+        return out
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Fake computations in here are not part of the model (shape probes, optimizer set-up)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def saved(self, t: torch.Tensor) -> None:
+        """The saved-tensor hook: autograd packed ``t``."""
+        if not self._quiet:
+            self.autograd.saved(t)
+
+    def poll(self) -> None:
+        """Record every storage that died since the last poll."""
+        self.log.freed(self.table.dead())
+
+    def end_node(self, poll: bool = True) -> None:
+        """The current node's ops are done: settle what autograd saved (and, with ``poll``, frees)."""
+        self.autograd.bind()
+        self.autograd.attribute(set(), None, self._last_op)
+        if poll:
+            self.poll()
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        table, log = self.table, self.log
+        self.autograd.bind()
+        name = tc.op_name(func)
+        outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        call = Call(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), log.phase)
+        program = kernels.hidden_program(call, self.used)
+        if not outs and not self.autograd.has_pending and not program:  # e.g. in-place _foreach ops
+            return
+        # Frees only matter before something is allocated (and at node ends): a view or an in-place
+        # op allocates nothing, so it needs no poll.
+        if program or any(table.counts(t) and table.lookup(t) is None for t in outs):
+            self.poll()
+        arg_tensors = call.tensors
+        if tc.op_packet(func) not in _LIFT:
+            for a in arg_tensors:  # a fake tensor made outside the recorder: treat as a constant
+                if table.counts(a) and table.lookup(a) is None:
+                    table.add(a, Role.CONSTANT, f"{log.node}:{name}")
+        self.autograd.attribute({table.lookup(a) for a in arg_tensors}, name, self._last_op)
+        reused = kernels.engine_takes_over(call, table, self.autograd.between_nodes, log.node)
+        if reused is not None:
+            table.take_over(reused, outs[0])
+            return
+        step = log.next_step
+        new = []
+        for t in outs:
+            if table.counts(t) and table.lookup(t) is None:
+                index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=step, op=name, phase=log.phase)
+                if index is not None and table.storages[index].bytes == 0:
+                    table.forget(t)
+                    continue
+                new.append(index)
+        for i, nbytes in kernels.output_storage(call).items():
+            index = table.lookup(outs[i])
+            if index is not None and index in new:  # the real kernel's storage is larger than the fake's
+                table.storages[index].bytes = tc.size_expr(table.env, nbytes)
+        kept = []
+        for keep in [p for p in program if isinstance(p, Keep)]:
+            # allocated before the op's outputs and alive until its backward ran: an allocation of
+            # this step with no tensor whose death we could see (Autograd releases it)
+            index = len(table.storages)
+            table.storages.append(Storage(index, sympy.Integer(keep.nbytes), keep.dtype, (), Role.ACTIVATION, log.node,
+                                          node=log.node, op=name, step=step, phase=log.phase,
+                                          saved_by=[SavedBy(log.node, name)]))
+            new.append(index)
+            kept.append(index)
+        for unknown in [p for p in program if isinstance(p, Unknown)]:
+            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})")
+        self.autograd.keep(kept, outs[0] if outs else None)
+        program = [p for p in program if not isinstance(p, (Keep, Unknown))]
+        if new or program:
+            log.step(name, new, [p if p is OUT else tc.size_expr(table.env, p) for p in program])
+        self._last_op = name

@@ -1,0 +1,225 @@
+"""Run a model once on fake tensors with symbolic sizes and record every storage it allocates.
+
+This is the measurement behind every formula. The model really runs - real autograd, real
+composite decompositions, the GraphModule's own order of frees - only on fake tensors whose sizes
+are ShapeEnv symbols named after the user's dims. The :class:`~.recorder.Recorder` sees each aten
+call, the :class:`~.storages.StorageTable` sees each storage die, :class:`~.autograd.Autograd`
+sees what is saved for backward; the result is a :class:`~fxmem.records.Recording`.
+
+>>> rec = simulate(gm, specs, symbols, hints, device="cpu", grad=True)   # doctest: +SKIP
+>>> rec.steps[0].op, rec.storages[rec.steps[0].allocs[0]].bytes           # doctest: +SKIP
+('aten.mm', 512*s0*s1)
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as tc
+from ..capture import model_files, trace
+from ..errors import DeviceError, FxMemError
+from ..hparams import Blueprint
+from ..kernels import REGISTRY, RealPaths
+from ..records import Node, Phase, Recording, Role
+from ..specs import InputSpec
+from ..training import StepHooks, Training, train_step
+from .autograd import Autograd
+from .events import EventLog
+from .failures import failure
+from .graph_runner import GraphRunner
+from .line_runner import LineRunner
+from .recorder import Recorder
+from .storages import StorageTable
+
+# what the training step's phases are called in error messages
+_PHASE_TEXT = {Phase.LOSS: "the loss", Phase.BACKWARD: "backward()", Phase.STEP: "optimizer.step()"}
+
+
+def check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise DeviceError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+    if device == "cuda":
+        ok, why = tc.fake_cuda_is_safe()
+        if not ok:
+            raise DeviceError(
+                f"device='cuda' cannot be simulated: {why}. Install a CUDA build of torch (it simulates "
+                f"CUDA without a GPU), or analyse with device='cpu'.")
+
+
+class _Run(StepHooks):
+    """One simulated call (or training step): the recorder's parts and the runner of the forward."""
+
+    def __init__(self, recorder: Recorder, run_forward: Any, named_params: list):
+        self.recorder, self.log = recorder, recorder.log
+        self.run_forward = run_forward
+        self.named_params = named_params
+        self.forward_end = -1
+
+    def forward(self, module: Any, inputs: tuple) -> Any:
+        out = self.run_forward(list(inputs))
+        table = self.recorder.table
+        self.recorder.end_node()
+        for t in tc.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and table.counts(t):
+                index = table.lookup(t)
+                if index is not None:
+                    table.storages[index].is_output = True
+        self.recorder.poll()
+        self.forward_end = self.log.mark()
+        return out
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        first = self.log.next_step
+        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase)):
+            yield
+            if phase == Phase.BACKWARD:
+                self._mark_gradients()
+            self.recorder.end_node()
+        self.log.ended(Node(phase.value, "phase", phase.value, "", None, [], [], [], first, self.log.next_step))
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        self.recorder.autograd.watch_engine(loss)
+
+    def _mark_gradients(self) -> None:
+        table = self.recorder.table
+        for _, p in self.named_params:
+            index = table.lookup(p.grad) if p.grad is not None and table.counts(p.grad) else None
+            if index is not None:
+                table.storages[index].role = Role.GRADIENT
+
+
+def simulate(
+    model: torch.nn.Module | Blueprint,
+    specs: Sequence[InputSpec],
+    symbols: dict,
+    hints: dict,
+    device: str = "cpu",
+    grad: bool = True,
+    training: Training | None = None,
+    mode: str = "graph",
+    leaf_modules: Sequence[type] = (),
+    kernels: dict | None = None,
+) -> Recording:
+    """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
+
+    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
+    :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
+    ``forward`` runs, memory attributed to source lines. ``kernels``: the user's rules for their
+    own ops (see :func:`fxmem.kernels.register`).
+
+    With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
+    the optimizer's state is created first (quietly, from placeholder gradients), then forward,
+    loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` are recorded.
+    """
+    check_device(device)
+    if training is not None and not grad:
+        raise FxMemError("a training step needs grad=True")
+    fake_mode, env = tc.new_fake_mode()
+    env_symbols = {name: tc.make_dim_symbol(env, name, hints[name]) for name in symbols}
+    to_env = {symbols[name]: s for name, s in env_symbols.items()}  # s is a number if specialised
+    hint_of = {symbols[name]: hints[name] for name in symbols}
+
+    def symint(expr: Any) -> Any:
+        return tc.make_symint(env, expr.xreplace(to_env), int(expr.xreplace(hint_of)))
+
+    if isinstance(model, Blueprint):
+        with fake_mode:
+            model = model.build(symint)
+        if mode == "graph":
+            with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
+                warnings.filterwarnings("ignore", message="Raw Sym")
+                model = trace(model, leaf_modules)
+    table, log = StorageTable(env, device), EventLog()
+    recorder = Recorder(table, log, Autograd(table, log), device)
+    with fake_mode, REGISTRY.scoped(kernels, device):
+        inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                              requires_grad=spec.requires_grad and grad) for spec in specs]
+        fake_model = tc.fake_module_copy(model, lambda t, trainable: torch.empty_strided(
+            tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
+            requires_grad=trainable and t.requires_grad and grad))
+        for spec, t in zip(specs, inputs):
+            table.add(t, Role.INPUT, spec.arg)
+        named_params = list(fake_model.named_parameters(remove_duplicate=True))
+        for qual, p in named_params:
+            table.add(p, Role.PARAMETER, qual)
+        for qual, b in fake_model.named_buffers(remove_duplicate=True):
+            table.add(b, Role.BUFFER, qual)
+        for qual, t in tc.tensor_attributes(fake_model):
+            table.add(t, Role.CONSTANT, qual)
+        real_paths = RealPaths(device, recorder.quiet, log.note)
+        if mode == "graph":
+            runner = GraphRunner(fake_model, recorder, specs, name_backward=training is not None)
+            run_forward = lambda xs: runner.run(*xs)  # noqa: E731
+        else:
+            line_runner = LineRunner(recorder, model_files(model))
+            run_forward = lambda xs: line_runner.run(fake_model, xs)  # noqa: E731
+        hooks = _Run(recorder, run_forward, named_params)
+        grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
+        optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
+        with grad_ctx, saved, optimizers, real_paths, recorder:
+            if training is None:
+                out = hooks.forward(fake_model, tuple(inputs))
+                del out
+            else:
+                optimizer = _steady_state_optimizer(training, named_params, recorder)
+                train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
+        del inputs, fake_model
+    facts = {"threads": torch.get_num_threads(), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
+             "user_rules": sorted({r.name for r in recorder.used if r.user})}
+    _note_versions(recorder.used | real_paths.used, log)
+    return Recording(table.storages, log.steps, log.nodes, log.events, log.notes, env, env_symbols, device,
+                     hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
+                     facts)
+
+
+def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:
+    """Build the optimizer and let it create its state (as after a first step), quietly."""
+    params = [p for _, p in named_params if p.requires_grad]
+    if not params:
+        raise FxMemError("no parameter requires grad, so there is nothing to train")
+    with recorder.quiet(), failures("creating the optimizer's state"):
+        optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    name_of = {id(p): qual for qual, p in named_params}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+    return optimizer
+
+
+def _note_versions(used: set, log: EventLog) -> None:
+    """Say so when a kernel rule the numbers depend on was not checked on this torch release."""
+    here = tc.torch_release()
+    unchecked = sorted({r.name for r in used if not r.user and here not in r.verified})
+    if unchecked:
+        log.note(f"kernel rules for {', '.join(unchecked)} were checked against real runs on torch "
+                 f"{', '.join(sorted({v for r in used for v in r.verified}))}, not on this torch ({here}): "
+                 f"check these numbers with fxmem.validate")
+    users = sorted({r.name for r in used if r.user})
+    if users:
+        log.note(f"the allocations of {', '.join(users)} are as the kernels= rules describe them (not checked by fxmem)")
+
+
+@contextlib.contextmanager
+def failures(what: str | None) -> Iterator[None]:
+    """Errors raised by a phase of the training step, named after the phase."""
+    if what is None:
+        yield
+        return
+    try:
+        yield
+    except FxMemError:
+        raise
+    except Exception as exc:
+        raise failure(exc, f"{what} on fake tensors", advice="check that the loss and optimizer work on this "
+                      "model's outputs and parameters") from exc

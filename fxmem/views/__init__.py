@@ -1,0 +1,18 @@
+"""Views of a report: text (:mod:`.text` - bytes, formulas, the per-node table, the summary), the
+per-line table (:mod:`.lines`), pictures (:mod:`.diagram`, :mod:`.timeline`, drawn as
+:class:`~.figure.Figure`) and notebook HTML (:mod:`.html`).
+
+Views receive data - a report's public records and formulas, and an
+:class:`~fxmem.accounting.Evaluation` at some dims - and never reach into the report.
+
+>>> print(node_table(report))                  # doctest: +SKIP
+"""
+from .diagram import diagram
+from .figure import Figure, output_format
+from .html import report_html
+from .lines import LineRow, by_line, format_lines
+from .text import format_bytes, formula_text, node_table, summary
+from .timeline import timeline
+
+__all__ = ["diagram", "timeline", "by_line", "format_lines", "LineRow", "report_html", "node_table", "summary",
+           "format_bytes", "formula_text", "Figure", "output_format"]

@@ -1,0 +1,109 @@
+"""Figure: a graphviz drawing that saves itself by file extension and shows itself in notebooks.
+
+The diagram (:mod:`.diagram`) and the timeline (:mod:`.timeline`) are both Figures, so they
+render through the same ``dot`` to SVG, PNG or PDF. This module also holds what they share in
+drawing: HTML-like label pieces and the heat scale that colours live bytes (text - formulas and
+byte counts - is :mod:`.text`'s).
+
+>>> fig = report.diagram()                     # doctest: +SKIP
+>>> fig.save("gat.png")                        # doctest: +SKIP
+'gat.png'
+"""
+from __future__ import annotations
+
+import html
+import os
+from typing import Any
+
+import graphviz
+
+from ..errors import FxMemError, SpecError
+
+# file extension -> graphviz output format ("gv"/"dot" write the source itself)
+FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf", ".gv": None, ".dot": None}
+FONT = "Helvetica,Arial,sans-serif"
+
+# ColorBrewer YlOrRd: light for little live memory, red near the peak; text stays black on all
+# but the darkest, so every label reads in print and on screen
+HEAT = ("#ffffcc", "#ffeda0", "#fed976", "#feb24c", "#fd8d3c", "#fc4e2a", "#e31a1c")
+EMPTY = "#ffffff"  # nothing live
+PEAK = "#67000d"  # the peak's border and banner
+SAVED = "#c6dbef"  # rows and bars of tensors autograd keeps for backward
+SAVED_EDGE = "#2171b5"
+OUTPUT = "#c7e9c0"
+RESIDENT = "#eeeeee"
+INK_SOFT = "#555555"
+
+class Figure(graphviz.Digraph):
+    """A graphviz Digraph with ``save(path)`` by extension and notebook display (SVG).
+
+    ``dims`` are the sizes its numbers and colours were computed at (bytes everywhere);
+    ``peak_node`` is the fx node holding the peak there.
+    """
+
+    dims: dict = {}
+    peak_node: str | None = None
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the figure to ``path``: ``.svg``, ``.png``, ``.pdf`` (rendered by ``dot``) or ``.gv``/``.dot``."""
+        path = os.fspath(path)
+        fmt = output_format(path)
+        data = self.source.encode() if fmt is None else self._pipe(fmt)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def svg(self) -> str:
+        """The rendered SVG as text."""
+        return self._pipe("svg").decode("utf-8")
+
+    def _pipe(self, fmt: str) -> bytes:
+        try:
+            return self.pipe(format=fmt)
+        except graphviz.ExecutableNotFound as exc:
+            raise FxMemError("drawing needs graphviz's `dot` program: install it (apt-get install graphviz, "
+                             "brew install graphviz, conda install graphviz) and retry") from exc
+
+    def _repr_svg_(self) -> str:
+        return self.svg()
+
+    def _repr_html_(self) -> str:
+        # inline SVG scales with the notebook cell and keeps the tooltips (exact formulas on hover)
+        return f'<div style="max-width:100%;overflow:auto">{self.svg()}</div>'
+
+
+def output_format(path: str) -> str | None:
+    """The graphviz format a path's extension asks for (None: the DOT source); SpecError if none fits."""
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    if ext not in FORMATS:
+        raise SpecError(f"cannot write {os.fspath(path)!r}: name it with one of {', '.join(FORMATS)}")
+    return FORMATS[ext]
+
+
+# --- drawing vocabulary -------------------------------------------------------------------------
+def esc(text: Any) -> str:
+    """Text made safe inside a graphviz HTML-like label."""
+    return html.escape(str(text), quote=True)
+
+
+def lines_html(lines: list[str], align: str = "LEFT") -> str:
+    """Escaped lines joined with graphviz line breaks."""
+    return f'<BR ALIGN="{align}"/>'.join(esc(line) for line in lines) + f'<BR ALIGN="{align}"/>'
+
+
+def heat(value: int, top: int) -> str:
+    """Fill colour of ``value`` live bytes on a scale whose reddest bin holds ``top`` (the peak)."""
+    if value <= 0 or top <= 0:
+        return EMPTY
+    return HEAT[min(len(HEAT) - 1, value * len(HEAT) // top)]
+
+
+def ink(fill: str) -> str:
+    """Text colour that reads on ``fill``."""
+    return "white" if fill in (HEAT[-1], PEAK) else "black"
+
+
+def heat_bins(top: int) -> list[tuple[str, int, int]]:
+    """The scale's bins as ``(colour, low bytes, high bytes)`` for a legend."""
+    n = len(HEAT)
+    return [(c, -(-top * i // n), -(-top * (i + 1) // n) - (1 if i < n - 1 else 0)) for i, c in enumerate(HEAT)]

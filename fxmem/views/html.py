@@ -1,0 +1,58 @@
+"""A Report as HTML: the summary (formulas in bytes) and the per-node table, for notebooks.
+
+The same content as ``report.summary()`` and ``report.table()``, with the peak's node and the
+tensors autograd keeps highlighted the way the diagram colours them.
+
+>>> from IPython.display import HTML; HTML(report_html(report, report.evaluate(**report.hints)))  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..accounting import Evaluation
+from .figure import PEAK, SAVED, esc
+from .text import dims_text, formula_text, node_kind
+
+OPEN_ROWS = 60  # longer tables start folded, so a 12-block model does not flood the notebook
+
+
+def report_html(report: Any, at_hints: Evaluation) -> str:
+    """``report``'s summary and per-node table as one HTML fragment (``at_hints``: its numbers at
+    the example sizes, which say where the peak is)."""
+    mode = "training (autograd records)" if report.grad else "inference (no grad)"
+    inputs = ", ".join(f"{s.arg}{s.text}" for s in report.specs)
+    head = [f"<b>fxmem · {esc(report.model_name)}</b> · {esc(report.mode)} mode · device={esc(report.device)} · {mode}",
+            f"inputs: <code>{esc(inputs)}</code>"]
+    if report.region:
+        head.append("formulas hold for: <code>" + esc(", ".join(report.region)) + "</code>")
+    formulas = "".join(f"<tr><td style='text-align:left'>{esc(k)}</td><td style='text-align:left'>"
+                       f"<code>{esc(formula_text(v))}</code> B</td></tr>" for k, v in report.formulas().items())
+    peak = at_hints.liveness.peak_node
+    where = next((n for n in report.nodes if n.name == peak), None)
+    peak_line = (f"peak in node <b>{esc(peak)}</b>" + (f" ({esc(where.source)})" if where and where.source else "")
+                 + f" at the example sizes {esc(dims_text(report.hints))}") if peak else ""
+    notes = "".join(f"<li>{esc(n)}</li>" for n in report.notes)
+
+    rows = []
+    for k, n in enumerate(report.nodes):
+        if n.op == "output" and not n.allocations:
+            continue
+        shape = "; ".join("(" + ", ".join(formula_text(d) for d in s) + ")" for s in n.shapes)
+        if not shape and n.value is not None:
+            shape = formula_text(n.value)
+        style = f" style='background:{PEAK};color:white'" if n.name == peak else ""
+        saved = (f"<td style='text-align:left;background:{SAVED};color:black'>{esc(formula_text(n.saved))}</td>"
+                 if n.saved != 0 else "<td></td>")
+        cells = [str(k), f"<b>{esc(n.name)}</b>", esc(node_kind(n) if n.op in ("call_module", "call_method") else n.target), esc(shape),
+                 esc(formula_text(n.allocated)) if n.allocations else ""]
+        tail = [esc(formula_text(n.live_after)), esc(n.source) if n.source else ""]
+        rows.append(f"<tr{style}>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells) + saved
+                    + "".join(f"<td style='text-align:left'>{c}</td>" for c in tail) + "</tr>")
+    header = "".join(f"<th style='text-align:left'>{h}</th>" for h in
+                     ("#", "node", "target", "shape", "allocates (B)", "saved (B)", "live after (B)", "line"))
+    fold = " open" if len(rows) <= OPEN_ROWS else ""
+    return ("<div class='fxmem-report'>" + "<br>".join(head)
+            + f"<table>{formulas}</table>" + (f"<p>{peak_line}</p>" if peak_line else "")
+            + (f"<ul>{notes}</ul>" if notes else "")
+            + f"<details{fold}><summary>per-node table ({len(rows)} nodes)</summary>"
+            + f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table></details></div>")

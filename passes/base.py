@@ -1,0 +1,59 @@
+"""What every rewrite pass has in common: the findings it reports and how the optimizer calls it.
+
+A pass is data: a name, a ``find`` that looks at a traced graph (and at the values its nodes take
+on small real inputs) and returns :class:`Finding` s, and a ``rewrite`` that applies one finding
+to a copy of the graph. ``find`` decides; ``rewrite`` never declines.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch.fx
+
+from ..capture import source_line
+
+
+
+@dataclasses.dataclass
+class Probe:
+    """The graph run once for real at small sizes: ``sizes`` of the user's dims (``{"N": 4}``) and
+    ``env``, the value of every node (tensor, int, tuple)."""
+
+    sizes: Mapping[str, int]
+    env: Mapping[torch.fx.Node, Any]
+
+
+@dataclasses.dataclass
+class Finding:
+    """One place a pass looked at: ``status`` is ``"match"`` (a rewrite it can apply) or
+    ``"declined"`` with the ``reason`` in words."""
+
+    rule: str
+    node: torch.fx.Node  # the node the rewrite replaces (in the original graph)
+    status: str
+    reason: str
+    plan: Any = None  # what ``rewrite`` needs; None when declined
+    # nodes that are no longer needed once every finding that shares them is applied (the pair
+    # tensor and its copies): findings sharing such nodes are applied, or declined, together
+    frees: frozenset = frozenset()
+
+    @property
+    def where(self) -> str:
+        """``"matmul_1 (seed_gat.py:45)"``: the node and the user's source line."""
+        line = source_line(self.node)
+        return f"{self.node.name} ({line})" if line else self.node.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """A rewrite rule: ``find(gm, probes) -> [Finding]``; ``rewrite(graph, nodes, finding, gm) -> Node``.
+
+    ``probes`` are runs of the graph at two or more small sizes (:class:`Probe`); ``nodes`` maps each node of the
+    original graph to its counterpart in the graph being rewritten; ``rewrite`` inserts the
+    replacement of ``finding.node`` and returns it (the caller rewires the users).
+    """
+
+    name: str
+    find: Callable[[torch.fx.GraphModule, Sequence[Probe]], list[Finding]]
+    rewrite: Callable[[torch.fx.Graph, dict, Finding, torch.fx.GraphModule], torch.fx.Node]

@@ -1,0 +1,132 @@
+"""Verification: do two modules compute the same thing? Same outputs and gradients on real inputs.
+
+:func:`fxmem.optimize` returns a rewrite only if it passes this check against the original: for
+each set of inputs, the outputs must agree and so must the gradients of
+``loss = sum(output * random weights)`` with respect to every parameter and every floating point
+input. The check runs in float64 on deep copies (so the user's module, its parameters, buffers
+and random state are left untouched), where a change of summation order is invisible; models that
+cannot run in float64 are compared in their own dtype with float32 tolerances.
+
+>>> diff = compare(original, rewritten, [(torch.randn(2, 5, 6), torch.rand(2, 5, 5))])   # doctest: +SKIP
+>>> diff.ok, diff.max_abs, diff.where                                                     # doctest: +SKIP
+(True, 1.7e-16, 'gradient of a')
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .. import _torch_compat as tc
+
+# (rtol, atol) by the dtype the comparison runs in
+TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5)}
+
+
+@dataclasses.dataclass
+class Difference:
+    """The largest absolute difference found (``max_abs``), where (``"output 0"``,
+    ``"gradient of a"``, ``"gradient of input 1"``) and whether everything was within tolerance."""
+
+    ok: bool
+    max_abs: float
+    where: str
+    dtype: torch.dtype
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # constants made inside forward (torch.ones(...)) must follow the comparison's dtype
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _run(module: torch.nn.Module, inputs: Sequence[Any], dtype: torch.dtype | None, seed: int,
+         device: str = "cpu") -> dict[str, Any]:
+    """Outputs and gradients of ``module`` (a deep copy of it on ``device``, cast to ``dtype`` when given)."""
+    module = copy.deepcopy(module).to(device)
+    if dtype is not None:
+        module = module.to(dtype)
+    xs = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone().to(device)
+            if x.is_floating_point():
+                x = x.to(dtype) if dtype is not None else x
+                x.requires_grad_(True)
+        xs.append(x)
+    ctx = _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
+    with ctx, torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+        torch.manual_seed(seed)  # dropout draws the same masks in both modules
+        out = module(*xs)
+    leaves = tc.tree_leaves(out)
+    result: dict[str, Any] = {f"output {k}": v for k, v in enumerate(leaves)}
+    weights = torch.Generator().manual_seed(seed + 1)
+    terms = [(t * torch.randn(t.shape, generator=weights, dtype=t.dtype).to(t.device)).sum() for t in leaves
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    named = [(f"gradient of {n}", p) for n, p in module.named_parameters() if p.requires_grad]
+    named += [(f"gradient of input {k}", x) for k, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if terms and named:
+        grads = torch.autograd.grad(sum(terms), [t for _, t in named], allow_unused=True)
+        for (name, t), g in zip(named, grads):
+            result[name] = torch.zeros_like(t) if g is None else g
+    return result
+
+
+def _compare_runs(ref: dict, got: dict, dtype: torch.dtype) -> Difference:
+    rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    worst, where = 0.0, ""
+    for name, a in ref.items():
+        b = got.get(name)
+        if not isinstance(a, torch.Tensor):
+            if a != b:
+                return Difference(False, float("inf"), f"{name}: {b!r} != {a!r}", dtype)
+            continue
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            found = f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor) else repr(b)
+            return Difference(False, float("inf"), f"{name}: {found} instead of {tuple(a.shape)} {a.dtype}", dtype)
+        if a.numel() == 0:
+            continue
+        if not a.is_floating_point():
+            same, diff = torch.equal(a, b), 0.0 if torch.equal(a, b) else float("inf")
+        else:
+            a, b = a.detach(), b.detach()
+            same = torch.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True)
+            finite = torch.isfinite(a) & torch.isfinite(b)
+            diff = float((a - b).detach()[finite].abs().max()) if finite.any() else 0.0
+        if not same:
+            return Difference(False, diff, name, dtype)
+        if diff >= worst:
+            worst, where = diff, name
+    return Difference(True, worst, where, dtype)
+
+
+def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequence[Sequence[Any]],
+            seed: int = 0, device: str = "cpu") -> Difference:
+    """Compare outputs and gradients of ``candidate`` with ``reference`` on each tuple of ``inputs``
+    (run on ``device``).
+
+    Parameters are matched by name (``candidate`` must have every parameter ``reference`` has).
+    Returns the first failing :class:`Difference`, or the largest one when all agree.
+    """
+    worst: Difference | None = None
+    for k, xs in enumerate(inputs):
+        try:
+            ref = _run(reference, xs, torch.float64, seed + k, device)
+            dtype: torch.dtype | None = torch.float64
+        except Exception:  # some op has no float64 kernel: compare in the model's own dtype
+            ref, dtype = _run(reference, xs, None, seed + k, device), None
+        got = _run(candidate, xs, dtype, seed + k, device)
+        diff = _compare_runs(ref, got, dtype or torch.float32)
+        if not diff.ok:
+            return diff
+        if worst is None or diff.max_abs >= worst.max_abs:
+            worst = diff
+    return worst or Difference(True, 0.0, "", torch.float64)

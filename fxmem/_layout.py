@@ -30,3 +30,4 @@ def ensure_passes() -> None:
     except BaseException:
         del sys.modules["fxmem.passes"]
         raise
+    setattr(sys.modules["fxmem"], "passes", module)  # as the import system does for a submodule

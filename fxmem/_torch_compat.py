@@ -112,6 +112,16 @@ def size_expr(env: ShapeEnv, value: Any) -> sympy.Expr:
     return sympy.Integer(int(value))
 
 
+def simplify(env: ShapeEnv, expr: sympy.Basic) -> sympy.Basic:
+    """``expr`` (a size or a guard) with what the ShapeEnv knows applied."""
+    return env.simplify(expr)
+
+
+def replacements(env: ShapeEnv) -> dict:
+    """What the ShapeEnv found each symbol to equal (a number when it specialised it)."""
+    return dict(getattr(env, "replacements", {}))
+
+
 def shape_guards(env: ShapeEnv) -> list[sympy.Expr]:
     """The boolean facts about sizes that the traced computation relied on."""
     return [g.expr for g in env.guards]

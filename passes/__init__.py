@@ -13,9 +13,12 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """
-from .base import Finding, Pass, Probe
-from .optimize import optimize
-from .registry import PASSES
-from .verify import Difference, compare
+if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes this folder findable as ``passes``
+    raise ImportError(f"this folder is the package fxmem.passes, not a module {__name__!r}: import fxmem.passes")
+
+from .base import Finding, Pass, Probe  # noqa: E402
+from .optimize import optimize  # noqa: E402
+from .registry import PASSES  # noqa: E402
+from .verify import Difference, compare  # noqa: E402
 
 __all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe"]

@@ -172,7 +172,7 @@ class MemoryPlan:
             return expr
         hit = self._user_cache.get(expr)
         if hit is None:
-            user = tc.plain_sympy(self.rec.env.simplify(expr).xreplace(self.user))
+            user = tc.plain_sympy(tc.simplify(self.rec.env, expr).xreplace(self.user))
             hit = self._user_cache[expr] = sympy.expand(user)
         return hit
 
@@ -180,7 +180,7 @@ class MemoryPlan:
         lower = {self.user[s]: tc.symbol_lower_bound(self.rec.env, s) for s in self.user}
         guards = []
         for g in tc.shape_guards(self.rec.env):
-            ug = tc.plain_sympy(self.rec.env.simplify(g).xreplace(self.user))
+            ug = tc.plain_sympy(tc.simplify(self.rec.env, g).xreplace(self.user))
             if ug is sympy.true or ug == sympy.true or ug is sympy.false or not ug.free_symbols:
                 continue
             if ug not in guards:
@@ -189,9 +189,9 @@ class MemoryPlan:
 
     def _notes(self) -> list[str]:
         notes = list(self.rec.notes)
-        replacements = getattr(self.rec.env, "replacements", {})
+        found = tc.replacements(self.rec.env)
         for env_sym, user_sym in self.user.items():
-            r = replacements.get(env_sym)
+            r = found.get(env_sym)
             if r is None or r == env_sym:
                 continue
             r_user = tc.plain_sympy(r.xreplace(self.user))

@@ -35,6 +35,8 @@ class Measurement:
 
 def measure(fn: Callable[[], Any], device: str = "cpu", warmup: int = 1, keep_result: bool = False) -> Measurement:
     """Run ``fn()`` once for real (after ``warmup`` calls) and measure its memory."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     for _ in range(warmup):
         out = fn()
         del out

@@ -119,6 +119,8 @@ def is_movement(node: torch.fx.Node, env: Mapping[torch.fx.Node, Any],
     name = method_name(node)
     if name in ("repeat_interleave",) or (node.op == "call_function" and node.target is torch.repeat_interleave):
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        if repeats is None:  # repeat_interleave(counts) alone builds indices from the counts' values
+            return False
         return not _has_tensor(_value(repeats, env))  # repeats given per element is a gather
     if name in MOVEMENT_METHODS:
         return True
@@ -129,7 +131,8 @@ def data_inputs(node: torch.fx.Node, env: Mapping[torch.fx.Node, Any]) -> list[t
     """The inputs whose elements ``node`` copies (not those that only give a size or a shape)."""
     skip = SHAPE_ONLY_ARGUMENT.get(method_name(node) or "")
     out: list[torch.fx.Node] = []
-    for pos, arg in enumerate(node.args):
+    # operands may come by position or by keyword (torch.cat(tensors=[x, y]))
+    for pos, arg in [*enumerate(node.args), *node.kwargs.items()]:
         if pos == skip:
             continue
         for n in _nodes_in(arg):

@@ -21,6 +21,7 @@ from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
 from .accounting.symbolic import evaluate
 from .errors import SpecError
+from .parsing import parse_expression
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
 
@@ -116,10 +117,20 @@ class Report:
             report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return report, report._evaluations[key]
 
-    def at(self, expr: sympy.Expr, **dims: int) -> int:
-        """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``) at ``dims``."""
-        values = check_dims(dims, self.symbols)
-        return evaluate(sympy.sympify(expr), {self.symbols[k]: v for k, v in values.items()})
+    def at(self, expr: sympy.Expr | str | int, **dims: int) -> int:
+        """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``, or a
+        string such as ``"B*N**2"`` over its dims) at ``dims``."""
+        values = check_dims(dims, self.symbols, "at")
+        if isinstance(expr, str):
+            expr = parse_expression(expr, dict(self.symbols), "at(): expression", new_names=False)
+        elif isinstance(expr, bool) or not isinstance(expr, (int, sympy.Expr)):
+            raise SpecError(f"at(): expected a formula of this report, a string or an int, got {type(expr).__name__}")
+        expr = sympy.sympify(expr)
+        unknown = sorted(str(s) for s in expr.free_symbols if s not in self.symbols.values())
+        if unknown:
+            raise SpecError(f"at(): the formula uses {unknown}, which are not dims of this analysis "
+                            f"(its dims: {sorted(self.symbols)})")
+        return evaluate(expr, {self.symbols[k]: v for k, v in values.items()})
 
     def liveness(self, dims: Mapping[str, int] | None = None) -> Liveness:
         """Live activation bytes node by node, at ``dims`` (default: the example sizes ``hints``).

@@ -97,7 +97,7 @@ class Region:
         for g in self.guards:
             try:
                 ok = bool(g.xreplace(values))
-            except TypeError:
+            except (TypeError, ValueError, ZeroDivisionError):  # undefined there (x % (N-1) at N=1): outside
                 ok = False
             if not ok:
                 why.append(str(g))

@@ -5,8 +5,10 @@ where each piece of it came from in the user's source.
 >>> forward_arguments(gm)                                      # doctest: +SKIP
 (['input'], 1)
 """
-from .source import SourceLine, is_user_file, model_files, module_path, source_line, statement_of, statement_text
-from .trace import forward_arguments, helper_modules, trace
+from .source import (Parameters, SourceLine, forward_parameters, is_user_file, model_files, module_path, source_line,
+                     statement_of, statement_text)
+from .trace import check_leaf_modules, forward_arguments, helper_modules, private_copy, trace
 
-__all__ = ["trace", "forward_arguments", "helper_modules", "SourceLine", "source_line", "module_path",
+__all__ = ["trace", "forward_arguments", "forward_parameters", "Parameters", "private_copy", "check_leaf_modules",
+           "helper_modules", "SourceLine", "source_line", "module_path",
            "is_user_file", "model_files", "statement_of", "statement_text"]

@@ -38,6 +38,7 @@ class Recorder(tc.DispatchMode):
         super().__init__()
         self.table, self.log, self.autograd, self.device = table, log, autograd, device
         self.used: set = set()  # kernel rules that shaped the numbers
+        self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self._quiet = 0
         self._last_op: str | None = None
 

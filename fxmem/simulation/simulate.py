@@ -16,11 +16,12 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Sequence
 
+import sympy
 import torch
 import torch.fx
 
 from .. import _torch_compat as tc
-from ..capture import model_files, trace
+from ..capture import model_files, private_copy, trace
 from ..errors import DeviceError, FxMemError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths
@@ -29,7 +30,7 @@ from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step
 from .autograd import Autograd
 from .events import EventLog
-from .failures import failure
+from .failures import failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
@@ -75,7 +76,7 @@ class _Run(StepHooks):
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         first = self.log.next_step
-        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase)):
+        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase), self.recorder.rename):
             yield
             if phase == Phase.BACKWARD:
                 self._mark_gradients()
@@ -104,6 +105,7 @@ def simulate(
     mode: str = "graph",
     leaf_modules: Sequence[type] = (),
     kernels: dict | None = None,
+    concrete_args: dict | None = None,
 ) -> Recording:
     """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
 
@@ -133,13 +135,16 @@ def simulate(
         if mode == "graph":
             with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
                 warnings.filterwarnings("ignore", message="Raw Sym")
-                model = trace(model, leaf_modules)
+                model = trace(model, leaf_modules, concrete_args)
     table, log = StorageTable(env, device), EventLog()
     recorder = Recorder(table, log, Autograd(table, log), device)
-    with fake_mode, REGISTRY.scoped(kernels, device):
+    recorder.rename = renamer({str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)})
+    table.rename = recorder.rename
+    with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
-        fake_model = tc.fake_module_copy(model, lambda t, trainable: torch.empty_strided(
+        source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
+        fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad and grad))
         for spec, t in zip(specs, inputs):
@@ -183,7 +188,7 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise FxMemError("no parameter requires grad, so there is nothing to train")
-    with recorder.quiet(), failures("creating the optimizer's state"):
+    with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -211,8 +216,8 @@ def _note_versions(used: set, log: EventLog) -> None:
 
 
 @contextlib.contextmanager
-def failures(what: str | None) -> Iterator[None]:
-    """Errors raised by a phase of the training step, named after the phase."""
+def failures(what: str | None, rename: Any = lambda text: text) -> Iterator[None]:
+    """Errors raised by a phase of the training step, named after the phase (None: passed on)."""
     if what is None:
         yield
         return
@@ -221,5 +226,5 @@ def failures(what: str | None) -> Iterator[None]:
     except FxMemError:
         raise
     except Exception as exc:
-        raise failure(exc, f"{what} on fake tensors", advice="check that the loss and optimizer work on this "
-                      "model's outputs and parameters") from exc
+        raise failure(exc, f"{what} on fake tensors", rename=rename, advice="check that the loss and optimizer "
+                      "work on this model's outputs and parameters") from exc

@@ -47,7 +47,8 @@ def dim_symbol(name: str) -> sympy.Symbol:
 
 def check_name(name: Any, where: str) -> str:
     """A dim name: an identifier that is not a Python keyword."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name) or len(name) > 64:
+    if (not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name) or len(name) > 64
+            or name.startswith("__")):
         raise SpecError(f"{where}: {name!r} is not a dim name; use a name such as 'B' or 'seq_len' "
                         f"(letters, digits and '_', not starting with a digit)")
     return name

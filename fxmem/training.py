@@ -91,6 +91,10 @@ class StepHooks:
     def phase(self, phase: Phase) -> Iterator[None]:
         yield
 
+    def check_loss(self, loss: Any) -> None:
+        """Refuse what ``backward()`` cannot take (see :func:`check_loss`)."""
+        check_loss(loss)
+
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss just before ``backward()``."""
 
@@ -102,7 +106,7 @@ def train_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer,
     out = hooks.forward(module, inputs)
     with hooks.phase(Phase.LOSS):
         value = loss(out)
-    check_loss(value)
+    hooks.check_loss(value)
     hooks.before_backward(value)
     with hooks.phase(Phase.BACKWARD):
         value.backward()

@@ -22,7 +22,7 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
-from ..errors import DeviceError, FxMemError
+from ..errors import DeviceError, FxMemError, ModelError, SpecError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths
 from ..records import Node, Phase, Recording, Role
@@ -83,6 +83,12 @@ class _Run(StepHooks):
             self.recorder.end_node()
         self.log.ended(Node(phase.value, "phase", phase.value, "", None, [], [], [], first, self.log.next_step))
 
+    def check_loss(self, loss: Any) -> None:
+        try:
+            super().check_loss(loss)
+        except SpecError as exc:
+            raise SpecError(self.recorder.rename(str(exc))) from None
+
     def before_backward(self, loss: torch.Tensor) -> None:
         self.recorder.autograd.watch_engine(loss)
 
@@ -129,16 +135,20 @@ def simulate(
     def symint(expr: Any) -> Any:
         return tc.make_symint(env, expr.xreplace(to_env), int(expr.xreplace(hint_of)))
 
+    rename = renamer({str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)})
     if isinstance(model, Blueprint):
         with fake_mode:
-            model = model.build(symint)
+            try:
+                model = model.build(symint)
+            except ModelError as exc:
+                raise ModelError(rename(str(exc))) from exc.__cause__
         if mode == "graph":
             with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
                 warnings.filterwarnings("ignore", message="Raw Sym")
                 model = trace(model, leaf_modules, concrete_args)
     table, log = StorageTable(env, device), EventLog()
     recorder = Recorder(table, log, Autograd(table, log), device)
-    recorder.rename = renamer({str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)})
+    recorder.rename = rename
     table.rename = recorder.rename
     with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from .specs import choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
+log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
 def analyze(
@@ -99,6 +101,7 @@ def analyze(
 
     def arguments(module: torch.nn.Module) -> tuple[list[str], int, torch.fx.GraphModule | None]:
         if mode == "graph":
+            log.info("tracing %s with torch.fx", name)
             gm = trace(module, leaf_modules)
             return (*forward_arguments(gm), gm)
         return (*_forward_signature(module), None)
@@ -116,6 +119,7 @@ def analyze(
         target = gm
 
     def run(at: Mapping[str, int]) -> Report:
+        log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
         rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
                        leaf_modules=leaf_modules, kernels=kernels)
         plan = MemoryPlan(rec, dict(at))

@@ -197,16 +197,21 @@ class Report:
         """
         return views.diagram(*self._at(dims or None), concrete=bool(dims), group=group, depth=depth)
 
-    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Figure:
-        """When each activation storage lives: one bar per storage, the peak line. See :mod:`fxmem.views.timeline`.
+    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Chart:
+        """Bytes live over the forward, and one bar per tensor from its allocation to its free, at
+        ``dims`` (a matplotlib chart; see :mod:`fxmem.views.timeline`).
 
         >>> report.timeline({"B": 4, "N": 500}).save("gat_timeline.png")   # doctest: +SKIP
         """
-        return views.timeline(*self._at(dims or None), concrete=bool(dims))
+        if not dims and self.symbols:
+            raise SpecError(f"the timeline draws bytes at concrete sizes: give them, e.g. "
+                            f"timeline(dims={{{', '.join(f'{k!r}: ...' for k in sorted(self.symbols))}}})")
+        return views.timeline(*self._at(dims or None, check=True))
 
     def render(self, path: str, what: str = "diagram", dims: Mapping[str, int] | None = None,
                group: str | None = None) -> str:
-        """Write the diagram (``what="timeline"``: the timeline) to ``path``; SVG, PNG or PDF by extension.
+        """Write the diagram (``what="timeline"``: the timeline, which needs ``dims``) to ``path``; SVG,
+        PNG or PDF by extension.
 
         >>> report.render("gat.png", dims={"B": 4, "N": 500})        # doctest: +SKIP
         'gat.png'

@@ -181,6 +181,17 @@ class Report:
             return views.node_table(self, None, max_width)
         return views.node_table(*self._at(dims), max_width)
 
+    def modules(self, dims: Mapping[str, int] | None = None) -> views.ModuleTable:
+        """The per-module table (as torchinfo's summary, exact): each module's class, output shape,
+        parameters, and the activation bytes its tensors keep after the forward (with its
+        submodules'); formulas, or numbers at ``dims``. Prints as text, shows as HTML in notebooks.
+
+        >>> print(report.modules(dict(B=64, L=32)))                # doctest: +SKIP
+        """
+        if not dims:
+            return views.module_rows(self)
+        return views.module_rows(*self._at(dims))
+
     def summary(self, dims: Mapping[str, int] | None = None) -> str:
         """The headline formulas (and numbers at ``dims``) as text."""
         return views.summary(self, self.evaluate(**dims) if dims else None)

@@ -134,3 +134,11 @@ def test_stderr_is_clean_for_a_cnn_without_numpy(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "peak" in out.stdout
     assert out.stderr == ""
+
+
+def test_modules_table():
+    out = run("analyze", "examples/seed_attention.py:Attention", "--init", "dim=64,num_heads=4", "--input", "B,L,64",
+              "--dims", "B=3,L=7", "--modules", "--quiet")
+    assert out.returncode == 0, out.stderr
+    report = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    assert str(report.modules(dict(B=3, L=7))) in out.stdout

@@ -56,3 +56,10 @@ def report_html(report: Any, at_hints: Evaluation) -> str:
             + (f"<ul>{notes}</ul>" if notes else "")
             + f"<details{fold}><summary>per-node table ({len(rows)} nodes)</summary>"
             + f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table></details></div>")
+
+
+def html_table(header: tuple, rows: list[tuple]) -> str:
+    """Rows of strings as an HTML table (escaped, left-aligned)."""
+    head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

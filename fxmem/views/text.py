@@ -172,8 +172,15 @@ def node_table(report: Any, evaluation: Any = None, max_width: int = 60) -> str:
         rows.append((str(k), n.name, target, shape[:40], fmt(n.allocated) if n.allocations else "",
                      fmt(n.saved) if n.saved != 0 else "", fmt(n.live_after, k, node_live=True),
                      str(n.source) if n.source else ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return text_table(rows[0], rows[1:])
+
+
+def text_table(header: tuple, rows: list[tuple], right: tuple = ()) -> str:
+    """Rows of strings as an aligned text table under ``header`` (columns ``right`` right-aligned)."""
+    rows = [tuple(header)] + [tuple(r) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -84,7 +84,7 @@ class Report:
     def region(self) -> list[str]:
         """Conditions on the dims under which the formulas hold (e.g. ``N >= 2``)."""
         conds = [f"{s} >= {lo}" for s, lo in self._plan.region.lower.items() if lo > 1]
-        return conds + [str(g) for g in self._plan.region.guards]
+        return list(dict.fromkeys(conds + [str(g) for g in self._plan.region.guards]))  # once each
 
     def evaluate(self, **dims: int) -> Evaluation:
         """Exact byte counts at concrete dims: ``resident``, ``peak``, ``retained``, ``saved``, ...

@@ -200,6 +200,25 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append(line)
     if report.device == "cuda":
         lines.append("  (bytes as requested; evaluate() rounds every block up to 512 B like the CUDA allocator)")
-    for note in report.notes:
+    for note in fold_notes(report.notes):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def fold_notes(notes: list[str], names: int = 3) -> list[str]:
+    """Notes that differ only in the node they name (``node 'x': aten.mm may ...``), said once:
+    ``nodes 'a', 'b', 'c' and 222 more: aten.mm may ...`` (a 32-layer model repeats each 32 times)."""
+    groups: dict[str, list[str]] = {}
+    for note in notes:
+        m = re.match(r"node '([^']*)': (.*)", note, re.S)
+        key, name = (m.group(2), m.group(1)) if m else (note, None)
+        groups.setdefault(key, []).append(name)
+    out = []
+    for rest, nodes in groups.items():
+        if nodes == [None]:
+            out.append(rest)
+            continue
+        shown = ", ".join(f"'{n}'" for n in nodes[:names])
+        more = f" and {len(nodes) - names} more" if len(nodes) > names else ""
+        out.append(f"node{'s' if len(nodes) > 1 else ''} {shown}{more}: {rest}")
+    return out

@@ -323,3 +323,9 @@ def test_notebook_display(layer):
     rows = [line.split()[1] for line in layer.table().splitlines()[2:]]
     assert all(f"<b>{name}</b>" in page for name in rows)
     assert pretty(layer.peak) in page and "peak in node <b>cat</b>" in page
+    # formulas typeset in notebooks (MathJax/KaTeX run over HTML output), and report.peak itself
+    assert f"\\({sympy.latex(layer.peak)}\\)" in page
+    assert layer.peak._repr_latex_() == f"$\\displaystyle {sympy.latex(layer.peak)}$"
+    # the peak's node depends on the sizes here: the page does not name one at sizes nobody chose
+    attention = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    assert "depends on the sizes" in attention._repr_html_() and "example sizes" not in attention._repr_html_()

@@ -7,9 +7,7 @@ Expected outputs are compared as doctest does (long tables: ``...`` stands for e
 from __future__ import annotations
 
 import doctest
-import os
 import re
-import sys
 
 import pytest
 

@@ -21,7 +21,7 @@ module (``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import sympy
 
@@ -115,7 +115,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     boxes = _boxes(report, group, depth)
     box_of = {n.name: b for b in boxes for _, n in b.nodes}
     for box in boxes:
-        _draw_box(fig, box, report, num, peak_node, fx_nodes)
+        _draw_box(fig, box, report, num, peak_node)
     seen = set()
     for box in boxes:
         for _, n in box.nodes:
@@ -182,7 +182,7 @@ def _module_classes(report: Any) -> dict[str, str]:
 
 
 # --- labels -------------------------------------------------------------------------------------
-def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str | None, fx_nodes: dict) -> None:
+def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str | None) -> None:
     nodes = [n for _, n in box.nodes]
     allocations = [s for n in nodes for s in n.allocations]
     has_peak = peak_node in {n.name for n in nodes}
@@ -200,7 +200,7 @@ def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str
         rows.append(_peak_row(report, num))
     rows.append(_header_row(box))
     if single is not None:
-        rows.extend(_node_rows(single, report, num, fx_nodes))
+        rows.extend(_node_rows(single, report, num))
     else:
         rows.extend(_group_rows(nodes, box, num))
     if single is None or single.op not in ("placeholder", "get_attr"):
@@ -243,7 +243,7 @@ def _peak_row(report: Any, num: _Numbers) -> str:
     return _row(lines_html(lines), size=10, color="white", bg=PEAK, bold=True)
 
 
-def _node_rows(n: Node, report: Any, num: _Numbers, fx_nodes: dict) -> list[str]:
+def _node_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
     rows = []
     for shape, dtype in zip(n.shapes, n.dtypes):
         dt = "" if dtype == report.dtype else f"  {str(dtype).replace('torch.', '')}"
@@ -254,14 +254,14 @@ def _node_rows(n: Node, report: Any, num: _Numbers, fx_nodes: dict) -> list[str]
         rows.append(_row(lines_html(wrap(f"retained {num.bytes(report.retained)}", 46))))
         rows.append(_row(lines_html(wrap(f"kept for backward {num.bytes(report.saved)}", 46)), bg=SAVED))
     elif n.allocations:
-        rows.extend(_allocation_rows(n, report, num, fx_nodes))
+        rows.extend(_allocation_rows(n, report, num))
     if n.source is not None and n.op not in ("output",):
         code = code_lines(n.source.code, 56)
         rows.append(_row(lines_html([f"{n.source}"] + code), size=8, color=INK_SOFT))
     return rows
 
 
-def _allocation_rows(n: Node, report: Any, num: _Numbers, fx_nodes: dict) -> list[str]:
+def _allocation_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
     """What the node allocates, tensor by tensor: size, what it is, whether autograd keeps it."""
     inputs = node_inputs(report, n)
     big = [s for s in n.allocations if not _small(s)]

@@ -4,10 +4,10 @@ its class, its output shape in the user's dims, its parameters, and the activati
 returned), summed over its submodules. Exact, as every fxmem number; formulas without ``dims``.
 
 >>> print(report.modules(dict(B=64, L=32)))                      # doctest: +SKIP
-module       class      output shape  parameters  kept
------------  ---------  ------------  ----------  ----------
-Attention    Attention  (64, 32, 512)   1,049,088  22.00 MiB
-  qkv        Linear     (64, 32, 1536)    786,432  0 B
+module       class      output shape     parameters  parameter bytes  kept after forward
+-----------  ---------  ---------------  ----------  ---------------  ------------------
+Attention    Attention  (64, 32, 512)     1,049,088         4.00 MiB           22.00 MiB
+  qkv        Linear     (64, 32, 1536)      786,432         3.00 MiB                 0 B
 ...
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from .specs import check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
+log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
 def analyze(
@@ -37,6 +39,7 @@ def analyze(
     hparams: Mapping[str, Any] | None = None,
     init: Mapping[str, Any] | None = None,
     kernels: Mapping[Any, Callable] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Report:
     """Return the memory (bytes) of ``model`` as formulas in the dims named by the specs.
 
@@ -63,6 +66,9 @@ def analyze(
         init: concrete constructor arguments for a class or factory.
         kernels: ``{op: fn}`` - what your own ops' real kernels allocate beyond their outputs, for
             this analysis (``fn(call)`` returns a program; see :func:`fxmem.kernels.register`).
+        autocast: ``torch.bfloat16`` or ``torch.float16`` - run the forward under
+            ``torch.autocast(device, dtype=...)`` (mixed precision): the casts autocast makes, and
+            the half-precision tensors autograd keeps, are counted exactly. Weights keep their dtype.
     """
     if mode not in MODES:
         raise SpecError(f"mode={mode!r}: use 'graph' (the traced module) or 'eager' (the original forward)")
@@ -70,6 +76,8 @@ def analyze(
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
         raise SpecError(f"grad must be True or False, got {grad!r}")
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise SpecError(f"autocast={autocast!r}: use torch.bfloat16 or torch.float16 (or None)")
     if loss is not None and optimizer is None:
         raise SpecError("loss= describes a training step; pass optimizer= as well")
     if loss is not None and not callable(loss):
@@ -116,11 +124,13 @@ def analyze(
     chosen = choose_hints(symbols, hints)
     check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
     if isinstance(target, torch.nn.Module) and mode == "graph":
+        log.info("tracing %s with torch.fx", name)
         target = trace(example, leaf_modules, omitted)
 
     def run(at: Mapping[str, int]) -> Report:
+        log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
         rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
-                       leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted)
+                       leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted, autocast=autocast)
         plan = MemoryPlan(rec, dict(at))
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)

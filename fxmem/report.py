@@ -85,7 +85,7 @@ class Report:
     def region(self) -> list[str]:
         """Conditions on the dims under which the formulas hold (e.g. ``N >= 2``)."""
         conds = [f"{s} >= {lo}" for s, lo in self._plan.region.lower.items() if lo > 1]
-        return conds + [str(g) for g in self._plan.region.guards]
+        return list(dict.fromkeys(conds + [str(g) for g in self._plan.region.guards]))  # once each
 
     def evaluate(self, **dims: int) -> Evaluation:
         """Exact byte counts at concrete dims: ``resident``, ``peak``, ``retained``, ``saved``, ...
@@ -192,6 +192,17 @@ class Report:
             return views.node_table(self, None, max_width)
         return views.node_table(*self._at(dims), max_width)
 
+    def modules(self, dims: Mapping[str, int] | None = None) -> views.ModuleTable:
+        """The per-module table (as torchinfo's summary, exact): each module's class, output shape,
+        parameters, and the activation bytes its tensors keep after the forward (with its
+        submodules'); formulas, or numbers at ``dims``. Prints as text, shows as HTML in notebooks.
+
+        >>> print(report.modules(dict(B=64, L=32)))                # doctest: +SKIP
+        """
+        if not dims:
+            return views.module_rows(self)
+        return views.module_rows(*self._at(dims))
+
     def summary(self, dims: Mapping[str, int] | None = None) -> str:
         """The headline formulas (and numbers at ``dims``) as text."""
         return views.summary(self, self.evaluate(**dims) if dims else None)
@@ -208,16 +219,21 @@ class Report:
         """
         return views.diagram(*self._at(dims or None), concrete=bool(dims), group=group, depth=depth)
 
-    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Figure:
-        """When each activation storage lives: one bar per storage, the peak line. See :mod:`fxmem.views.timeline`.
+    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Chart:
+        """Bytes live over the forward, and one bar per tensor from its allocation to its free, at
+        ``dims`` (a matplotlib chart; see :mod:`fxmem.views.timeline`).
 
         >>> report.timeline({"B": 4, "N": 500}).save("gat_timeline.png")   # doctest: +SKIP
         """
-        return views.timeline(*self._at(dims or None), concrete=bool(dims))
+        if not dims and self.symbols:
+            raise SpecError(f"the timeline draws bytes at concrete sizes: give them, e.g. "
+                            f"timeline(dims={{{', '.join(f'{k!r}: ...' for k in sorted(self.symbols))}}})")
+        return views.timeline(*self._at(dims or None, check=True))
 
     def render(self, path: str, what: str = "diagram", dims: Mapping[str, int] | None = None,
                group: str | None = None) -> str:
-        """Write the diagram (``what="timeline"``: the timeline) to ``path``; SVG, PNG or PDF by extension.
+        """Write the diagram (``what="timeline"``: the timeline, which needs ``dims``) to ``path``; SVG,
+        PNG or PDF by extension.
 
         >>> report.render("gat.png", dims={"B": 4, "N": 500})        # doctest: +SKIP
         'gat.png'

@@ -73,7 +73,7 @@ ACTIONS = {
     "analyze eager training step": lambda m: fxmem.analyze(m, ("B", 6), optimizer=SGD, mode="eager"),
     "evaluate outside the region": lambda m: fxmem.analyze(m, ("B", 6)).evaluate(B=1),
     "diagram and timeline": lambda m: (fxmem.analyze(m, ("B", 6)).diagram({"B": 3}).source,
-                                       fxmem.analyze(m, ("B", 6)).timeline().source),
+                                       fxmem.analyze(m, ("B", 6)).timeline({"B": 4})),
     "optimize": lambda m: fxmem.optimize(m, ("B", 6)),
     "validate": lambda m: fxmem.validate(m, ("B", 6), dims={"B": 3}, device="cpu"),
     "validate eager": lambda m: fxmem.validate(m, ("B", 6), dims={"B": 3}, device="cpu", mode="eager"),

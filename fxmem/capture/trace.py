@@ -131,17 +131,3 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
         advice = ("fx symbolic tracing cannot follow this code. Mark the module that contains it as a leaf "
                   "(analyze(..., leaf_modules=[...])) or wrap the function with torch.fx.wrap.")
     return TraceError(f"cannot trace {type(model).__name__} at {where}\n  {reason}\n  what to do: {advice}")
-
-
-def forward_arguments(gm: torch.fx.GraphModule) -> tuple[list[str], int]:
-    """Names of the graph's placeholders and how many of them have no default."""
-    names, required = [], 0
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        if str(n.target).startswith("*"):
-            continue
-        names.append(str(n.target))
-        if not n.args:  # placeholders with a default carry it in args
-            required += 1
-    return names, required

@@ -112,13 +112,15 @@ def simulate(
     leaf_modules: Sequence[type] = (),
     kernels: dict | None = None,
     concrete_args: dict | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Recording:
     """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
 
     ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
     :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
     ``forward`` runs, memory attributed to source lines. ``kernels``: the user's rules for their
-    own ops (see :func:`fxmem.kernels.register`).
+    own ops (see :func:`fxmem.kernels.register`). ``autocast``: the forward runs under
+    ``torch.autocast(device, dtype=autocast)`` (mixed precision; loss and backward outside it).
 
     With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
     the optimizer's state is created first (quietly, from placeholder gradients), then forward,
@@ -173,6 +175,8 @@ def simulate(
         else:
             line_runner = LineRunner(recorder, model_files(model))
             run_forward = lambda xs: line_runner.run(fake_model, xs)  # noqa: E731
+        if autocast is not None:
+            run_forward = _under_autocast(run_forward, device, autocast)
         hooks = _Run(recorder, run_forward, named_params)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
@@ -185,12 +189,21 @@ def simulate(
                 optimizer = _steady_state_optimizer(training, named_params, recorder)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model
-    facts = {"threads": torch.get_num_threads(), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
+    facts = {"threads": torch.get_num_threads(), **({"autocast": str(autocast)} if autocast else {}), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
     return Recording(table.storages, log.steps, log.nodes, log.events, log.notes, env, env_symbols, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
                      facts)
+
+
+def _under_autocast(run_forward: Any, device: str, dtype: torch.dtype) -> Any:
+    """The forward as a mixed-precision step runs it: inside ``torch.autocast``, whose exit frees
+    its cache of casted weights (as leaving a real ``with torch.autocast(...)`` block does)."""
+    def run(xs: list) -> Any:
+        with torch.autocast(device_type=device, dtype=dtype):
+            return run_forward(xs)
+    return run
 
 
 def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:

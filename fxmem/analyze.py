@@ -14,10 +14,10 @@ import torch
 
 from .accounting import MemoryPlan
 from .capture import check_leaf_modules, forward_parameters, trace
-from .errors import DeviceError, ModelError, SpecError
+from .errors import ModelError, SpecError
 from .hparams import Blueprint, blueprint
 from .report import Report
-from .simulation import simulate
+from .simulation import check_device, simulate
 from .specs import check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
@@ -84,8 +84,7 @@ def analyze(
         raise SpecError("loss= must be a function of the model's output, e.g. loss=lambda out: out.pow(2).mean()")
     if optimizer is not None and not callable(optimizer):
         raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
-    if device not in ("cpu", "cuda"):
-        raise DeviceError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+    check_device(device)  # before anything slow: a CPU-only torch cannot simulate CUDA
     for arg, value in (("hints", hints), ("hparams", hparams), ("init", init), ("kernels", kernels)):
         if value is not None and not isinstance(value, Mapping):
             raise SpecError(f"{arg}= must be a dict, got {type(value).__name__} {value!r:.60}")

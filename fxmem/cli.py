@@ -14,7 +14,6 @@ reported on stderr as they start, so stdout stays the result alone.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import importlib.util
 import logging
@@ -29,7 +28,8 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parse_input(text: str) -> Any:
-    """``"B,N,N:bool"`` -> ``TensorSpec(("B", "N", "N"), dtype=torch.bool)``."""
+    """``"B,N,N:bool"`` -> ``TensorSpec(("B", "N", "N"), dtype=torch.bool)`` (dims are read by
+    :mod:`fxmem.parsing` when the spec is parsed: names, integers, + - * // and parentheses)."""
     import torch
 
     from .specs import TensorSpec
@@ -40,49 +40,23 @@ def parse_input(text: str) -> Any:
         part = part.strip()
         if not part:
             raise SpecError(f"--input {text!r}: empty dim; write e.g. --input B,N,6")
-        dims.append(int(part) if part.lstrip("-").isdigit() else part)
+        dims.append(int(part) if part.isdigit() and len(part) < 20 else part)
     dtype = None
     if dtype_text:
-        dtype = getattr(torch, dtype_text.strip(), None)
+        name = dtype_text.strip()
+        dtype = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
         if not isinstance(dtype, torch.dtype):
             raise SpecError(f"--input {text!r}: unknown dtype {dtype_text!r}; use e.g. float32, bool, int64")
     return TensorSpec(tuple(dims), dtype=dtype)
 
 
-def parse_assignments(text: str | None, what: str, literal: bool = False) -> dict[str, Any]:
-    """``"B=4,N=500"`` -> ``{"B": 4, "N": 500}``."""
-    out: dict[str, Any] = {}
+def parse_assignments(text: str | None, what: str, literal: bool = False, minimum: int = 1) -> dict[str, Any]:
+    """``"B=4,N=500"`` -> ``{"B": 4, "N": 500}``; with ``literal``, Python literals (``--init``)."""
+    from .parsing import parse_assignments as parse
+
     if not text:
-        return out
-    for item in _split_top_level(text):
-        name, eq, value = item.partition("=")
-        if not eq or not name.strip():
-            raise SpecError(f"{what} {text!r}: expected NAME=VALUE pairs separated by commas")
-        try:
-            out[name.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            if literal:
-                out[name.strip()] = value.strip()
-            else:
-                raise SpecError(f"{what} {text!r}: {value.strip()!r} is not a number") from None
-    return out
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        parts.append(cur)
-    return parts
+        return {}
+    return parse(text, what, values="literal" if literal else "int", minimum=minimum)
 
 
 def load_model(target: str, init: dict[str, Any]) -> Any:
@@ -106,6 +80,9 @@ def load_model(target: str, init: dict[str, Any]) -> Any:
         except TypeError as exc:  # missing or unknown constructor arguments
             raise SpecError(f"model {target!r}: {name}(**{init!r}) failed: {exc}; pass its arguments with "
                             f"--init NAME=VALUE,...") from None
+        except Exception as exc:  # the constructor's own error
+            raise SpecError(f"model {target!r}: {name}(**{init!r}) failed{_where(exc)}: {type(exc).__name__}: "
+                            f"{exc}") from None
         if not isinstance(model, torch.nn.Module):
             raise SpecError(f"model {target!r}: calling {name} returned {type(model).__name__}, not an nn.Module")
         return model
@@ -117,16 +94,30 @@ def _looks_like_file(where: str) -> bool:
 
 
 def _load_file(target: str, path: str) -> Any:
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise SpecError(f"model {target!r}: file {path!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"fxmem_cli_{os.path.basename(path).replace('.', '_')}", path)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"model {target!r}: {path!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise SpecError(f"model {target!r}: {path} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:  # the file's own code failed while it was imported
+        raise SpecError(f"model {target!r}: importing {path} failed{_where(exc)}: {type(exc).__name__}: {exc}") from None
     finally:
         sys.path.pop(0)
     return module
+
+
+def _where(exc: BaseException) -> str:
+    """`` at file.py:12`` - the innermost frame of the user's file in ``exc``'s traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "fxmem" not in f.filename]
+    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 def _load_module(target: str, name: str) -> Any:
@@ -136,6 +127,8 @@ def _load_module(target: str, name: str) -> Any:
     except ModuleNotFoundError as exc:
         raise SpecError(f"model {target!r}: no file {name!r} and no importable module {name!r} ({exc}); "
                         f"give path/to/file.py:Class or an installed package.module:Class") from None
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise SpecError(f"model {target!r}: importing {name} failed{_where(exc)}: {type(exc).__name__}: {exc}") from None
     finally:
         sys.path.pop(0)
 
@@ -208,8 +201,42 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dims", required=True, metavar="NAME=INT,...", help="sizes to measure at, e.g. B=4,N=500")
     v.add_argument("--device", default="cuda", choices=["cpu", "cuda"],
                    help="where to run: cuda (default; needs a GPU) or cpu")
-    v.add_argument("--tolerance", type=float, default=0.01, help="allowed relative difference (default 0.01)")
+    v.add_argument("--tolerance", type=_tolerance, default=0.01,
+                   help="allowed relative difference, a number >= 0 (default 0.01, i.e. 1 %%)")
     return p
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 (e.g. 0.01 for 1 %)")
+    return value
+
+
+def _writable(path: str, option: str) -> None:
+    """Fail before the analysis, not after it, if ``path`` cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SpecError(f"{option} {path!r}: the folder {folder!r} does not exist")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise SpecError(f"{option} {path!r}: cannot write there")
+
+
+def _check_dims_names(dims: dict | None, specs: list, hints: dict | None) -> None:
+    """--dims and --hints name exactly the dims the --input specs use (checked before analysing)."""
+    from .specs import spec_symbols
+
+    known = spec_symbols(specs, {})
+    for option, given in (("--dims", dims), ("--hints", hints)):
+        unknown = sorted(set(given or {}) - set(known))
+        if unknown:
+            raise SpecError(f"{option}: unknown dim(s) {unknown}; the --input specs use {sorted(known)}")
+    missing = sorted(set(known) - set(dims or {})) if dims else []
+    if missing:
+        raise SpecError(f"--dims: missing dim(s) {missing}; give a size for each of {sorted(known)}")
 
 
 def _torch_version() -> str:
@@ -242,16 +269,20 @@ def _prepare(args: argparse.Namespace, progress: _Progress) -> tuple[Any, list, 
     import torch
 
     dtype = getattr(torch, args.dtype)
+    init = parse_assignments(args.init, "--init", literal=True)
+    hints = parse_assignments(args.hints, "--hints", minimum=0) or None
+    specs = [parse_input(t) for t in args.input]
+    _check_dims_names(parse_assignments(args.dims, "--dims") or None, specs, hints)
     progress.say(f"loading {args.model}")
-    model = load_model(args.model, parse_assignments(args.init, "--init", literal=True))
+    model = load_model(args.model, init)
     if dtype != torch.float32:
         model = model.to(dtype)  # a model the CLI built itself: converting it changes nobody's model
     if args.eval:
         model.eval()
-    kw = {"dtype": dtype, "hints": parse_assignments(args.hints, "--hints") or None, "mode": args.mode}
+    kw = {"dtype": dtype, "hints": hints, "mode": args.mode}
     if args.optimizer:
         kw["optimizer"] = make_optimizer(args.optimizer)
-    return model, [parse_input(t) for t in args.input], kw
+    return model, specs, kw
 
 
 def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
@@ -260,9 +291,10 @@ def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
     progress.say("importing torch")
     from .views import output_format
 
-    for path in (args.diagram, args.timeline):
+    for option, path in (("--diagram", args.diagram), ("--timeline", args.timeline)):
         if path:
-            output_format(path)  # a bad extension fails before the analysis, not after
+            output_format(path)  # a bad extension or place fails before the analysis, not after
+            _writable(path, option)
     if args.timeline and not args.dims:
         raise SpecError("--timeline draws bytes at concrete sizes: give them with --dims, e.g. --dims B=4,N=500")
     dims = parse_assignments(args.dims, "--dims") or None
@@ -327,6 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _analyze(args, progress) if args.command == "analyze" else _validate(args, progress)
     except FxMemError as exc:
         print(f"fxmem: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # never a raw traceback; FXMEM_TRACEBACK=1 shows it (for a bug report)
+        if os.environ.get("FXMEM_TRACEBACK"):
+            raise
+        print(f"fxmem: error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+              f"  (not an error fxmem expected: if it comes from your model, fix it there; otherwise please "
+              f"report it with the output of FXMEM_TRACEBACK=1 fxmem ...)", file=sys.stderr)
         return 2
     finally:
         logger.removeHandler(progress)

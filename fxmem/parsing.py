@@ -154,7 +154,7 @@ def parse_int(value: Any, where: str, minimum: int = 1) -> int:
     return value
 
 
-def parse_assignments(text: Any, what: str, values: str = "int") -> dict[str, Any]:
+def parse_assignments(text: Any, what: str, values: str = "int", minimum: int = 1) -> dict[str, Any]:
     """``"B=4,N=500"`` -> ``{"B": 4, "N": 500}`` (``values="int"``), or literal values (``values="literal"``:
     numbers, strings, True/False/None, tuples and lists of them - ``--init dim=512,act='gelu'``)."""
     if not isinstance(text, str):
@@ -170,7 +170,8 @@ def parse_assignments(text: Any, what: str, values: str = "int") -> dict[str, An
         check_name(name, what)
         if name in out:
             raise SpecError(f"{what} {text!r}: {name} is given twice")
-        out[name] = parse_int(value.strip(), f"{what} {name}") if values == "int" else _literal(value.strip(), what, name)
+        out[name] = (parse_int(value.strip(), f"{what} {name}", minimum) if values == "int"
+                     else _literal(value.strip(), what, name))
     return out
 
 

@@ -4,7 +4,10 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 
 * :mod:`.optimize` - ``fxmem.optimize``: trace, probe at small sizes, find, apply, verify, keep
   what lowers the peak;
-* :mod:`.verify` - same outputs and gradients as the original, in train and eval mode;
+* :mod:`.modes` - one graph that follows ``train()``/``eval()`` as the model does (fx freezes
+  ``self.training`` while tracing);
+* :mod:`.verify` - same outputs, gradients and buffers as the original, in train and eval mode,
+  with and without grad;
 * :mod:`.registry` - the passes, as data; :mod:`.base` - what a pass is;
 * the pair-linear rule: :mod:`.pair_linear` (the rule), :mod:`.data_movement` (which nodes only
   copy elements, and the id probe), :mod:`.linear_maps` (what counts as a linear map),

@@ -1,12 +1,15 @@
 """``fxmem.optimize``: rewrite a model so that it takes less memory - verified, with the memory
 formulas before and after each rewrite.
 
-    trace -> run at small sizes (probes) -> passes find rewrites -> for each rewrite, in graph order:
-        apply it to a copy of the graph -> same outputs and gradients as the original?
-        -> fxmem's analysis: lower peak (forward, and training step with grad)? -> keep it
+    trace (train and eval mode: :mod:`.modes`) -> run at small sizes (probes) -> passes find
+    rewrites -> for each rewrite, in graph order: apply it to a copy of the graph -> same outputs,
+    gradients and buffers as the original model, in train and eval mode, with and without grad?
+    -> fxmem's analysis: lower peak (training: forward and training step; inference)? -> keep it
 
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
-``Parameter`` objects (training it trains the model); the model itself is never modified.
+``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
+model does (``F.dropout(x, p, training=self.training)`` reads the flag when it runs, not when it
+was traced); the model itself is never modified.
 ``opt.meta["fxmem"]`` lists every rewrite applied and every one declined, with the reason.
 
 >>> opt = fxmem.optimize(GraphAttentionLayerFixed(6, 128), ("B", "N", 6), ("B", "N", "N"))  # doctest: +SKIP
@@ -25,12 +28,13 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..analyze import analyze
-from ..capture import forward_arguments, trace
+from ..capture import forward_arguments
 from ..errors import FxMemError, ModelError, ShapeError, SpecError
 from ..inputs import random_inputs
 from ..report import Report
 from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
 from .base import Finding, Pass, Probe
+from .modes import in_mode, trace_modes
 from .registry import PASSES
 from .verify import compare
 
@@ -49,10 +53,15 @@ def _plain_sgd(params: Any) -> torch.optim.Optimizer:
 
 @dataclasses.dataclass
 class _Memory:
-    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes and at twice them."""
+    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes and at twice them.
+
+    ``report`` is the train-mode analysis (with a training step when there is grad), ``inference``
+    the eval-mode analysis under ``no_grad``: a rewrite must not raise either.
+    """
 
     report: Report
-    points: list[tuple[int, int]]  # (forward peak, training-step peak or 0) per point
+    inference: Report
+    points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) per point
 
     def lower_than(self, other: "_Memory") -> bool:
         """No peak higher than ``other``'s at any point, and one lower."""
@@ -62,7 +71,8 @@ class _Memory:
     def formulas(self, suffix: str) -> dict[str, str | None]:
         r = self.report
         return {f"peak_{suffix}": str(r.peak), f"saved_{suffix}": str(r.saved),
-                f"train_peak_{suffix}": str(r.train_peak) if r.train_peak is not None else None}
+                f"train_peak_{suffix}": str(r.train_peak) if r.train_peak is not None else None,
+                f"inference_peak_{suffix}": str(self.inference.peak)}
 
 
 def optimize(
@@ -87,12 +97,15 @@ def optimize(
             verified at 3+k, 4+k, 5+k; larger when the model cannot run that small). Every dim
             must differ between two of them.
 
-    A rewrite is kept only if the rewritten graph gives the same outputs and the same gradients
-    (w.r.t. every parameter and floating input) as the original on random inputs at the probe
-    sizes, and fxmem's analysis finds a lower peak (with ``grad``: forward peak and training-step
-    peak, neither higher, one lower, at ``hints`` and at twice them). ``opt.meta["fxmem"]`` lists
-    each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``), ``where`` (node and
-    file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_`` ``before``/``after`` formulas.
+    A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
+    (w.r.t. every parameter and floating input) and the same buffers as the original model on
+    random inputs at the probe sizes, in train and eval mode, with autograd and under ``no_grad``
+    (same random numbers in both: dropout keeps the same elements), and fxmem's analysis finds a
+    lower peak (train mode: forward peak and, with ``grad``, training-step peak; eval mode: the
+    inference peak under ``no_grad`` - none higher, one lower, at ``hints`` and at twice them).
+    ``opt.meta["fxmem"]`` lists each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``),
+    ``where`` (node and file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_``/
+    ``inference_peak_`` ``before``/``after`` formulas.
 
     >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))    # doctest: +SKIP
     >>> fxmem.analyze(opt, ("B", "N", 6), ("B", "N", "N")).peak          # doctest: +SKIP
@@ -101,15 +114,18 @@ def optimize(
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
     name = type(model).__name__
-    gm = trace(model, leaf_modules)
+    traced = trace_modes(model, leaf_modules)
+    gm = traced.graph_module
     arg_names, required = forward_arguments(gm)
     specs, symbols = parse_specs(input_specs, arg_names, required, dtype, name)
     probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
-    findings = [(p, f) for p in PASSES for f in p.find(gm, probes)]
+    findings = [] if traced.reason else [(p, f) for p in PASSES for f in p.find(gm, probes)]
 
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     state = _Search(gm, model, input_specs, kw, verify_inputs)
+    if traced.reason:
+        state.log.append({"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason})
     for rule, finding in findings:
         state.log_finding(finding)
     for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
@@ -155,7 +171,7 @@ class _Search:
         for e in entries:
             e.update(self.current.formulas("before"))
         trial = _build(self.gm, self.model, self.accepted + group)
-        diff = compare(self.gm, trial, self.verify_inputs)
+        diff = compare(self.model, trial, self.verify_inputs)
         if not diff.ok:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group:
@@ -239,7 +255,7 @@ def _run_values(gm: torch.fx.GraphModule, specs: list[InputSpec], sizes: Mapping
                 name: str) -> dict[torch.fx.Node, Any]:
     """The value of every node of ``gm`` on random inputs at ``sizes`` (run on a copy of the model,
     so that e.g. batch-norm statistics of the user's model do not move)."""
-    twin = copy.deepcopy(gm)
+    twin = copy.deepcopy(gm).eval()  # eval mode: what tensors hold, without dropout's noise
     interp = torch.fx.Interpreter(twin, garbage_collect_values=False)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -300,16 +316,21 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: dict) -> _Memory:
+    """fxmem's analysis of ``gm`` in train mode (a training step, with grad) and in eval mode
+    under ``no_grad`` (inference); each on a copy of ``gm`` in that mode."""
+    train, evals = in_mode(gm, True), in_mode(gm, False)
     report = None
     if kw["grad"]:
         try:
-            report = analyze(gm, *input_specs, optimizer=_plain_sgd, **kw)
+            report = analyze(train, *input_specs, optimizer=_plain_sgd, **kw)
         except FxMemError:  # nothing to train (no parameter reaches the output): forward only
             report = None
     if report is None:
-        report = analyze(gm, *input_specs, **kw)
+        report = analyze(train, *input_specs, **kw)
+    inference = analyze(evals, *input_specs, **{**kw, "grad": False})
     points = []
     for scale in (1, 2):
-        values = report.evaluate(**{k: v * scale for k, v in report.hints.items()})
-        points.append((values["peak"], values.get("train_peak", 0)))
-    return _Memory(report, points)
+        at = {k: v * scale for k, v in report.hints.items()}
+        values = report.evaluate(**at)
+        points.append((values["peak"], values.get("train_peak", 0), inference.evaluate(**at)["peak"]))
+    return _Memory(report, inference, points)

@@ -16,6 +16,7 @@ import torch
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run, load_example
 from fxmem.passes import linear_maps
+from fxmem.passes.modes import trace_modes
 import pair_spellings as P
 
 seed_gat = load_example("seed_gat")
@@ -189,7 +190,7 @@ def test_seed_cat_on_dim_1_is_refused_as_a_likely_bug():
     reason = entry["reason"]
     assert "pairs are not (h_i, h_j)" in reason and "entry [0, 0, 1] holds (h[0, 0] || h[0, 0])" in reason
     assert "runs along dim 1" in reason and "looks like a bug" in reason and "dim=2 or -1" in reason
-    assert [n.name for n in opt.graph.nodes] == [n.name for n in fxmem.capture.trace(layer).graph.nodes]
+    assert [n.name for n in opt.graph.nodes] == [n.name for n in trace_modes(layer).graph_module.graph.nodes]
 
 
 # --- look-alikes are refused ---------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_lookalike_is_refused(cls, node, words):
     for w in words:
         assert w in opt.meta["fxmem"][0]["reason"]
     # nothing was rewritten: the same graph as the trace
-    assert opt.code == fxmem.capture.trace(model).code
+    assert opt.code == trace_modes(model).graph_module.code
 
 
 def test_gatv2_keeps_a_after_the_nonlinearity_and_splits_the_edge_linear():
@@ -237,7 +238,7 @@ def test_edge_mlp_that_saves_nothing_is_declined():
     (entry,) = opt.meta["fxmem"]
     assert entry["status"] == "declined" and entry["reason"].startswith("no memory saved")
     assert entry["peak_after"] is not None
-    assert opt.code == fxmem.capture.trace(model).code
+    assert opt.code == trace_modes(model).graph_module.code
 
 
 def test_unrelated_linear_maps_are_not_reported():
@@ -273,7 +274,7 @@ def test_a_rewrite_that_fails_verification_is_dropped(monkeypatch):
         opt = fxmem.optimize(model, *P.Expand.SPECS)
     (entry,) = opt.meta["fxmem"]
     assert entry["status"] == "declined" and "max diff" in entry["reason"]
-    assert opt.code == fxmem.capture.trace(model).code
+    assert opt.code == trace_modes(model).graph_module.code
     assert_same_function(model, opt, P.Expand.SPECS, {"B": 2, "N": 3})
 
 

@@ -84,6 +84,7 @@ def optimize(
     hints: Mapping[str, int] | None = None,
     leaf_modules: Sequence[type] = (),
     probe_sizes: Sequence[Mapping[str, int]] | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Return ``model`` rewritten to use less memory, as a GraphModule with the same call signature.
 
@@ -96,6 +97,8 @@ def optimize(
             what each tensor holds and to verify each rewrite (default: dim k is 3+k and 5+k,
             verified at 3+k, 4+k, 5+k; larger when the model cannot run that small). Every dim
             must differ between two of them.
+        settings: choices for a pass, by its name: ``{"fused-attention": {"block_bytes": 2**20}}``
+            (each pass's ``settings`` in ``fxmem.passes.PASSES`` says what it takes).
 
     A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
     (w.r.t. every parameter and floating input) and the same buffers as the original model on
@@ -114,24 +117,50 @@ def optimize(
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
     name = type(model).__name__
+    settings = _check_settings(settings)
     traced = trace_modes(model, leaf_modules)
     gm = traced.graph_module
     arg_names, required = forward_arguments(gm)
     specs, symbols = parse_specs(input_specs, arg_names, required, dtype, name)
     probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
-    findings = [] if traced.reason else [(p, f) for p in PASSES for f in p.find(gm, probes)]
-
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     state = _Search(gm, model, input_specs, kw, verify_inputs)
     if traced.reason:
         state.log.append({"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason})
-    for rule, finding in findings:
-        state.log_finding(finding)
-    for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
-        state.try_group(group)
+        state.best.meta["fxmem"] = state.log
+        return state.best
+    for k, rule in enumerate(PASSES):
+        if k:  # each pass sees the graph the passes before it made (fused attention needs decomposed scores)
+            if state.rebase():
+                probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
+        findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
+        for _, finding in findings:
+            state.log_finding(finding)
+        for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
+            state.try_group(group)
     state.best.meta["fxmem"] = state.log
     return state.best
+
+
+def _check_settings(settings: Mapping[str, Mapping[str, Any]] | None) -> dict:
+    if settings is None:
+        return {}
+    known = {p.name: p for p in PASSES}
+    if not isinstance(settings, Mapping):
+        raise SpecError("settings= must be a dict {pass name: {setting: value}}, e.g. "
+                        "{'fused-attention': {'block_bytes': 2**20}}")
+    for name, values in settings.items():
+        if name not in known:
+            raise SpecError(f"settings: no pass is called {name!r}; the passes are {sorted(known)}")
+        unknown = sorted(set(values) - set(known[name].settings))
+        if unknown:
+            raise SpecError(f"settings[{name!r}]: {unknown} cannot be set; it takes "
+                            f"{dict(known[name].settings) or 'nothing'}")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"settings[{name!r}][{key!r}] must be a positive int (bytes), got {value!r}")
+    return dict(settings)
 
 
 class _Search:
@@ -147,6 +176,13 @@ class _Search:
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
 
+    def rebase(self) -> bool:
+        """Make the graph with every rewrite kept so far the one later rewrites apply to; whether it changed."""
+        if not self.accepted:
+            return False
+        self.gm, self.accepted = self.best, []
+        return True
+
     @property
     def current(self) -> _Memory:
         """The memory of the graph with every rewrite kept so far."""
@@ -161,7 +197,8 @@ class _Search:
     def log_finding(self, finding: Finding) -> None:
         """Start the ``meta["fxmem"]`` entry of ``finding`` (declined until it is applied)."""
         entry = {"rule": finding.rule, "status": "declined", "where": finding.where, "reason": finding.reason,
-                 **self.current.formulas("before"), **dict.fromkeys(("peak_after", "saved_after", "train_peak_after"))}
+                 **self.current.formulas("before"),
+                 **dict.fromkeys(("peak_after", "saved_after", "train_peak_after", "inference_peak_after"))}
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
@@ -189,10 +226,11 @@ class _Search:
         if not after.lower_than(self.current):
             together = f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else ""
             for e, (_, f) in zip(entries, group):
-                e["reason"] = (f"no memory saved: the split is exact ({f.reason}), but fxmem's analysis of the rewrite"
+                e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's analysis of the rewrite"
                                f"{together} gives peak {after.report.peak} (was {self.current.report.peak})"
                                + (f" and training-step peak {after.report.train_peak} (was "
                                   f"{self.current.report.train_peak})" if after.report.train_peak is not None else "")
+                               + f" and inference peak {after.inference.peak} (was {self.current.inference.peak})"
                                + ", so the original is kept")
             return
         names = {n.name for n in trial.graph.nodes}

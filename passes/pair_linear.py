@@ -82,7 +82,10 @@ def _decode(m: LinearMap, movements: list[Movement], provs: list[Provenance], pr
 
 # --- the rule -----------------------------------------------------------------------------------------
 
-def find(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> list[Finding]:
+SETTINGS: dict = {}  # nothing to set
+
+
+def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
     """Every linear map over pairs in ``gm`` (a match), and every look-alike (declined, with why)."""
     modules = dict(gm.named_modules())
     is_weight = Weights()

@@ -20,39 +20,13 @@ import torch.nn.functional as F
 
 import fxmem
 from conftest import load_example
+from equivalence import assert_same_in_every_mode
 from fxmem.passes import compare
 from fxmem.passes.modes import trace_modes
 from fxmem.passes.verify import MODES
 
 seed_gat = load_example("seed_gat")
 SEED_SPECS = (("B", "N", 6), ("B", "N", "N"))
-
-
-def run(module: nn.Module, xs: list, training: bool, grad: bool, seed: int = 7) -> dict:
-    """float64 outputs, gradients (w.r.t. parameters and inputs) and buffers after one call, on a copy."""
-    module = copy.deepcopy(module).double().train(training)
-    xs = [x.detach().double().requires_grad_(grad) for x in xs]
-    with torch.random.fork_rng(devices=[]), (torch.enable_grad() if grad else torch.no_grad()):
-        torch.manual_seed(seed)
-        out = module(*xs)
-    result = {"output": out.detach()}
-    result.update({f"buffer {n}": b.clone() for n, b in module.named_buffers()})
-    if grad:
-        named = list(module.named_parameters()) + [(f"input {k}", x) for k, x in enumerate(xs)]
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
-        grads = torch.autograd.grad((out * w).sum(), [t for _, t in named], allow_unused=True)
-        result.update({n: g if g is not None else torch.zeros_like(t) for (n, t), g in zip(named, grads)})
-    return result
-
-
-def assert_same_in_every_mode(model: nn.Module, opt: nn.Module, xs: list) -> None:
-    for training in (True, False):
-        for grad in (True, False):
-            want, got = run(model, xs, training, grad), run(opt, xs, training, grad)
-            assert set(want) <= set(got), (training, grad)
-            for name, w in want.items():
-                torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12,
-                                           msg=f"{name}, training={training}, grad={grad}")
 
 
 def flags(model: nn.Module) -> list[bool]:

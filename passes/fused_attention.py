@@ -226,6 +226,22 @@ def _comparison(cond: Any, env: Mapping, keep: bool) -> tuple[Any, str, float, b
             f"compare one tensor with a number (adj > 0, adj == 0) or are a bool tensor")
 
 
+def _bool_mask(source: torch.fx.Node, compare: str, threshold: float, keep: bool, env: Mapping) -> tuple:
+    """A bool adjacency compared with a number is the adjacency or its negation (``adj > 0`` is
+    ``adj``): read it as it is, so the kernel does not cast every block to float to compare it."""
+    value = env.get(source)
+    if compare == "true" or not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+        return source, compare, threshold, keep
+    # whether True (1.0) and False (0.0) pass the comparison
+    passes = [{"gt": x > threshold, "ge": x >= threshold, "lt": x < threshold, "le": x <= threshold,
+               "eq": x == threshold, "ne": x != threshold}[compare] for x in (1.0, 0.0)]
+    if passes == [True, False]:
+        return source, "true", 0.0, keep
+    if passes == [False, True]:
+        return source, "true", 0.0, not keep
+    return source, compare, threshold, keep  # every entry alike: compared as written
+
+
 # --- the axes ---------------------------------------------------------------------------------------
 
 def _varies(shape: Sequence[int], rank: int) -> list[bool]:
@@ -338,7 +354,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     compared = _comparison(mask.cond, env, mask.keep)
     if isinstance(compared, str):
         return compared
-    source, compare, threshold, keep = compared
+    source, compare, threshold, keep = _bool_mask(*compared, env)
     u, v = add.args
     parts = {"scores": x, "add": add, "u": u, "v": v, "source": source}
     per_probe = [_axes(parts, p.env) for p in probes]

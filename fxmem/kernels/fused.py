@@ -77,31 +77,36 @@ def _unchecked_on_gpu(call: Call, program: list) -> list:
 @hidden(_ATTENTION, device="cuda")
 def _masked_attention(call: Call) -> list:
     """Row blocks of masked attention: contiguous copies of s, t, h; then per block the scores
-    (G x rows x M), the bool drop mask, and the block's output before it is copied into place."""
+    (G x rows x M), the bool drop mask, the softmax, and the block's output before it is copied
+    into place."""
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
     g, m, f, rows, es = _sizes(call)
-    copies = [c for c in (copy_bytes(s), copy_bytes(t), copy_bytes(h)) if not (isinstance(c, int) and c == 0)]
+    copies = _copies(s, t, h)
     scores, block_out = g * rows * m * es, g * rows * f * es
     mask, unmask = _drop_mask(call, rows)
-    block = [scores, *mask, *unmask, block_out, -block_out, -scores]
+    block = [scores, *mask, *unmask, scores, -scores, block_out, -block_out, -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
 
 
 @hidden(_ATTENTION_BACKWARD, device="cpu")
 @hidden(_ATTENTION_BACKWARD, device="cuda")
 def _masked_attention_backward(call: Call) -> list:
-    """Row blocks of the attention's backward: contiguous copies of s, t, h and the gradient; then
-    per block the recomputed scores, where they are negative (bool), the drop mask, dP
-    (G x rows x M), a row sum, and the two partial sums of dE."""
+    """Row blocks of the attention's backward: contiguous copies of s, t, h and the gradient; then per
+    block the recomputed scores, the drop mask, the softmax, dP (G x rows x M), a row sum, the check
+    whether masked entries got weight, LeakyReLU's backward (a new block), and the two partial sums."""
     s, t, h, grad = call.arg("s"), call.arg("t"), call.arg("h"), call.arg("grad")
     g, m, f, rows, es = _sizes(call)
-    copies = [c for c in (copy_bytes(s), copy_bytes(t), copy_bytes(h), copy_bytes(grad))
-              if not (isinstance(c, int) and c == 0)]
-    scores = g * rows * m * es
-    negative = g * rows * m
-    pre, post = _compare_with_number(call.device, s, negative, 0.0)
+    copies = _copies(s, t, h, grad)
+    scores, row = g * rows * m * es, g * rows * es
     mask, unmask = _drop_mask(call, rows)
-    row = g * rows * es
-    block = [scores, *pre, negative, *post, *mask, scores, row, -row, *unmask, -negative, -scores,
-             row, -row, g * m * es, -g * m * es, -scores]
+    # torch.gt(top, below).all(): a bool per row, then one bool
+    check_before, check_after = _compare_with_number(call.device, s, g * rows, 0.0)
+    check = [*check_before, g * rows, *check_after, 1, -g * rows, -1]
+    block = [scores, *mask, scores, scores, row, -row, -scores, *check, *unmask,
+             scores, -scores, -scores, row, -row, g * m * es, -g * m * es, -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
+
+
+def _copies(*operands: torch.Tensor) -> list:
+    """``.contiguous()`` of each operand that is not (the kernels start with these)."""
+    return [c for c in (copy_bytes(x) for x in operands) if not (isinstance(c, int) and c == 0)]

@@ -27,7 +27,7 @@ import torch.fx
 from .base import Probe
 from .data_movement import Gather, as_gather, run_node, trace_movement
 from .linear_maps import SPLITS, LinearMap
-from .pair_reasons import variable_name
+from .pair_reasons import index_name, variable_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def gathered(m: LinearMap, probes: Sequence[Probe], modules: Mapping) -> Gathere
     for p in probes:
         if not _same_ids(m.x, movement.nodes, halves, p.env, modules):
             dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
-            names = " and ".join(f"{variable_name(g.source)}[{_index_name(g.index)}]" for g in halves)
+            names = " and ".join(f"{variable_name(g.source)}[{index_name(g.index)}]" for g in halves)
             return (f"pairs are not one row per edge: the picked rows ({names}) are concatenated "
                     f"along dim {dim} (node {cat.name}) and laid out so that a row of the map's input mixes "
                     f"rows of different edges; left as it is")
@@ -86,20 +86,10 @@ def _same_ids(x: torch.fx.Node, moving: list, halves: list[Gather], env: Mapping
     return isinstance(got, torch.Tensor) and got.shape == want.shape and bool(torch.equal(got, want))
 
 
-def _index_name(node: torch.fx.Node) -> str:
-    """``edge_index[1]`` for a row of a placeholder, else the user's variable name."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if all(isinstance(k, (int, slice)) for k in key):
-            text = ", ".join(str(k) if isinstance(k, int) else ":" for k in key).rstrip(", :") or ":"
-            return f"{variable_name(node.args[0])}[{text}]"
-    return variable_name(node)
-
-
 def describe(plan: GatheredPlan) -> str:
     (g1, g2), f = plan.halves, plan.map.features // 2
     s1, s2 = variable_name(g1.source), variable_name(g2.source)
-    i1, i2 = _index_name(g1.index), _index_name(g2.index)
+    i1, i2 = index_name(g1.index), index_name(g2.index)
     return (f"gathered pairs x = [{s1}[{i1}] || {s2}[{i2}]] (node {plan.map.x.name}): the map is applied to the "
             f"rows of {s1}{'' if s1 == s2 else ' and ' + s2} first, L1({s1})[{i1}] + L2({s2})[{i2}], so the "
             f"tensor of 2x{f} features per picked row is not built")

@@ -318,7 +318,8 @@ def _build(gm: torch.fx.GraphModule, model: torch.nn.Module,
     graph = copy.deepcopy(gm.graph)  # keeps node names, so nodes are matched by name
     by_name = {n.name: n for n in graph.nodes}
     nodes = {n: by_name[n.name] for n in gm.graph.nodes}
-    unused_before = {n for n in graph.nodes if not n.users}
+    # nodes kept although nothing reads them (in-place ops, side effects), unless a rewrite replaces them
+    unused_before = {n for n in graph.nodes if not n.users} - {nodes[f.node] for _, f in rewrites}
     for rule, finding in rewrites:
         old = nodes[finding.node]
         before = set(graph.nodes)

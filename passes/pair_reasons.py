@@ -33,6 +33,18 @@ def variable_name(node: torch.fx.Node) -> str:
     return found.group(1) if found else node.name
 
 
+def index_name(node: torch.fx.Node) -> str:
+    """``edge_index[1]`` (``norm[:, None]``) for a constant index into a node, else the user's variable name."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if all(k is None or isinstance(k, (int, slice)) for k in key):
+            parts = [str(k) if isinstance(k, int) else "None" if k is None else ":" for k in key]
+            while len(parts) > 1 and parts[-1] == ":":
+                parts.pop()
+            return f"{variable_name(node.args[0])}[{', '.join(parts)}]"
+    return variable_name(node)
+
+
 def _row(prov: Provenance, movement: Movement, pos: tuple, lo: int, f: int) -> str:
     """``h[0, 2]`` if the half at ``pos`` copies one row of a source in order, else a short note."""
     src, flat = prov.source[pos + (slice(lo, lo + f),)], prov.flat[pos + (slice(lo, lo + f),)]

@@ -3,11 +3,11 @@
 looks at the graph the passes before it made.
 
 >>> [p.name for p in PASSES]
-['pair-linear', 'fused-attention']
+['pair-linear', 'fused-attention', 'fused-message-passing']
 """
 from __future__ import annotations
 
-from . import fused_attention, pair_linear
+from . import fused_attention, message_passing, pair_linear
 from .base import Pass
 
 PASSES: tuple[Pass, ...] = (
@@ -15,4 +15,6 @@ PASSES: tuple[Pass, ...] = (
     Pass(pair_linear.RULE, pair_linear.find, pair_linear.rewrite, pair_linear.SETTINGS),
     # softmax(where(mask, LeakyReLU(s_i + t_j), fill)) @ h -> one fused kernel in row blocks
     Pass(fused_attention.RULE, fused_attention.find, fused_attention.rewrite, fused_attention.SETTINGS),
+    # zeros.index_add_(0, dst, x[src] * w) -> a CSR product A @ x (seed 003: fused message passing)
+    Pass(message_passing.RULE, message_passing.find, message_passing.rewrite, message_passing.SETTINGS),
 )

@@ -131,3 +131,100 @@ class EdgeScrambled(nn.Module):
 
 GATHERED = [PyGATSparse, EdgeLinear, EdgeMultiHead]
 GATHERED_LOOKALIKES = [EdgeGATv2, EdgeProduct, EdgeScrambled]
+
+
+# --- message passing: gather -> message -> scatter-add ------------------------------------------------
+
+class GCNIndexAdd(nn.Module):
+    """GCN layer: h = lin(x); out = zeros_like(h).index_add_(0, dst, h[src] * norm[:, None]), two layers."""
+
+    SPECS = (("N", FIN), EDGE_SPEC, ("E",))
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(FIN, hidden), nn.Linear(hidden, hidden)
+
+    def propagate(self, h, edge_index, norm):
+        out = torch.zeros_like(h)
+        out.index_add_(0, edge_index[1], h[edge_index[0]] * norm[:, None])
+        return out
+
+    def forward(self, x, edge_index, norm):
+        h = torch.relu(self.propagate(self.lin1(x), edge_index, norm))
+        return self.propagate(self.lin2(h), edge_index, norm)
+
+
+class GCNScatterAdd(nn.Module):
+    """scatter_add_ with the target index broadcast over the features, messages x.index_select(0, src) * w."""
+
+    SPECS = (("N", FIN), EDGE_SPEC, ("E", 1))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(FIN, FEAT)
+
+    def forward(self, x, edge_index, w):
+        h = self.lin(x)
+        msg = h.index_select(0, edge_index[0]) * w
+        index = edge_index[1].view(-1, 1).expand_as(msg)
+        return h.new_zeros(h.shape).scatter_add_(0, index, msg)
+
+
+class CopySource(nn.Module):
+    """Unweighted sum of neighbours (DGL's copy_src + sum): index_add (out of place) of x[src]."""
+
+    SPECS = (("N", FIN), EDGE_SPEC)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(FIN, FEAT)
+
+    def forward(self, x, edge_index):
+        h = self.lin(x)
+        return torch.zeros_like(h).index_add(0, edge_index[1], h[edge_index[0]]) + h
+
+
+class HeadsMessage(nn.Module):
+    """Multi-head messages x[src] [E, H, F] times attention weights [E, H, 1] (scatter_reduce "sum")."""
+
+    SPECS = (("N", FIN), EDGE_SPEC)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.att = nn.Linear(FIN, HEADS * FEAT), _param(1, HEADS, FEAT)
+
+    def forward(self, x, edge_index):
+        h = self.lin(x).view(-1, HEADS, FEAT)
+        alpha = torch.sigmoid((h * self.att).sum(-1))[edge_index[0]].unsqueeze(-1)  # [E, H, 1]
+        msg = h[edge_index[0]] * alpha
+        index = edge_index[1].view(-1, 1, 1).expand_as(msg)
+        return torch.zeros_like(h).scatter_reduce(0, index, msg, reduce="sum").flatten(1)
+
+
+class EdgeMLPMessage(nn.Module):
+    """Messages from an MLP on [x_i || x_j]: not a sparse matrix times x."""
+
+    SPECS = (("N", FIN), EDGE_SPEC)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(2 * FIN, FEAT)
+
+    def forward(self, x, edge_index):
+        msg = torch.relu(self.mlp(torch.cat([x[edge_index[1]], x[edge_index[0]]], -1)))
+        return x.new_zeros(x.shape[0], FEAT).index_add_(0, edge_index[1], msg)
+
+
+class MaxAggregation(nn.Module):
+    """scatter_reduce with "amax": a max is no sparse-dense product."""
+
+    SPECS = (("N", FIN), EDGE_SPEC)
+
+    def forward(self, x, edge_index):
+        msg = x[edge_index[0]]
+        index = edge_index[1].view(-1, 1).expand_as(msg)
+        return torch.zeros_like(x).scatter_reduce(0, index, msg, reduce="amax")
+
+
+MESSAGE_PASSING = [GCNIndexAdd, GCNScatterAdd, CopySource, HeadsMessage, PyGATSparse]
+MESSAGE_LOOKALIKES = [EdgeMLPMessage, MaxAggregation]

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from ..ops.attention import block_rows
+from ..ops.spmm import chunk_rows
+from ..ops import spmm as _spmm_ops  # noqa: F401 - defines the message-passing ops
 from .registry import OUT, Call, Unknown, hidden, require_args
 from .scalars import result_dtype
 from .cpu import copy_bytes
@@ -110,3 +112,111 @@ def _masked_attention_backward(call: Call) -> list:
 def _copies(*operands: torch.Tensor) -> list:
     """``.contiguous()`` of each operand that is not (the kernels start with these)."""
     return [c for c in (copy_bytes(x) for x in operands) if not (isinstance(c, int) and c == 0)]
+
+
+# --- message passing: CSR structure and sparse-dense products (fxmem.ops.spmm) --------------------------
+_STRUCTURE = torch.ops.fxmem.csr_structure
+_SPMM = torch.ops.fxmem.spmm
+_SPMM_BACKWARD = torch.ops.fxmem.spmm_backward
+require_args(_STRUCTURE.default, "rows", "n")
+require_args(_SPMM.default, "col", "w", "x", "n")
+require_args(_SPMM_BACKWARD.default, "grad", "dst", "w", "x", "m", "need_x", "need_w")
+
+
+def _structure(rows: torch.Tensor, n: Any) -> list:
+    """``_sorted_rows``: the sorted rows and torch.sort's copy of them, then ``arange(n + 1)``."""
+    sorted_rows = rows.shape[0] * rows.element_size()
+    return [sorted_rows, sorted_rows, -sorted_rows, (n + 1) * 8, -(n + 1) * 8, -sorted_rows]
+
+
+def _product(nnz: Any, values: Any, dense_copy: Any, rows: Any, result: Any) -> tuple[list, list]:
+    """``_product``: the values in sorted order (or ones), a contiguous copy of the dense operand;
+    in ``torch.sparse.mm`` (MKL) the result, a second result-sized buffer and int32 copies of the
+    row starts and column indices. Returns (allocations before the result, the result and what
+    follows it)."""
+    before = [values, *([dense_copy] if dense_copy else [])]
+    after = [result, result, (rows + 1) * 4, nnz * 4, -nnz * 4, -(rows + 1) * 4, -result,
+             *([-dense_copy] if dense_copy else []), -values]
+    return before, after
+
+
+def _sparse_kernels_known(call: Call) -> Unknown | None:
+    if call.device != "cpu":
+        return Unknown(call.op, "sparse CSR products on CUDA (cuSPARSE) take workspace fxmem does not model")
+    if not torch.backends.mkl.is_available():
+        return Unknown(call.op, "torch.sparse.mm without MKL takes another path, not modelled")
+    return None
+
+
+def _outputs_at_their_places(program: list) -> list:
+    """A kernel that allocates its outputs between its temporaries: ``program`` has ("out", bytes) at
+    each output's place; each stands in as a hidden allocation there, and all are handed over to the
+    outputs at the end (same peak, same final state)."""
+    stand_ins = [b for p in program if isinstance(p, tuple) for b in p[1:]]
+    flat = [p[1] if isinstance(p, tuple) else p for p in program]
+    return [*flat, *[-b for b in stand_ins], OUT]
+
+
+@hidden(_STRUCTURE, device="cpu")
+@hidden(_STRUCTURE, device="cuda")
+def _csr_structure(call: Call) -> list | Unknown:
+    """Sorting the edges by row: outputs first, then the sorted rows, torch.sort's copy, an arange."""
+    if call.device != "cpu":
+        return Unknown(call.op, "torch.sort on CUDA takes workspace fxmem does not model")
+    return [OUT, *_structure(call.arg("rows"), call.arg("n"))]
+
+
+@hidden(_SPMM, device="cpu")
+@hidden(_SPMM, device="cuda")
+def _spmm(call: Call) -> list | Unknown:
+    """One CSR product per head: the values, a contiguous copy of x's head, MKL's result buffers and
+    int32 indices (one head: the product is the output; several: each is copied into place)."""
+    unknown = _sparse_kernels_known(call)
+    if unknown is not None:
+        return unknown
+    x, n, col = call.arg("x"), call.arg("n"), call.arg("col")
+    m, heads, f = x.shape
+    nnz, es = col.shape[0], x.element_size()
+    result = n * f * es
+    if heads == 1:
+        before, after = _product(nnz, nnz * es, copy_bytes(x), n, result)
+        return [*before, OUT, *after[1:]]
+    program: list = [OUT]
+    for _ in range(heads):
+        before, after = _product(nnz, nnz * es, m * f * es, n, result)
+        program += [*before, *after, -result]
+    return program
+
+
+@hidden(_SPMM_BACKWARD, device="cpu")
+@hidden(_SPMM_BACKWARD, device="cuda")
+def _spmm_backward(call: Call) -> list | Unknown:
+    """dx: the edges sorted by source, then one CSR product per head (Aᵀ @ grad); dw: per head and
+    chunk of edges, the picked rows of x and of the gradient and their row sums."""
+    unknown = _sparse_kernels_known(call)
+    if unknown is not None:
+        return unknown
+    grad, x, m, dst = call.arg("grad"), call.arg("x"), call.arg("m"), call.arg("dst")
+    n, heads, f = grad.shape
+    nnz, es = dst.shape[0], grad.element_size()
+    program: list = []
+    if call.arg("need_x"):
+        structure = (m + 1) * 8 + 2 * nnz * dst.element_size()
+        program += [structure, *_structure(dst, m)]
+        result = m * f * es
+        if heads == 1:
+            before, after = _product(nnz, nnz * es, copy_bytes(grad), m, result)
+            program += [*before, ("out", result), *after[1:]]
+        else:
+            program.append(("out", m * heads * f * es))
+            for _ in range(heads):
+                before, after = _product(nnz, nnz * es, n * f * es, m, result)
+                program += [*before, *after, -result]
+        program.append(-structure)
+    if call.arg("need_w"):
+        program.append(("out", nnz * heads * es))
+        rows = chunk_rows(nnz, f, es)
+        picked, sums = rows * f * es, rows * es
+        for _ in range(heads):  # one chunk stands for all: each frees what it made
+            program += [picked, picked, -picked, sums, -sums, -picked]
+    return _outputs_at_their_places(program)

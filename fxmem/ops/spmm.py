@@ -75,12 +75,18 @@ def _values(w: Optional[torch.Tensor], perm: torch.Tensor, head: int, like: torc
 def spmm_op(dst: torch.Tensor, src: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, perm: torch.Tensor,
             w: Optional[torch.Tensor], x: torch.Tensor, n: int) -> torch.Tensor:
     """``out[i, h] = sum_{e: dst_e = i} w[e, h] x[src_e, h]``: [n, H, F] from x [M, H, F]."""
-    m, heads, f = x.shape
+    return _products(crow, col, perm, w, x, n)
+
+
+def _products(crow: torch.Tensor, col: torch.Tensor, perm: torch.Tensor, w: Optional[torch.Tensor],
+              dense: torch.Tensor, n: Any) -> torch.Tensor:
+    """A @ dense per head: [n, H, F] from dense [M, H, F] (one head: the product is the result)."""
+    m, heads, f = dense.shape
     if heads == 1:
-        return _product(crow, col, _values(w, perm, 0, x), x.reshape(m, f), (n, m)).view(n, 1, f)
-    out = x.new_empty(n, heads, f)
+        return _product(crow, col, _values(w, perm, 0, dense), dense.reshape(m, f), (n, m)).view(n, 1, f)
+    out = dense.new_empty(n, heads, f)
     for head in range(heads):
-        _head_product(out, head, crow, col, perm, w, x, (n, m))
+        _head_product(out, head, crow, col, perm, w, dense, (n, m))
     return out
 
 
@@ -129,14 +135,8 @@ def chunk_rows(edges: Any, features: Any, element_size: int) -> Any:
 def _transposed_product(grad: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, w: Optional[torch.Tensor],
                         m: int) -> torch.Tensor:
     """Aᵀ @ grad: the edges sorted by source (a structure made here, dead on return)."""
-    n, heads, f = grad.shape
     crow_t, col_t, perm_t = csr_structure_op(src, dst, m)
-    if heads == 1:
-        return _product(crow_t, col_t, _values(w, perm_t, 0, grad), grad.reshape(n, f), (m, n)).view(m, 1, f)
-    dx = grad.new_empty(m, heads, f)
-    for head in range(heads):
-        _head_product(dx, head, crow_t, col_t, perm_t, w, grad, (m, n))
-    return dx
+    return _products(crow_t, col_t, perm_t, w, grad, m)
 
 
 def _weight_chunk(dw: torch.Tensor, head: int, grad: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,

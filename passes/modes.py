@@ -10,8 +10,8 @@ so the user's flags are never touched) and compares the two graphs:
 * the same graph up to constants that are ``True`` in one and ``False`` in the other: those
   constants become ``self.training`` (or ``not self.training``) read when the graph runs;
 * anything else (``if self.training:`` choosing other ops, ``p = 0.5 if self.training else 0``):
-  the result dispatches on ``self.training`` between the two traced graphs, and nothing is
-  rewritten (:attr:`Traced.reason` says why).
+  the result is a :class:`ModeGraphModule`, whose ``train()``/``eval()`` switch between the two
+  traced graphs, and nothing is rewritten (:attr:`Traced.reason` says why).
 
 >>> traced = trace_modes(layer)                     # doctest: +SKIP
 >>> "training = self.training" in traced.graph_module.code, traced.reason   # doctest: +SKIP
@@ -123,6 +123,9 @@ def _differences(x: Any, y: Any, ia: dict, ib: dict, path: tuple) -> list[tuple[
         return [] if ok else None
     if isinstance(x, bool) and isinstance(y, bool):
         return [] if x == y else [(path, x)]
+    if isinstance(x, slice) and isinstance(y, slice):  # h[:, :n] with n a node
+        found = _differences((x.start, x.stop, x.step), (y.start, y.stop, y.step), ia, ib, path)
+        return None if found is None or found else []  # a flag inside a slice is not rewritten
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
         if type(x) is not type(y) or len(x) != len(y):
             return None
@@ -162,45 +165,83 @@ def _replace(value: Any, path: tuple, new: Any) -> Any:
 
 
 def _first_difference(train: torch.fx.GraphModule, evals: torch.fx.GraphModule) -> str:
-    for x, y in zip(train.graph.nodes, evals.graph.nodes):
+    a, b = list(train.graph.nodes), list(evals.graph.nodes)
+    for x, y in zip(a, b):
         if x.format_node() != y.format_node():
             return f"train: {x.format_node()}; eval: {y.format_node()}"
-    return "the graphs have different lengths"
+    return "the graphs have different lengths" if len(a) != len(b) else "constants differ"
 
 
 # --- two graphs, chosen by the flag ------------------------------------------------------------------
 
-def run_in_mode(training: bool, graphs: tuple, *args: Any) -> Any:
-    """Run the train-mode trace (``graphs[0]``) or the eval-mode one (``graphs[1]``)."""
-    return graphs[0 if training else 1](*args)
+class ModeGraphModule(torch.fx.GraphModule):
+    """A GraphModule whose graph is the train-mode or the eval-mode trace, as its flag says:
+    ``train()``/``eval()`` switch the graph (and recompile). Its code is always one plain graph, so
+    it runs, analyses, copies and saves like any GraphModule; both traces read the same modules
+    and parameters (the model's, by their names)."""
+
+    def train(self, mode: bool = True) -> "ModeGraphModule":
+        super().train(mode)
+        graph = self.__dict__.get(TRACES, (None, None))[0 if mode else 1]
+        if graph is not None and self.graph is not graph:
+            self.graph = graph
+            self.recompile()
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ModeGraphModule":
+        # GraphModule copies what its current graph reads; the other trace, and what it reads, too
+        res = super().__deepcopy__(memo)
+        graphs = copy.deepcopy(self.__dict__[TRACES], memo)
+        _install_reads(self, res, graphs, memo)
+        res.__dict__[TRACES] = graphs
+        res.graph = graphs[0 if res.training else 1]
+        res.recompile()
+        return res
 
 
-BRANCHES = "_fxmem_mode_graphs"  # attribute holding the two traces: a tuple, so not a submodule
+TRACES = "_fxmem_mode_graphs"  # (train graph, eval graph): graphs hold no tensors, so not submodules
 
 
 def _dispatch(model: torch.nn.Module, train: torch.fx.GraphModule,
               evals: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule with the model's signature that runs the train or the eval trace, as
-    ``self.training`` says.
-
-    Both traces are re-rooted on the model's own modules (which the result shares), so a leaf
-    module such as ``nn.Dropout`` follows the result's flag, and they are held in a tuple attribute
-    (not submodules), so the result's ``state_dict`` keys are the model's; ``copy.deepcopy`` and
-    ``.to()`` reach them through the shared modules.
-    """
-    name = type(model).__name__
-    branches = (torch.fx.GraphModule(model, copy.deepcopy(train.graph), name),
-                torch.fx.GraphModule(model, copy.deepcopy(evals.graph), name))
-    graph = torch.fx.Graph()
-    inputs = []
-    for n in train.graph.nodes:
-        if n.op == "placeholder":
-            inputs.append(graph.placeholder(n.name, default_value=n.args[0] if n.args else inspect.Signature.empty))
-    flag = graph.create_node("get_attr", FLAG)
-    graphs = graph.create_node("get_attr", BRANCHES)
-    graph.output(graph.call_function(run_in_mode, (flag, graphs, *inputs)))
-    root = torch.nn.Module()
-    setattr(root, BRANCHES, branches)
-    gm = torch.fx.GraphModule(root, graph, name)
+    """A :class:`ModeGraphModule` over the two traces, in the model's mode."""
+    graphs = (copy.deepcopy(train.graph), copy.deepcopy(evals.graph))
+    gm = ModeGraphModule(train, graphs[0], type(model).__name__)
+    _install_reads(evals, gm, graphs)  # attributes only the eval trace reads (its tensor constants)
+    gm.__dict__[TRACES] = graphs
     gm.train(model.training)
     return gm
+
+
+def _install_reads(source: torch.nn.Module, target: torch.nn.Module, graphs: tuple, memo: dict | None = None) -> None:
+    """Give ``target`` every attribute the ``graphs`` read that it lacks, from ``source`` (deep
+    copies with ``memo``)."""
+    for graph in graphs:
+        for n in graph.nodes:
+            if n.op in ("get_attr", "call_module") and not _has_path(target, str(n.target)):
+                _copy_path(source, target, str(n.target), memo)
+
+
+def _copy_path(source: torch.nn.Module, target: torch.nn.Module, path: str, memo: dict | None = None) -> None:
+    """Give ``target`` the attribute ``path`` of ``source`` (the same object, or a deep copy with
+    ``memo``), making the modules on the way."""
+    *parents, name = path.split(".")
+    for part in parents:
+        source = getattr(source, part)
+        if not hasattr(target, part):
+            target.add_module(part, torch.nn.Module())
+        target = getattr(target, part)
+    value = getattr(source, name)
+    value = copy.deepcopy(value, memo) if memo is not None else value
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        target.register_buffer(name, value)
+    else:
+        setattr(target, name, value)
+
+
+def _has_path(module: torch.nn.Module, path: str) -> bool:
+    for part in path.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True

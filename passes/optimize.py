@@ -126,10 +126,10 @@ def optimize(
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     state = _Search(gm, model, input_specs, kw, verify_inputs)
-    if traced.reason:
-        state.log.append({"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason})
-        state.best.meta["fxmem"] = state.log
-        return state.best
+    if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
+        _share_modules(gm, model)
+        gm.meta["fxmem"] = [{"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason}]
+        return gm
     for k, rule in enumerate(PASSES):
         if k:  # each pass sees the graph the passes before it made (fused attention needs decomposed scores)
             if state.rebase():

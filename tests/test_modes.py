@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmem
-from conftest import load_example
+from conftest import check_against_real_run, check_training_against_real_run, load_example
 from equivalence import assert_same_in_every_mode
 from fxmem.passes import compare
 from fxmem.passes.modes import trace_modes
@@ -183,10 +183,17 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
     assert all(opt.get_parameter(n) is p for n, p in model.named_parameters())
     xs = [torch.randn(2, 5, 6), (torch.rand(2, 5, 5) > 0.5).float()]
     assert_same_in_every_mode(model, opt, xs)
-    # fxmem analyses the graph of the mode the module is in
-    r_train = fxmem.analyze(copy.deepcopy(opt).train(), *BranchOnFlag.SPECS)
-    r_eval = fxmem.analyze(copy.deepcopy(opt).eval(), *BranchOnFlag.SPECS)
+    # fxmem analyses the graph of the mode the module is in, exactly
+    sizes = [{"B": 2, "N": 50}]
+    r_train = check_against_real_run(copy.deepcopy(opt).train(), BranchOnFlag.SPECS, sizes)
+    r_eval = check_against_real_run(copy.deepcopy(opt).eval(), BranchOnFlag.SPECS, sizes)
     assert r_train.peak != r_eval.peak
+    check_training_against_real_run(copy.deepcopy(opt).train(), BranchOnFlag.SPECS, sizes,
+                                    lambda p: torch.optim.SGD(p, lr=0.1))
+    # the mode can be switched back and forth, and survives a copy
+    twin = copy.deepcopy(opt)
+    twin.eval()
+    assert twin.code == copy.deepcopy(twin).code and twin.code != copy.deepcopy(twin).train().code
 
 
 def test_verification_modes_are_train_eval_and_no_grad():

@@ -114,7 +114,7 @@ def test_many_blocks_are_exact(monkeypatch):
     assert entry["status"] == "applied" and "4000 bytes" in entry["reason"]
     report = check_against_real_run(opt, A.HeadsFirst.SPECS, [{"B": 2, "N": 23}, {"B": 3, "N": 50}])
     # several blocks (a partial last one at N=23): rows per block from the budget
-    assert 1 < block_rows(23, 23, 2 * A.HEADS, 2, 4, 4000) < 23 and 23 % block_rows(23, 23, 6, 2, 4, 4000)
+    assert 1 < block_rows(23, 23, 8, 2 * A.HEADS, 2, 4, 4000) < 23 and 23 % block_rows(23, 23, 8, 6, 2, 4, 4000)
     check_training_against_real_run(opt, A.HeadsFirst.SPECS, [{"B": 2, "N": 23}], lambda p: torch.optim.SGD(p, lr=0.1))
     assert_same_in_every_mode(model, opt, inputs(A.HeadsFirst.SPECS, {"B": 2, "N": 9}))
     assert report.region  # the block count is a guard of the formulas' region

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..ops.attention import block_rows
+from ..ops.attention import block_rows, gemm_ready, groups_merge
 from ..ops.spmm import chunk_rows
 from ..ops import spmm as _spmm_ops  # noqa: F401 - defines the message-passing ops
 from .registry import OUT, Call, Unknown, hidden, require_args
@@ -62,7 +62,7 @@ def _sizes(call: Call) -> tuple:
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
     gm, gh, n = s.shape
     g, m, f = gm * gh, t.shape[-1], h.shape[-1]
-    rows = block_rows(n, m, g, call.arg("adj").shape[0], s.element_size(), call.arg("block_bytes"))
+    rows = block_rows(n, m, f, g, call.arg("adj").shape[0], s.element_size(), call.arg("block_bytes"))
     return g, m, f, rows, s.element_size()
 
 
@@ -79,33 +79,42 @@ def _unchecked_on_gpu(call: Call, program: list) -> list:
 @hidden(_ATTENTION, device="cuda")
 def _masked_attention(call: Call) -> list:
     """Row blocks of masked attention: contiguous copies of s, t, h; then per block the scores
-    (G x rows x M), the bool drop mask, the softmax, and the block's output before it is copied
-    into place."""
+    (G x rows x M), the bool drop mask, the softmax, and - when there are several blocks - the
+    block's output before it is copied into place (one block is written straight into the output)."""
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
     g, m, f, rows, es = _sizes(call)
     copies = _copies(s, t, h)
-    scores, block_out = g * rows * m * es, g * rows * f * es
+    scores = g * rows * m * es
     mask, unmask = _drop_mask(call, rows)
-    block = [scores, *mask, *unmask, scores, -scores, block_out, -block_out, -scores]
+    block_out = [] if rows == s.shape[-1] else [g * rows * f * es, -g * rows * f * es]
+    block = [scores, *mask, *unmask, scores, -scores, *block_out, -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
 
 
 @hidden(_ATTENTION_BACKWARD, device="cpu")
 @hidden(_ATTENTION_BACKWARD, device="cuda")
 def _masked_attention_backward(call: Call) -> list:
-    """Row blocks of the attention's backward: contiguous copies of s, t, h and the gradient; then per
-    block the recomputed scores, the drop mask, the softmax, dP (G x rows x M), a row sum, the check
-    whether masked entries got weight, LeakyReLU's backward (a new block), and the two partial sums."""
+    """Row blocks of the attention's backward: contiguous copies of s and t and h, a copy of the
+    gradient where its groups do not merge into one batch dim; then per block the recomputed
+    scores, the drop mask, the softmax, the block's gradient rows copied when they are not BLAS-ready
+    (an expanded gradient), dP (G x rows x M), a row sum, the check whether masked entries got
+    weight, LeakyReLU's backward (a new block), and the two partial sums."""
     s, t, h, grad = call.arg("s"), call.arg("t"), call.arg("h"), call.arg("grad")
     g, m, f, rows, es = _sizes(call)
-    copies = _copies(s, t, h, grad)
+    copies = _copies(s, t, h)
+    if not groups_merge(grad):
+        copies.append(grad.numel() * es)
+        ready = True  # the reshape's copy is contiguous
+    else:
+        ready = gemm_ready(grad)  # the last two dims are those of the merged view
     scores, row = g * rows * m * es, g * rows * es
+    grad_rows = [] if ready else [g * rows * f * es]
     mask, unmask = _drop_mask(call, rows)
     # torch.gt(top, below).all(): a bool per row, then one bool
     check_before, check_after = _compare_with_number(call.device, s, g * rows, 0.0)
     check = [*check_before, g * rows, *check_after, 1, -g * rows, -1]
-    block = [scores, *mask, scores, scores, row, -row, -scores, *check, *unmask,
-             scores, -scores, -scores, row, -row, g * m * es, -g * m * es, -scores]
+    block = [scores, *mask, scores, *grad_rows, scores, row, -row, -scores, *check, *unmask,
+             scores, -scores, -scores, row, -row, g * m * es, -g * m * es, *[-b for b in grad_rows], -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
 
 

@@ -51,18 +51,29 @@ _UNDERFLOW = {torch.float64: -800.0}
 _UNDERFLOW_DEFAULT = -120.0
 
 
-def block_rows(n: Any, m: Any, groups: Any, mask_groups: Any, element_size: int, block_bytes: int) -> Any:
+def block_rows(n: Any, m: Any, f: Any, groups: Any, mask_groups: Any, element_size: int, block_bytes: int) -> Any:
     """Rows per block: as many as keep the backward's scratch (3 float score blocks per group - the
-    scores, their softmax or LeakyReLU's gradient, dP - and 1 bool mask block per mask group) within
-    ``block_bytes``, at least 1, at most ``n``.
+    scores, their softmax or LeakyReLU's gradient, dP - 1 bool mask block per mask group, and the
+    block's rows of the output or its gradient) within ``block_bytes``, at least 1, at most ``n``.
 
     Sizes may be symbolic: the comparisons then become guards of the analysis' region.
     """
-    per_row = 3 * element_size * groups * m + mask_groups * m
+    per_row = 3 * element_size * groups * m + mask_groups * m + element_size * groups * f
     rows = block_bytes // per_row
     if rows < 1:
         return 1
     return n if rows >= n else rows
+
+
+def groups_merge(t: torch.Tensor) -> bool:
+    """Whether [Gm, Gh, N, F] views as [Gm*Gh, N, F] (comparisons of symbolic strides are guards)."""
+    gm, gh = t.shape[0], t.shape[1]
+    return gm == 1 or gh == 1 or t.stride(0) == gh * t.stride(1)
+
+
+def gemm_ready(t: torch.Tensor) -> bool:
+    """Whether a batch of matrices [G, R, F] goes to BLAS as it is: rows of contiguous elements."""
+    return t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
 
 
 def _dropped(adj: torch.Tensor, r0: int, rows: int, compare: str, threshold: float, keep: bool) -> torch.Tensor:
@@ -101,7 +112,7 @@ def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: 
     out = s.new_empty(gm, gh, n, f)
     top = s.new_empty(gm, gh, n, 1)
     out3, top3 = out.view(g, n, f), top.view(g, n, 1)
-    step = block_rows(n, m, g, adj.shape[0], s.element_size(), block_bytes)
+    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
     for r0 in range(0, n, step):
         _forward_block(s3, t3, h3, adj, gh, out3, top3, r0, min(step, n - r0), compare, threshold, keep, fill, slope)
     return out, top
@@ -114,7 +125,10 @@ def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, thresh
     torch.amax(z, -1, keepdim=True, out=top3[:, r0:r0 + rows])
     p = torch.softmax(z, -1)
     del z
-    out3[:, r0:r0 + rows] = torch.bmm(p, h3)
+    if rows == out3.shape[1]:  # one block: straight into the output
+        torch.bmm(p, h3, out=out3)
+    else:
+        out3[:, r0:r0 + rows] = torch.bmm(p, h3)
 
 
 @masked_attention_op.register_fake
@@ -133,14 +147,14 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
     m, f = t.shape[-1], h.shape[-1]
     g = gm * gh
     s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
-    grad3 = grad.contiguous().view(g, n, f)
+    grad3 = grad.view(g, n, f) if groups_merge(grad) else grad.reshape(g, n, f)  # the reshape copies
     ds = s.new_empty(gm, gh, n)
     dt = t.new_zeros(gm, gh, m)
     dh = h.new_zeros(gm, gh, m, f)
     ds2, dt2, dh3, top3 = ds.view(g, n), dt.view(g, m), dh.view(g, m, f), top.view(g, n, 1)
     # the masked pass is needed only where a masked entry's softmax is not exactly 0
     below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
-    step = block_rows(n, m, g, adj.shape[0], s.element_size(), block_bytes)
+    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
     for r0 in range(0, n, step):
         _backward_block(grad3, s3, t3, h3, adj, top3, gh, ds2, dt2, dh3, r0, min(step, n - r0), compare, threshold,
                         keep, fill, slope, below)
@@ -152,6 +166,8 @@ def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     p = torch.softmax(z, -1)  # the forward's softmax: the same op on the same scores
     g = grad3[:, r0:r0 + rows]
+    if not gemm_ready(grad3):  # an expanded gradient (from a sum): the block's rows, copied once
+        g = g.contiguous()
     dp = torch.bmm(g, h3.transpose(1, 2))
     dh3.baddbmm_(p.transpose(1, 2), g)
     dp.mul_(p)

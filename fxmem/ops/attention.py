@@ -23,8 +23,9 @@ Layouts (the rewrite arranges the model's tensors so): ``s`` is [Gm, Gh, N], ``t
 ``h`` [Gm, Gh, M, F], ``adj`` [Am, N, M] with Am = Gm or 1 (the mask is shared by the Gh heads),
 ``out`` [Gm, Gh, N, F]. The block rows R come from ``block_bytes``, the scratch one block may use
 (:func:`block_rows`); per block the kernel allocates the scores and their softmax (R·M per group
-each) and a bool mask in the forward, and one more score-sized block (dP) in the backward -
-exactly, as :mod:`fxmem.kernels.fused` says (its tests compare with the allocator on real runs).
+each), a bool mask and the block's output rows in the forward, and one more score-sized block
+(dP) and the block's gradient rows (when the gradient is expanded) in the backward - exactly, as
+:mod:`fxmem.kernels.fused` says (its tests compare with the allocator on real runs).
 
 The kernel is plain PyTorch, registered for every device; a faster CUDA kernel (FlexAttention, or
 Triton) can be registered for the ``cuda`` key of the same op, with its own memory rule.

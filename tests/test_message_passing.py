@@ -137,3 +137,27 @@ def test_kernel_gradients():
     assert torch.autograd.gradcheck(lambda w, x: spmm(dst, src, crow, col, perm, w, x, n), (w, x))
     plain = torch.zeros(n, 2, 5, dtype=torch.float64).index_add(0, dst, x[src] * w[:, :, None])
     torch.testing.assert_close(spmm(dst, src, crow, col, perm, w, x, n), plain)
+
+
+def test_pyg_scatter_is_fused():
+    # torch_geometric.utils.scatter(..., reduce="sum") is new_zeros(...).scatter_add_(...) once traced
+    pyg = pytest.importorskip("torch_geometric.utils")
+
+    class PygScatter(nn.Module):
+        SPECS = (("N", S.FIN), S.EDGE_SPEC, ("E",))
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(S.FIN, 8)
+
+        def forward(self, x, edge_index, w):
+            h = self.lin(x)
+            return pyg.scatter(h[edge_index[0]] * w[:, None], edge_index[1], dim=0, dim_size=h.shape[0], reduce="sum")
+
+    torch.manual_seed(0)
+    model = PygScatter()
+    opt = fxmem.optimize(model, *PygScatter.SPECS, hints=HINTS)
+    (entry,) = entries(opt)
+    assert entry["status"] == "applied", entry["reason"]
+    assert_same_in_every_mode(model, opt, inputs(PygScatter.SPECS, {"N": 7, "E": 30}))
+    check_against_real_run(opt, PygScatter.SPECS, [{"N": 23, "E": 300}], makers=S.EDGES)

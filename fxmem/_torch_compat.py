@@ -21,6 +21,7 @@ Supported: torch 2.5 and newer.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import sympy
@@ -405,10 +406,17 @@ def lower_bound(expr: sympy.Expr, ranges: dict) -> int | None:
     from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
     vr = {s: ValueRanges(lo, sympy.oo if hi is None else hi) for s, (lo, hi) in ranges.items()}
+    # torch logs a warning where it gives up on a sub-expression (x**-1 inside floor(c/x)) and
+    # bounds it by (-oo, oo); that is an answer here, not a problem to print
+    quiet = logging.getLogger("torch.utils._sympy.interp")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         low = bound_sympy(expr, vr).lower
     except Exception:  # value-range analysis does not know every function
         return None
+    finally:
+        quiet.setLevel(level)
     try:
         return int(sympy.floor(low))
     except (TypeError, ValueError, OverflowError):

@@ -3,13 +3,19 @@
 This folder is the top-level ``passes/`` of the source tree, installed as ``fxmem.passes``:
 
 * :mod:`.optimize` - ``fxmem.optimize``: trace, probe at small sizes, find, apply, verify, keep
-  what lowers the peak;
-* :mod:`.verify` - same outputs and gradients as the original, in train and eval mode;
+  what lowers the peak, pass after pass;
+* :mod:`.modes` - one graph that follows ``train()``/``eval()`` as the model does (fx freezes
+  ``self.training`` while tracing);
+* :mod:`.verify` - same outputs, gradients and buffers as the original, in train and eval mode,
+  with and without grad;
 * :mod:`.registry` - the passes, as data; :mod:`.base` - what a pass is;
 * the pair-linear rule: :mod:`.pair_linear` (the rule), :mod:`.data_movement` (which nodes only
   copy elements, and the id probe), :mod:`.linear_maps` (what counts as a linear map),
   :mod:`.pair_layout` (how the pair tensor is laid out), :mod:`.pair_reasons` (why a look-alike
-  is declined).
+  is declined), :mod:`.gathered_pairs` (pairs of rows picked by an edge list);
+* the fused-attention rule: :mod:`.fused_attention` (the rule), :mod:`.attention_layout` (the
+  model's tensors laid out for the kernel, :mod:`fxmem.ops.attention`);
+* the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`).
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """

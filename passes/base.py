@@ -47,13 +47,16 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """A rewrite rule: ``find(gm, probes) -> [Finding]``; ``rewrite(graph, nodes, finding, gm) -> Node``.
+    """A rewrite rule: ``find(gm, probes, settings) -> [Finding]``; ``rewrite(graph, nodes, finding, gm) -> Node``.
 
-    ``probes`` are runs of the graph at two or more small sizes (:class:`Probe`); ``nodes`` maps each node of the
-    original graph to its counterpart in the graph being rewritten; ``rewrite`` inserts the
-    replacement of ``finding.node`` and returns it (the caller rewires the users).
+    ``probes`` are runs of the graph at two or more small sizes (:class:`Probe`); ``settings`` the
+    user's choices for this pass (``optimize(..., settings={name: {...}})``, keys from ``settings``
+    below); ``nodes`` maps each node of the original graph to its counterpart in the graph being
+    rewritten; ``rewrite`` inserts the replacement of ``finding.node`` and returns it (the caller
+    rewires the users).
     """
 
     name: str
-    find: Callable[[torch.fx.GraphModule, Sequence[Probe]], list[Finding]]
+    find: Callable[[torch.fx.GraphModule, Sequence[Probe], Mapping[str, Any]], list[Finding]]
     rewrite: Callable[[torch.fx.Graph, dict, Finding, torch.fx.GraphModule], torch.fx.Node]
+    settings: Mapping[str, str] = dataclasses.field(default_factory=dict)  # what can be set, in words

@@ -219,14 +219,15 @@ def provenance(movement: Movement, env: Mapping[torch.fx.Node, Any],
     for node in movement.nodes:
         args = _value(node.args, lookup)
         kwargs = _value(node.kwargs, lookup)
-        lookup[node] = _run(node, args, kwargs, modules)
+        lookup[node] = run_node(node, args, kwargs, modules)
     out = lookup[movement.target]
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"node {movement.target.name} is not a tensor")
     return Provenance((out >> _ID_BITS) - 1, out & ((1 << _ID_BITS) - 1), shapes)
 
 
-def _run(node: torch.fx.Node, args: tuple, kwargs: dict, modules: Mapping[str, torch.nn.Module] | None) -> Any:
+def run_node(node: torch.fx.Node, args: tuple, kwargs: dict, modules: Mapping[str, torch.nn.Module] | None) -> Any:
+    """Run one node's call on the given argument values (ids instead of data)."""
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
@@ -234,3 +235,41 @@ def _run(node: torch.fx.Node, args: tuple, kwargs: dict, modules: Mapping[str, t
     if node.op == "call_module":
         return (modules or {})[str(node.target)](*args, **kwargs)
     raise AssertionError(f"not a copying node: {node.format_node()}")
+
+
+# --- gathers: rows picked by an index tensor (values choose them, not sizes) ---------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """``node`` picks rows of ``source`` along ``dim`` by the 1-D integer tensor ``index``."""
+
+    node: torch.fx.Node
+    source: torch.fx.Node
+    index: torch.fx.Node
+    dim: int
+
+
+def as_gather(node: Any, env: Mapping) -> Gather | None:
+    """The gather ``node`` is (``S[idx]``, ``S[:, idx]``, ``index_select``), or None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        source, key = node.args
+        key = key if isinstance(key, tuple) else (key,)
+        tensors = [k for k, item in enumerate(key) if isinstance(item, torch.fx.Node)]
+        if len(tensors) != 1 or any(item != slice(None) for item in key[:tensors[0]]) or \
+                any(item not in (slice(None), Ellipsis) for item in key[tensors[0] + 1:]):
+            return None
+        dim, index = tensors[0], key[tensors[0]]
+    elif (node.op == "call_function" and node.target is torch.index_select) or method_name(node) == "index_select":
+        if len(node.args) != 3:
+            return None
+        source, dim, index = node.args
+    else:
+        return None
+    s, i = env.get(source), env.get(index) if isinstance(index, torch.fx.Node) else None
+    if not (isinstance(source, torch.fx.Node) and isinstance(s, torch.Tensor) and isinstance(i, torch.Tensor)
+            and isinstance(dim, int) and i.dim() == 1 and not i.is_floating_point() and i.dtype != torch.bool):
+        return None
+    dim = dim % s.dim()
+    return Gather(node, source, index, dim) if dim < s.dim() - 1 else None

@@ -6,7 +6,8 @@ that do not depend on the inputs - and how to split such a map where that dim is
     ([x1 || x2] * a).sum(-1) = (x1 * a[..., :F]).sum(-1) + (x2 * a[..., F:]).sum(-1)
 
 ``LINEAR_MAPS`` lists the recognisers (matmul with a parameter, ``nn.Linear``, ``F.linear``,
-``(x * a).sum(-1)``); ``SPLITS`` the rewriters, by kind.
+``(x * a).sum(-1)``, and ``W @ xᵀ`` - a map of x's rows written from the left, "left"); ``SPLITS``
+the rewriters, by kind (a "left" split gives its halves as ``xᵢ Wᵢᵀ``: the caller transposes).
 
 >>> linear_map(node, env, modules, Weights())                          # doctest: +SKIP
 LinearMap(kind='matmul', node=matmul_1, x=view_1, weight=a, features=256, ...)
@@ -126,8 +127,41 @@ def _mul_sum(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Wei
     return LinearMap("mul-sum", node, x, a, None, av.shape[-1], options) if _fits(env.get(x), av.shape[-1]) else None
 
 
+_TRANSPOSES = frozenset({"t", "T", "mT"})
+
+
+def _transposed(node: Any, env: Mapping) -> Any:
+    """``x`` when ``node`` is ``x.t()``, ``x.T``, ``torch.t(x)`` or ``x.transpose(0, 1)`` of a 2-D ``x``."""
+    if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    x = node.args[0]
+    if not (isinstance(env.get(x), torch.Tensor) and env[x].dim() == 2):
+        return None
+    name = method_name(node) or (node.target.__name__ if node.op == "call_function" and node.target is torch.t
+                                 else None)
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        name = node.args[1]
+    if name in _TRANSPOSES or (name == "transpose" and sorted(a % 2 for a in node.args[1:3]) == [0, 1]):
+        return x
+    return None
+
+
+def _left_matmul(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights) -> LinearMap | None:
+    # W @ xᵀ with W [k, 2F] a weight (pyGAT's sparse layer: self.a.mm(edge_h) with edge_h = cat(...).t())
+    if not ((node.op == "call_function" and node.target in (torch.matmul, operator.matmul, torch.mm))
+            or method_name(node) in ("matmul", "mm")) or len(node.args) != 2 or node.kwargs:
+        return None
+    w, y = node.args
+    wv = env.get(w) if isinstance(w, torch.fx.Node) else None
+    x = _transposed(y, env)
+    if x is None or not is_weight(w) or not isinstance(wv, torch.Tensor) or wv.dim() != 2:
+        return None
+    return LinearMap("left", node, x, w, None, wv.shape[1]) if _fits(env.get(x), wv.shape[1]) else None
+
+
 # Every way a node can apply a map linear in its input's last dim, tried in order.
-LINEAR_MAPS: tuple[Callable[..., LinearMap | None], ...] = (_matmul, _linear_module, _functional_linear, _mul_sum)
+LINEAR_MAPS: tuple[Callable[..., LinearMap | None], ...] = (_matmul, _linear_module, _functional_linear, _mul_sum,
+                                                            _left_matmul)
 
 
 def linear_map(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights) -> LinearMap | None:
@@ -178,4 +212,13 @@ def _split_mul_sum(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, left: An
     return tuple(out)
 
 
-SPLITS: dict[str, Callable[..., tuple]] = {"matmul": _split_matmul, "linear": _split_linear, "mul-sum": _split_mul_sum}
+def _split_left(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, left: Any, right: Any, f: int) -> tuple:
+    # W [x1 || x2]ᵀ = (x1 W[:, :F]ᵀ + x2 W[:, F:]ᵀ)ᵀ: the halves in linear's orientation (the caller transposes)
+    w = nodes[m.weight]
+    w1 = graph.call_function(operator.getitem, (w, (slice(None), slice(None, f))))
+    w2 = graph.call_function(operator.getitem, (w, (slice(None), slice(f, None))))
+    return graph.call_function(F.linear, (left, w1)), graph.call_function(F.linear, (right, w2))
+
+
+SPLITS: dict[str, Callable[..., tuple]] = {"matmul": _split_matmul, "linear": _split_linear, "mul-sum": _split_mul_sum,
+                                           "left": _split_left}

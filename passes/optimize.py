@@ -1,12 +1,15 @@
 """``fxmem.optimize``: rewrite a model so that it takes less memory - verified, with the memory
 formulas before and after each rewrite.
 
-    trace -> run at small sizes (probes) -> passes find rewrites -> for each rewrite, in graph order:
-        apply it to a copy of the graph -> same outputs and gradients as the original?
-        -> fxmem's analysis: lower peak (forward, and training step with grad)? -> keep it
+    trace (train and eval mode: :mod:`.modes`) -> run at small sizes (probes) -> passes find
+    rewrites -> for each rewrite, in graph order: apply it to a copy of the graph -> same outputs,
+    gradients and buffers as the original model, in train and eval mode, with and without grad?
+    -> fxmem's analysis: lower peak (training: forward and training step; inference)? -> keep it
 
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
-``Parameter`` objects (training it trains the model); the model itself is never modified.
+``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
+model does (``F.dropout(x, p, training=self.training)`` reads the flag when it runs, not when it
+was traced); the model itself is never modified.
 ``opt.meta["fxmem"]`` lists every rewrite applied and every one declined, with the reason.
 
 >>> opt = fxmem.optimize(GraphAttentionLayerFixed(6, 128), ("B", "N", 6), ("B", "N", "N"))  # doctest: +SKIP
@@ -25,12 +28,13 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..analyze import analyze
-from ..capture import forward_parameters, trace
+from ..capture import forward_parameters
 from ..errors import FxMemError, ModelError, ShapeError, SpecError
 from ..inputs import random_inputs
 from ..report import Report
 from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
 from .base import Finding, Pass, Probe
+from .modes import in_mode, trace_modes
 from .registry import PASSES
 from .verify import compare
 
@@ -49,10 +53,15 @@ def _plain_sgd(params: Any) -> torch.optim.Optimizer:
 
 @dataclasses.dataclass
 class _Memory:
-    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes and at twice them."""
+    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes and at twice them.
+
+    ``report`` is the train-mode analysis (with a training step when there is grad), ``inference``
+    the eval-mode analysis under ``no_grad``: a rewrite must not raise either.
+    """
 
     report: Report
-    points: list[tuple[int, int]]  # (forward peak, training-step peak or 0) per point
+    inference: Report
+    points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) per point
 
     def lower_than(self, other: "_Memory") -> bool:
         """No peak higher than ``other``'s at any point, and one lower."""
@@ -62,7 +71,8 @@ class _Memory:
     def formulas(self, suffix: str) -> dict[str, str | None]:
         r = self.report
         return {f"peak_{suffix}": str(r.peak), f"saved_{suffix}": str(r.saved),
-                f"train_peak_{suffix}": str(r.train_peak) if r.train_peak is not None else None}
+                f"train_peak_{suffix}": str(r.train_peak) if r.train_peak is not None else None,
+                f"inference_peak_{suffix}": str(self.inference.peak)}
 
 
 def optimize(
@@ -74,6 +84,7 @@ def optimize(
     hints: Mapping[str, int] | None = None,
     leaf_modules: Sequence[type] = (),
     probe_sizes: Sequence[Mapping[str, int]] | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Return ``model`` rewritten to use less memory, as a GraphModule with the same call signature.
 
@@ -86,13 +97,18 @@ def optimize(
             what each tensor holds and to verify each rewrite (default: dim k is 3+k and 5+k,
             verified at 3+k, 4+k, 5+k; larger when the model cannot run that small). Every dim
             must differ between two of them.
+        settings: choices for a pass, by its name: ``{"fused-attention": {"block_bytes": 2**20}}``
+            (each pass's ``settings`` in ``fxmem.passes.PASSES`` says what it takes).
 
-    A rewrite is kept only if the rewritten graph gives the same outputs and the same gradients
-    (w.r.t. every parameter and floating input) as the original on random inputs at the probe
-    sizes, and fxmem's analysis finds a lower peak (with ``grad``: forward peak and training-step
-    peak, neither higher, one lower, at ``hints`` and at twice them). ``opt.meta["fxmem"]`` lists
-    each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``), ``where`` (node and
-    file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_`` ``before``/``after`` formulas.
+    A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
+    (w.r.t. every parameter and floating input) and the same buffers as the original model on
+    random inputs at the probe sizes, in train and eval mode, with autograd and under ``no_grad``
+    (same random numbers in both: dropout keeps the same elements), and fxmem's analysis finds a
+    lower peak (train mode: forward peak and, with ``grad``, training-step peak; eval mode: the
+    inference peak under ``no_grad`` - none higher, one lower, at ``hints`` and at twice them).
+    ``opt.meta["fxmem"]`` lists each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``),
+    ``where`` (node and file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_``/
+    ``inference_peak_`` ``before``/``after`` formulas.
 
     >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))    # doctest: +SKIP
     >>> fxmem.analyze(opt, ("B", "N", 6), ("B", "N", "N")).peak          # doctest: +SKIP
@@ -101,9 +117,11 @@ def optimize(
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
     name = type(model).__name__
+    settings = _check_settings(settings)
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
-    gm = trace(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    gm = traced.graph_module
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     try:
         probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
@@ -111,15 +129,42 @@ def optimize(
         analyze(gm, *input_specs, **{**kw, "grad": False})  # a shape error at every size says where, in dims
         raise
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
-    findings = [(p, f) for p in PASSES for f in p.find(gm, probes)]
-
     state = _Search(gm, model, input_specs, kw, verify_inputs)
-    for rule, finding in findings:
-        state.log_finding(finding)
-    for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
-        state.try_group(group)
+    if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
+        _share_modules(gm, model)
+        gm.meta["fxmem"] = [{"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason}]
+        return gm
+    for k, rule in enumerate(PASSES):
+        if k:  # each pass sees the graph the passes before it made (fused attention needs decomposed scores)
+            if state.rebase():
+                probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
+        findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
+        for _, finding in findings:
+            state.log_finding(finding)
+        for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
+            state.try_group(group)
     state.best.meta["fxmem"] = state.log
     return state.best
+
+
+def _check_settings(settings: Mapping[str, Mapping[str, Any]] | None) -> dict:
+    if settings is None:
+        return {}
+    known = {p.name: p for p in PASSES}
+    if not isinstance(settings, Mapping):
+        raise SpecError("settings= must be a dict {pass name: {setting: value}}, e.g. "
+                        "{'fused-attention': {'block_bytes': 2**20}}")
+    for name, values in settings.items():
+        if name not in known:
+            raise SpecError(f"settings: no pass is called {name!r}; the passes are {sorted(known)}")
+        unknown = sorted(set(values) - set(known[name].settings))
+        if unknown:
+            raise SpecError(f"settings[{name!r}]: {unknown} cannot be set; it takes "
+                            f"{dict(known[name].settings) or 'nothing'}")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"settings[{name!r}][{key!r}] must be a positive int (bytes), got {value!r}")
+    return dict(settings)
 
 
 class _Search:
@@ -135,6 +180,13 @@ class _Search:
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
 
+    def rebase(self) -> bool:
+        """Make the graph with every rewrite kept so far the one later rewrites apply to; whether it changed."""
+        if not self.accepted:
+            return False
+        self.gm, self.accepted = self.best, []
+        return True
+
     @property
     def current(self) -> _Memory:
         """The memory of the graph with every rewrite kept so far."""
@@ -149,7 +201,8 @@ class _Search:
     def log_finding(self, finding: Finding) -> None:
         """Start the ``meta["fxmem"]`` entry of ``finding`` (declined until it is applied)."""
         entry = {"rule": finding.rule, "status": "declined", "where": finding.where, "reason": finding.reason,
-                 **self.current.formulas("before"), **dict.fromkeys(("peak_after", "saved_after", "train_peak_after"))}
+                 **self.current.formulas("before"),
+                 **dict.fromkeys(("peak_after", "saved_after", "train_peak_after", "inference_peak_after"))}
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
@@ -159,7 +212,7 @@ class _Search:
         for e in entries:
             e.update(self.current.formulas("before"))
         trial = _build(self.gm, self.model, self.accepted + group)
-        diff = compare(self.gm, trial, self.verify_inputs)
+        diff = compare(self.model, trial, self.verify_inputs)
         if not diff.ok:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group:
@@ -177,10 +230,11 @@ class _Search:
         if not after.lower_than(self.current):
             together = f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else ""
             for e, (_, f) in zip(entries, group):
-                e["reason"] = (f"no memory saved: the split is exact ({f.reason}), but fxmem's analysis of the rewrite"
+                e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's analysis of the rewrite"
                                f"{together} gives peak {after.report.peak} (was {self.current.report.peak})"
                                + (f" and training-step peak {after.report.train_peak} (was "
                                   f"{self.current.report.train_peak})" if after.report.train_peak is not None else "")
+                               + f" and inference peak {after.inference.peak} (was {self.current.inference.peak})"
                                + ", so the original is kept")
             return
         names = {n.name for n in trial.graph.nodes}
@@ -243,7 +297,7 @@ def _run_values(gm: torch.fx.GraphModule, specs: list[InputSpec], sizes: Mapping
                 name: str) -> dict[torch.fx.Node, Any]:
     """The value of every node of ``gm`` on random inputs at ``sizes`` (run on a copy of the model,
     so that e.g. batch-norm statistics of the user's model do not move)."""
-    twin = copy.deepcopy(gm)
+    twin = copy.deepcopy(gm).eval()  # eval mode: what tensors hold, without dropout's noise
     interp = torch.fx.Interpreter(twin, garbage_collect_values=False)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -268,7 +322,8 @@ def _build(gm: torch.fx.GraphModule, model: torch.nn.Module,
     graph = copy.deepcopy(gm.graph)  # keeps node names, so nodes are matched by name
     by_name = {n.name: n for n in graph.nodes}
     nodes = {n: by_name[n.name] for n in gm.graph.nodes}
-    unused_before = {n for n in graph.nodes if not n.users}
+    # nodes kept although nothing reads them (in-place ops, side effects), unless a rewrite replaces them
+    unused_before = {n for n in graph.nodes if not n.users} - {nodes[f.node] for _, f in rewrites}
     for rule, finding in rewrites:
         old = nodes[finding.node]
         before = set(graph.nodes)
@@ -304,16 +359,21 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: dict) -> _Memory:
+    """fxmem's analysis of ``gm`` in train mode (a training step, with grad) and in eval mode
+    under ``no_grad`` (inference); each on a copy of ``gm`` in that mode."""
+    train, evals = in_mode(gm, True), in_mode(gm, False)
     report = None
     if kw["grad"]:
         try:
-            report = analyze(gm, *input_specs, optimizer=_plain_sgd, **kw)
+            report = analyze(train, *input_specs, optimizer=_plain_sgd, **kw)
         except FxMemError:  # nothing to train (no parameter reaches the output): forward only
             report = None
     if report is None:
-        report = analyze(gm, *input_specs, **kw)
+        report = analyze(train, *input_specs, **kw)
+    inference = analyze(evals, *input_specs, **{**kw, "grad": False})
     points = []
     for scale in (1, 2):
-        values = report.evaluate(**{k: v * scale for k, v in report.hints.items()})
-        points.append((values["peak"], values.get("train_peak", 0)))
-    return _Memory(report, points)
+        at = {k: v * scale for k, v in report.hints.items()}
+        values = report.evaluate(**at)
+        points.append((values["peak"], values.get("train_peak", 0), inference.evaluate(**at)["peak"]))
+    return _Memory(report, inference, points)

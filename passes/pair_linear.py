@@ -6,6 +6,8 @@
 so the ``[.., N, N, 2F]`` pair tensor of GAT attention (and the ``repeat`` copies that build it)
 is never needed: the result is the broadcast sum of a ``[.., N, 1, k]`` and a ``[.., 1, N, k]``
 tensor. pyGAT fixed its own code this way by hand; PyG's ``DenseGATConv`` is written that way.
+Edge-list GATs pick the pairs by index, ``[h[dst] || h[src]]`` (E x 2F): the same split is applied
+to the node rows before picking them (:mod:`.gathered_pairs`).
 
 The rule matches by meaning, not spelling. A *linear map* is a node linear in the last dim of its
 input ``x`` with weights that do not depend on the inputs (table ``LINEAR_MAPS``). ``x`` is a
@@ -31,6 +33,9 @@ import torch.fx
 
 from .base import Finding, Probe
 from .data_movement import Movement, Provenance, provenance, trace_movement
+from .gathered_pairs import GatheredPlan, gathered
+from .gathered_pairs import describe as describe_gathered
+from .gathered_pairs import rewrite as rewrite_gathered
 from .linear_maps import SPLITS, LinearMap, Weights, linear_map
 from .pair_layout import Arrangement, arrangement, emit_arrangement, half_strides
 from .pair_reasons import not_pairs, upstream_reason, variable_name
@@ -82,7 +87,10 @@ def _decode(m: LinearMap, movements: list[Movement], provs: list[Provenance], pr
 
 # --- the rule -----------------------------------------------------------------------------------------
 
-def find(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> list[Finding]:
+SETTINGS: dict = {}  # nothing to set
+
+
+def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
     """Every linear map over pairs in ``gm`` (a match), and every look-alike (declined, with why)."""
     modules = dict(gm.named_modules())
     is_weight = Weights()
@@ -90,6 +98,16 @@ def find(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> list[Finding]:
     for node in gm.graph.nodes:
         m = linear_map(node, probes[0].env, modules, is_weight)
         if m is None:
+            continue
+        picked = gathered(m, probes, modules)  # pairs of rows picked by an edge list
+        if isinstance(picked, str):
+            findings.append(Finding(RULE, node, "declined", picked))
+            continue
+        if picked is not None:
+            frees = frozenset(trace_movement(m.x, probes[0].env, modules).nodes) | {g.node for g in picked.halves}
+            findings.append(Finding(RULE, node, "match", describe_gathered(picked), picked, frees))
+            continue
+        if m.kind == "left":  # W @ xᵀ is split only for gathered pairs (a dense pair tensor is never 2-D)
             continue
         movements = [trace_movement(m.x, p.env, modules) for p in probes]
         if movements[0].nodes:
@@ -131,6 +149,9 @@ def _weight_name(ref: Any) -> str:
 def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.fx.GraphModule) -> torch.fx.Node:
     """Insert ``L1(h_i) + L2(h_j)`` before the linear map; returns the sum (the map's new value)."""
     plan: PairPlan = finding.plan
+    if isinstance(plan, GatheredPlan):
+        with graph.inserting_before(nodes[plan.map.node]):
+            return rewrite_gathered(graph, nodes, plan)
     with graph.inserting_before(nodes[plan.map.node]):
         shared: dict = {}
         left = emit_arrangement(graph, nodes[plan.left.source], plan.left, shared)

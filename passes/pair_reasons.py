@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..capture import source_line
 from .base import Probe
-from .data_movement import Movement, Provenance, method_name, op_name, provenance, trace_movement
+from .data_movement import Movement, Provenance, as_gather, method_name, op_name, provenance, trace_movement
 from .linear_maps import LinearMap, Weights, linear_map
 
 
@@ -31,6 +31,18 @@ def variable_name(node: torch.fx.Node) -> str:
     line = source_line(node)
     found = re.match(r"\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", line.code) if line else None
     return found.group(1) if found else node.name
+
+
+def index_name(node: torch.fx.Node) -> str:
+    """``edge_index[1]`` (``norm[:, None]``) for a constant index into a node, else the user's variable name."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if all(k is None or isinstance(k, (int, slice)) for k in key):
+            parts = [str(k) if isinstance(k, int) else "None" if k is None else ":" for k in key]
+            while len(parts) > 1 and parts[-1] == ":":
+                parts.pop()
+            return f"{variable_name(node.args[0])}[{', '.join(parts)}]"
+    return variable_name(node)
 
 
 def _row(prov: Provenance, movement: Movement, pos: tuple, lo: int, f: int) -> str:
@@ -128,12 +140,19 @@ def _kind(node: torch.fx.Node, modules: Mapping) -> str | None:
     return None
 
 
+def _picks_rows(node: torch.fx.Node, env: Mapping) -> bool:
+    """Whether ``node`` picks rows by an index tensor (``h[dst]``): one side of an edge's pair."""
+    return as_gather(node, env) is not None
+
+
 def _pairs_upstream(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights,
                     depth: int = 0) -> list[torch.fx.Node] | None:
     """The computing nodes between ``node`` and where pairs are formed upstream, or None."""
     movement = trace_movement(node, env, modules)
     if movement.nodes and provenance(movement, env, modules).has_duplicates:
         return []
+    if movement.concatenations and len(movement.sources) == 2 and all(_picks_rows(s, env) for s in movement.sources):
+        return []  # [h[dst] || h[src]]: pairs of gathered rows
     for s in movement.sources:
         kind = _kind(s, modules)
         lm = linear_map(s, env, modules, is_weight) if kind is None else None
@@ -141,9 +160,9 @@ def _pairs_upstream(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weig
             continue
         inputs = [lm.x] if lm is not None else [a for a in s.all_input_nodes
                                                  if isinstance(env.get(a), torch.Tensor) and not is_weight(a)]
-        if kind in ("product", "sum") and len(inputs) >= 2 and \
-                env[s].numel() > max(env[a].numel() for a in inputs):
-            return [s]  # broadcasts its operands against each other: pairs are formed right here
+        if kind in ("product", "sum") and len(inputs) >= 2 and (
+                env[s].numel() > max(env[a].numel() for a in inputs) or all(_picks_rows(a, env) for a in inputs)):
+            return [s]  # broadcasts its operands against each other, or combines picked rows: pairs
         if depth < 4:
             for a in inputs:
                 below = _pairs_upstream(a, env, modules, is_weight, depth + 1)

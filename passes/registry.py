@@ -1,15 +1,20 @@
 """The rewrite passes :func:`fxmem.optimize` runs, in order, as data: each is a
-:class:`~.base.Pass` (a name, a ``find`` that decides, a ``rewrite`` that applies).
+:class:`~.base.Pass` (a name, a ``find`` that decides, a ``rewrite`` that applies). Each pass
+looks at the graph the passes before it made.
 
 >>> [p.name for p in PASSES]
-['pair-linear']
+['pair-linear', 'fused-attention', 'fused-message-passing']
 """
 from __future__ import annotations
 
-from . import pair_linear
+from . import fused_attention, message_passing, pair_linear
 from .base import Pass
 
 PASSES: tuple[Pass, ...] = (
     # a linear map over pairs [h_i || h_j] -> L1(h_i) + L2(h_j), a broadcast add (GAT attention)
-    Pass(pair_linear.RULE, pair_linear.find, pair_linear.rewrite),
+    Pass(pair_linear.RULE, pair_linear.find, pair_linear.rewrite, pair_linear.SETTINGS),
+    # softmax(where(mask, LeakyReLU(s_i + t_j), fill)) @ h -> one fused kernel in row blocks
+    Pass(fused_attention.RULE, fused_attention.find, fused_attention.rewrite, fused_attention.SETTINGS),
+    # zeros.index_add_(0, dst, x[src] * w) -> a CSR product A @ x (seed 003: fused message passing)
+    Pass(message_passing.RULE, message_passing.find, message_passing.rewrite, message_passing.SETTINGS),
 )

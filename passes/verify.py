@@ -1,15 +1,19 @@
-"""Verification: do two modules compute the same thing? Same outputs and gradients on real inputs.
+"""Verification: do two modules compute the same thing? Same outputs, gradients and state on real inputs,
+in every mode.
 
-:func:`fxmem.optimize` returns a rewrite only if it passes this check against the original: for
-each set of inputs, the outputs must agree and so must the gradients of
+:func:`fxmem.optimize` returns a rewrite only if it passes this check against the original model:
+for each set of inputs and each mode - train mode and eval mode with autograd recording, and both
+under ``torch.no_grad()`` - the outputs must agree, and (with autograd) so must the gradients of
 ``loss = sum(output * random weights)`` with respect to every parameter and every floating point
-input. The check runs in float64 on deep copies (so the user's module, its parameters, buffers
-and random state are left untouched), where a change of summation order is invisible; models that
-cannot run in float64 are compared in their own dtype with float32 tolerances.
+input, and the buffers after the call (batch-norm running statistics). Both modules draw the same
+random numbers: the generator is seeded the same before each call, so dropout keeps the same
+elements in both. The check runs in float64 on deep copies (so the user's module, its parameters,
+buffers, flags and random state are left untouched), where a change of summation order is
+invisible; models that cannot run in float64 are compared in their own dtype with float32 tolerances.
 
 >>> diff = compare(original, rewritten, [(torch.randn(2, 5, 6), torch.rand(2, 5, 5))])   # doctest: +SKIP
 >>> diff.ok, diff.max_abs, diff.where                                                     # doctest: +SKIP
-(True, 1.7e-16, 'gradient of a')
+(True, 1.7e-16, 'gradient of a (train mode)')
 """
 from __future__ import annotations
 
@@ -24,6 +28,20 @@ from .. import _torch_compat as tc
 
 # (rtol, atol) by the dtype the comparison runs in
 TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How a module is called: its ``training`` flag and whether autograd records."""
+
+    name: str
+    training: bool
+    grad: bool
+
+
+# Every way a user calls a module; a rewrite must agree with the original in each.
+MODES = (Mode("train mode", True, True), Mode("eval mode", False, True),
+         Mode("eval mode, no_grad", False, False), Mode("train mode, no_grad", True, False))
 
 
 @dataclasses.dataclass
@@ -49,25 +67,31 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _run(module: torch.nn.Module, inputs: Sequence[Any], dtype: torch.dtype | None, seed: int,
-         device: str = "cpu") -> dict[str, Any]:
-    """Outputs and gradients of ``module`` (a deep copy of it on ``device``, cast to ``dtype`` when given)."""
+         device: str = "cpu", mode: Mode = MODES[0]) -> dict[str, Any]:
+    """Outputs, gradients and buffers after the call of ``module`` (a deep copy of it on ``device``,
+    cast to ``dtype`` when given, in ``mode``)."""
     module = copy.deepcopy(module).to(device)
     if dtype is not None:
         module = module.to(dtype)
+    module.train(mode.training)
     xs = []
     for x in inputs:
         if isinstance(x, torch.Tensor):
             x = x.detach().clone().to(device)
             if x.is_floating_point():
                 x = x.to(dtype) if dtype is not None else x
-                x.requires_grad_(True)
+                x.requires_grad_(mode.grad)
         xs.append(x)
     ctx = _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
-    with ctx, torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+    grad = contextlib.nullcontext() if mode.grad else torch.no_grad()
+    with ctx, grad, torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
         torch.manual_seed(seed)  # dropout draws the same masks in both modules
         out = module(*xs)
     leaves = tc.tree_leaves(out)
     result: dict[str, Any] = {f"output {k}": v for k, v in enumerate(leaves)}
+    result.update({f"buffer {n} after the call": b for n, b in module.named_buffers()})
+    if not mode.grad:
+        return result
     weights = torch.Generator().manual_seed(seed + 1)
     terms = [(t * torch.randn(t.shape, generator=weights, dtype=t.dtype).to(t.device)).sum() for t in leaves
              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
@@ -109,24 +133,27 @@ def _compare_runs(ref: dict, got: dict, dtype: torch.dtype) -> Difference:
 
 
 def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequence[Sequence[Any]],
-            seed: int = 0, device: str = "cpu") -> Difference:
-    """Compare outputs and gradients of ``candidate`` with ``reference`` on each tuple of ``inputs``
-    (run on ``device``).
+            seed: int = 0, device: str = "cpu", modes: Sequence[Mode] = MODES) -> Difference:
+    """Compare outputs, gradients and buffers of ``candidate`` with ``reference`` on each tuple of
+    ``inputs`` (run on ``device``), in each of ``modes`` (default: train and eval mode, with
+    autograd and under ``no_grad``).
 
-    Parameters are matched by name (``candidate`` must have every parameter ``reference`` has).
-    Returns the first failing :class:`Difference`, or the largest one when all agree.
+    Parameters and buffers are matched by name (``candidate`` must have every one ``reference``
+    has). Returns the first failing :class:`Difference`, or the largest one when all agree.
     """
     worst: Difference | None = None
     for k, xs in enumerate(inputs):
-        try:
-            ref = _run(reference, xs, torch.float64, seed + k, device)
-            dtype: torch.dtype | None = torch.float64
-        except Exception:  # some op has no float64 kernel: compare in the model's own dtype
-            ref, dtype = _run(reference, xs, None, seed + k, device), None
-        got = _run(candidate, xs, dtype, seed + k, device)
-        diff = _compare_runs(ref, got, dtype or torch.float32)
-        if not diff.ok:
-            return diff
-        if worst is None or diff.max_abs >= worst.max_abs:
-            worst = diff
+        for mode in modes:
+            try:
+                ref = _run(reference, xs, torch.float64, seed + k, device, mode)
+                dtype: torch.dtype | None = torch.float64
+            except Exception:  # some op has no float64 kernel: compare in the model's own dtype
+                ref, dtype = _run(reference, xs, None, seed + k, device, mode), None
+            got = _run(candidate, xs, dtype, seed + k, device, mode)
+            diff = _compare_runs(ref, got, dtype or torch.float32)
+            diff = dataclasses.replace(diff, where=f"{diff.where} ({mode.name})" if diff.where else mode.name)
+            if not diff.ok:
+                return diff
+            if worst is None or diff.max_abs >= worst.max_abs:
+                worst = diff
     return worst or Difference(True, 0.0, "", torch.float64)

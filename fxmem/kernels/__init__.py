@@ -9,8 +9,9 @@ The simulation asks three questions of every aten call, and one of every torch f
 
 Rules live in :mod:`~fxmem.kernels.scalars` (wrapped Python numbers, dtype casts),
 :mod:`~fxmem.kernels.cpu` (CPU kernels' scratch), :mod:`~fxmem.kernels.calibrate` (opaque
-oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine)
-and :mod:`~fxmem.kernels.real_paths` (composites). Users describe their own ops with
+oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine),
+:mod:`~fxmem.kernels.real_paths` (composites) and :mod:`~fxmem.kernels.fused` (fxmem's own fused
+operators, :mod:`fxmem.ops`). Users describe their own ops with
 :func:`register` or ``fxmem.analyze(..., kernels={op: fn})``.
 
 >>> [r.name for r in REGISTRY.rules(Kind.HIDDEN)][:2]          # doctest: +SKIP
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import calibrate, cpu, engine, real_paths, scalars  # noqa: F401 - registers the built-in rules
+from . import calibrate, cpu, engine, fused, real_paths, scalars  # noqa: F401 - registers the built-in rules
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, Rule, Unknown, register, unregister
 

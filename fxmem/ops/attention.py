@@ -1,0 +1,219 @@
+"""GAT attention, fused: masked softmax over decomposed scores without any N x M float tensor kept.
+
+    e_ij  = LeakyReLU(s_i + t_j)                      scores, decomposed (GAT: s = Wh·a1, t = Wh·a2)
+    a_ij  = softmax_j(e_ij if keep_ij else fill)      keep_ij: adj_ij > threshold (or <, ==, ...), or not
+    out_i = sum_j a_ij h_j
+
+Written out, autograd keeps the scores, the mask and the softmax, N x M each (seed 000's layer:
+about 21·B·N² bytes after its pair tensor is gone). Here rows are processed in blocks of R rows:
+a block holds complete rows, so its softmax is the plain one, computed by ``torch.softmax`` (no
+online rescaling is needed when the blocks are rows), and nothing N x M is saved: the backward
+recomputes each block's masked scores and softmax from ``s``, ``t`` and ``adj`` (FlashAttention's
+scheme; dgNN's fused GAT kernel does the same on GPUs), bit for bit as the forward made them:
+
+    P = softmax(masked scores),  dP = dout·hᵀ,  dh += Pᵀ·dout,  dE = P ⊙ (dP - rowsum(P ⊙ dP)),
+    dE = 0 where not kept,  dE *= LeakyReLU'(s_i + t_j),  ds_i = sum_j dE_ij,  dt_j = sum_i dE_ij
+
+``dE = 0 where not kept`` costs a masked pass; it is skipped for a block where it changes nothing:
+where every row's largest masked score is so far above ``fill`` that the softmax gave the masked
+entries exactly 0 (exp underflows), their dE is 0 already. The row maxima are the one row statistic
+saved.
+
+Layouts (the rewrite arranges the model's tensors so): ``s`` is [Gm, Gh, N], ``t`` [Gm, Gh, M],
+``h`` [Gm, Gh, M, F], ``adj`` [Am, N, M] with Am = Gm or 1 (the mask is shared by the Gh heads),
+``out`` [Gm, Gh, N, F]. The block rows R come from ``block_bytes``, the scratch one block may use
+(:func:`block_rows`); per block the kernel allocates the scores and their softmax (R·M per group
+each), a bool mask and the block's output rows in the forward, and one more score-sized block
+(dP) and the block's gradient rows (when the gradient is expanded) in the backward - exactly, as
+:mod:`fxmem.kernels.fused` says (its tests compare with the allocator on real runs).
+
+The kernel is plain PyTorch, registered for every device; a faster CUDA kernel (FlexAttention, or
+Triton) can be registered for the ``cuda`` key of the same op, with its own memory rule.
+
+>>> out = masked_attention(s, t, h, adj, compare="gt", threshold=0.0, fill=-9e15, slope=0.2)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_BLOCK_BYTES = 4 * 2**20  # scratch of one block; small enough to stay in cache-sized chunks
+# how the mask is read from adj: adj_ij <op> threshold, or "true" for a bool adj itself
+COMPARE = ("gt", "ge", "lt", "le", "eq", "ne", "true")
+_LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.default
+_COMPARE = {"gt": torch.gt, "ge": torch.ge, "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne}
+
+
+# exp(x) is exactly 0 below these (float32: exp(-104) < the smallest subnormal; float64: exp(-746)),
+# with a margin: a softmax gives a masked entry exactly 0 when fill is this far below its row's max
+_UNDERFLOW = {torch.float64: -800.0}
+_UNDERFLOW_DEFAULT = -120.0
+
+
+def block_rows(n: Any, m: Any, f: Any, groups: Any, mask_groups: Any, element_size: int, block_bytes: int) -> Any:
+    """Rows per block: as many as keep the backward's scratch (3 float score blocks per group - the
+    scores, their softmax or LeakyReLU's gradient, dP - 1 bool mask block per mask group, and the
+    block's rows of the output or its gradient) within ``block_bytes``, at least 1, at most ``n``.
+
+    Sizes may be symbolic: the comparisons then become guards of the analysis' region.
+    """
+    per_row = 3 * element_size * groups * m + mask_groups * m + element_size * groups * f
+    rows = block_bytes // per_row
+    if rows < 1:
+        return 1
+    return n if rows >= n else rows
+
+
+def groups_merge(t: torch.Tensor) -> bool:
+    """Whether [Gm, Gh, N, F] views as [Gm*Gh, N, F] (comparisons of symbolic strides are guards)."""
+    gm, gh = t.shape[0], t.shape[1]
+    return gm == 1 or gh == 1 or t.stride(0) == gh * t.stride(1)
+
+
+def gemm_ready(t: torch.Tensor) -> bool:
+    """Whether a batch of matrices [G, R, F] goes to BLAS as it is: rows of contiguous elements."""
+    return t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
+
+
+def _dropped(adj: torch.Tensor, r0: int, rows: int, compare: str, threshold: float, keep: bool) -> torch.Tensor:
+    """Where the scores are replaced by ``fill``, for rows r0..r0+rows: [Am, 1, rows, M] bool.
+
+    ``keep``: the comparison says which scores stay (``where(adj > 0, e, fill)``); otherwise which
+    are replaced (``e.masked_fill(adj == 0, fill)``).
+    """
+    part = adj[:, r0:r0 + rows].unsqueeze(1)
+    if compare == "true":
+        return part.logical_not() if keep else part  # a bool adj that says what to replace is a view
+    found = _COMPARE[compare](part, threshold)
+    # not(keep) rather than the opposite comparison: NaN entries are dropped, as where(adj > 0, ...) does
+    return found.logical_not_() if keep else found
+
+
+def _scores(s3: torch.Tensor, t3: torch.Tensor, adj: torch.Tensor, heads: int, r0: int, rows: int,
+            compare: str, threshold: float, keep: bool, fill: float, slope: float) -> tuple:
+    """The masked scores of rows r0..r0+rows as [G, rows, M], and the drop mask."""
+    z = s3[:, r0:r0 + rows, None] + t3[:, None, :]
+    F.leaky_relu_(z, slope)
+    drop = _dropped(adj, r0, rows, compare, threshold, keep)
+    z.view(-1, heads, rows, z.shape[-1]).masked_fill_(drop, fill)
+    return z, drop
+
+
+@torch.library.custom_op("fxmem::masked_attention", mutates_args=())
+def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
+                        threshold: float, keep: bool, fill: float, slope: float, block_bytes: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, top)``: the attention output [Gm, Gh, N, F] and each row's largest masked score [Gm, Gh, N, 1]."""
+    gm, gh, n = s.shape
+    m, f = t.shape[-1], h.shape[-1]
+    g = gm * gh
+    s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
+    out = s.new_empty(gm, gh, n, f)
+    top = s.new_empty(gm, gh, n, 1)
+    out3, top3 = out.view(g, n, f), top.view(g, n, 1)
+    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
+    for r0 in range(0, n, step):
+        _forward_block(s3, t3, h3, adj, gh, out3, top3, r0, min(step, n - r0), compare, threshold, keep, fill, slope)
+    return out, top
+
+
+def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, threshold, keep, fill, slope) -> None:
+    # a function per block: its temporaries die when it returns, before the next block's are made
+    z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
+    del drop
+    torch.amax(z, -1, keepdim=True, out=top3[:, r0:r0 + rows])
+    p = torch.softmax(z, -1)
+    del z
+    if rows == out3.shape[1]:  # one block: straight into the output
+        torch.bmm(p, h3, out=out3)
+    else:
+        out3[:, r0:r0 + rows] = torch.bmm(p, h3)
+
+
+@masked_attention_op.register_fake
+def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes):
+    gm, gh, n = s.shape
+    return s.new_empty(gm, gh, n, h.shape[-1]), s.new_empty(gm, gh, n, 1)
+
+
+@torch.library.custom_op("fxmem::masked_attention_backward", mutates_args=())
+def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
+                                 adj: torch.Tensor, top: torch.Tensor, compare: str, threshold: float, keep: bool,
+                                 fill: float, slope: float, block_bytes: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ds, dt, dh)`` from the gradient of ``out``, recomputing the scores block by block."""
+    gm, gh, n = s.shape
+    m, f = t.shape[-1], h.shape[-1]
+    g = gm * gh
+    s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
+    grad3 = grad.view(g, n, f) if groups_merge(grad) else grad.reshape(g, n, f)  # the reshape copies
+    ds = s.new_empty(gm, gh, n)
+    dt = t.new_zeros(gm, gh, m)
+    dh = h.new_zeros(gm, gh, m, f)
+    ds2, dt2, dh3, top3 = ds.view(g, n), dt.view(g, m), dh.view(g, m, f), top.view(g, n, 1)
+    # the masked pass is needed only where a masked entry's softmax is not exactly 0
+    below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
+    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
+    for r0 in range(0, n, step):
+        _backward_block(grad3, s3, t3, h3, adj, top3, gh, ds2, dt2, dh3, r0, min(step, n - r0), compare, threshold,
+                        keep, fill, slope, below)
+    return ds, dt, dh
+
+
+def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows, compare, threshold, keep, fill,
+                    slope, below) -> None:
+    z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
+    p = torch.softmax(z, -1)  # the forward's softmax: the same op on the same scores
+    g = grad3[:, r0:r0 + rows]
+    if not gemm_ready(grad3):  # an expanded gradient (from a sum): the block's rows, copied once
+        g = g.contiguous()
+    dp = torch.bmm(g, h3.transpose(1, 2))
+    dh3.baddbmm_(p.transpose(1, 2), g)
+    dp.mul_(p)
+    row = dp.sum(-1, keepdim=True)
+    dp.addcmul_(p, row, value=-1.0)  # softmax backward: P ⊙ (dP - rowsum(P ⊙ dP))
+    del row, p
+    if not bool(torch.gt(top3[:, r0:r0 + rows], below).all()):  # some masked entry got weight
+        dp.view(-1, heads, rows, dp.shape[-1]).masked_fill_(drop, 0.0)  # where() sends nothing to them
+    del drop
+    torch.add(s3[:, r0:r0 + rows, None], t3[:, None, :], out=z)  # the scores before LeakyReLU, again
+    de = _LEAKY_RELU_BACKWARD(dp, z, slope, False)  # the op the plain form's backward runs
+    del dp, z
+    ds2[:, r0:r0 + rows] = de.sum(-1)
+    dt2.add_(de.sum(-2))
+
+
+@masked_attention_backward_op.register_fake
+def _(grad, s, t, h, adj, top, compare, threshold, keep, fill, slope, block_bytes):
+    return s.new_empty(s.shape), t.new_empty(t.shape), h.new_empty(h.shape)
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes = inputs
+    ctx.options = (compare, threshold, keep, fill, slope, block_bytes)
+    ctx.save_for_backward(s, t, h, adj, output[1])
+
+
+def _backward(ctx: Any, grad: torch.Tensor, grad_top: Any) -> tuple:
+    s, t, h, adj, top = ctx.saved_tensors
+    ds, dt, dh = torch.ops.fxmem.masked_attention_backward(grad, s, t, h, adj, top, *ctx.options)
+    return ds, dt, dh, None, None, None, None, None, None, None
+
+
+masked_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def masked_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, *, compare: str = "gt",
+                     threshold: float = 0.0, keep: bool = True, fill: float = -9e15, slope: float = 0.2,
+                     block_bytes: int = DEFAULT_BLOCK_BYTES) -> torch.Tensor:
+    """softmax_j(LeakyReLU(s_i + t_j) where kept, else fill) @ h, fused; [Gm, Gh, N, F] (see module doc).
+
+    The mask: ``adj <compare> threshold`` (``compare="true"``: a bool ``adj`` itself) says which scores
+    stay (``keep=True``) or which are replaced by ``fill`` (``keep=False``).
+    """
+    if compare not in COMPARE:
+        raise ValueError(f"compare={compare!r}: use one of {COMPARE}")
+    return torch.ops.fxmem.masked_attention(s, t, h, adj, compare, float(threshold), bool(keep), float(fill),
+                                            float(slope), int(block_bytes))[0]

@@ -1,0 +1,579 @@
+"""The fused-attention rule: GAT's masked softmax attention over decomposed scores becomes one fused
+kernel that never builds or keeps an N x M float tensor (:mod:`fxmem.ops.attention`).
+
+    softmax_j(where(keep_ij, LeakyReLU(s_i + t_j), fill)) [dropout] @ h   ->   masked_attention(s, t, h, adj)
+
+After the pair-linear rule (or in code written that way: pyGAT's fix, PyG's ``DenseGATConv``)
+what is left of a GAT layer is this attention, whose scores, mask, masked scores and softmax are
+N x M each and mostly kept for backward. The rule matches by meaning, not spelling: from a
+``matmul`` whose left operand is (a permutation of) a softmax, it walks back through dropout, a
+``where``/``masked_fill`` with a constant, a LeakyReLU and a broadcast add ``u + v``, and reads
+off, at the probe sizes, which axes of the scores each operand varies along: ``u`` alone (the
+rows i), ``v`` alone (the columns j), both (batch, heads). The softmax must run over j, the
+matmul must contract j, the mask must come from comparing one tensor with a number (or be a
+bool tensor) and be shared by the heads or not, as it is. Then the fused kernel, run at each probe
+on the operands so laid out, must reproduce the matmul's value. Look-alikes are declined with
+the reason: scores that are not LeakyReLU(s_i + t_j) (GATv2's a·LeakyReLU(Wh_i + Wh_j), dot
+products), masks added rather than filled in, a softmax over the wrong axis.
+
+Dropout: a row-blocked kernel cannot draw the mask an N x M ``dropout`` draws from the same random
+stream, so where the attention has dropout with p > 0, the rewritten graph runs the fused kernel
+when the dropout is off (eval mode) and the original nodes when it is on (train mode) - same
+numbers as the original in both; with ``training=True`` written into the code, the rule declines.
+
+>>> [f.status for f in find(gm, probes)]                         # doctest: +SKIP
+['match']
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
+from .attention_layout import Axes, gather_axes, recipe, scatter_axes
+from .base import Finding, Probe
+from .data_movement import is_movement, method_name, op_name, provenance, trace_movement
+from .pair_layout import half_strides
+from .pair_reasons import variable_name
+
+RULE = "fused-attention"
+
+_MATMULS = frozenset({torch.matmul, operator.matmul, torch.bmm})
+_SOFTMAX = frozenset({F.softmax, torch.softmax})
+_LEAKY = frozenset({F.leaky_relu, torch.nn.functional.leaky_relu})
+_ADDS = frozenset({operator.add, torch.add, "add"})
+_COMPARISONS = {operator.gt: "gt", operator.ge: "ge", operator.lt: "lt", operator.le: "le", operator.eq: "eq",
+                operator.ne: "ne", torch.gt: "gt", torch.ge: "ge", torch.lt: "lt", torch.le: "le", torch.eq: "eq",
+                torch.ne: "ne", "gt": "gt", "ge": "ge", "lt": "lt", "le": "le", "eq": "eq", "ne": "ne"}
+_FLIPPED = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq", "ne": "ne"}  # 0 < adj  ==  adj > 0
+_NOTS = frozenset({operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not"})
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """Where the parts of one attention are, and how to lay them out for the fused kernel."""
+
+    output: torch.fx.Node  # the matmul
+    u: torch.fx.Node  # s side of the add
+    v: torch.fx.Node  # t side
+    values: torch.fx.Node  # h
+    mask_source: torch.fx.Node  # the tensor the mask compares (adj)
+    u_axes: Axes
+    v_axes: Axes
+    values_axes: Axes
+    mask_axes: Axes
+    out_order: tuple
+    out_unsqueeze: tuple
+    options: tuple  # (compare, threshold, keep, fill, slope, block_bytes)
+    dropout_p: float
+    training: Any  # None (no dropout), a bool, or the node holding the flag
+    dropout_module: str | None  # an nn.Dropout's path: it reads its own flag
+    fallback: tuple  # (nodes of the original attention, in graph order; the nodes they read)
+
+
+# --- walking back from the matmul -------------------------------------------------------------------
+
+def _target_key(node: torch.fx.Node) -> Any:
+    return node.target if node.op == "call_function" else method_name(node)
+
+
+def _is_matmul(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _MATMULS) or method_name(node) in ("matmul", "bmm")
+
+
+def _module(node: torch.fx.Node, modules: Mapping) -> Any:
+    return modules.get(str(node.target)) if node.op == "call_module" else None
+
+
+def _arg(node: torch.fx.Node, pos: int, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[pos] if len(node.args) > pos else default
+
+
+def _through_movement(node: Any, env: Mapping, modules: Mapping) -> tuple[Any, list]:
+    """The first node above ``node`` that is not a copying op, and the copying nodes passed."""
+    passed = []
+    while isinstance(node, torch.fx.Node) and is_movement(node, env, modules) and node.op != "call_module":
+        inputs = [a for a in node.all_input_nodes if isinstance(env.get(a), torch.Tensor)]
+        if len(inputs) != 1:
+            break
+        passed.append(node)
+        node = inputs[0]
+    return node, passed
+
+
+def _dropout(node: torch.fx.Node, modules: Mapping) -> tuple[float, Any, str | None] | None:
+    """(p, training, module path) if ``node`` is a dropout."""
+    mod = _module(node, modules)
+    if isinstance(mod, torch.nn.Dropout):
+        return float(mod.p), None, str(node.target)
+    if (node.op == "call_function" and node.target is F.dropout) or method_name(node) == "dropout":
+        return float(_arg(node, 1, "p", 0.5)), _arg(node, 2, "training", True), None
+    return None
+
+
+def _softmax_dim(node: torch.fx.Node, modules: Mapping) -> Any:
+    mod = _module(node, modules)
+    if isinstance(mod, torch.nn.Softmax):
+        return mod.dim
+    if (node.op == "call_function" and node.target in _SOFTMAX) or method_name(node) == "softmax":
+        if _arg(node, 3 if node.target is F.softmax else 2, "dtype") is not None:
+            return None
+        return _arg(node, 1, "dim")
+    return None
+
+
+def _leaky_slope(node: torch.fx.Node, modules: Mapping) -> float | None:
+    mod = _module(node, modules)
+    if isinstance(mod, torch.nn.LeakyReLU):
+        return float(mod.negative_slope)
+    if (node.op == "call_function" and node.target in _LEAKY) or method_name(node) == "leaky_relu":
+        return float(_arg(node, 1, "negative_slope", 0.01))
+    return None
+
+
+@dataclasses.dataclass
+class _Mask:
+    scores: Any  # the branch holding the scores
+    fill: Any  # a number or a node
+    cond: Any
+    keep: bool  # cond says what stays (where(cond, e, fill)) or what is replaced (masked_fill)
+
+
+def _mask(node: torch.fx.Node, env: Mapping) -> _Mask | str:
+    key = _target_key(node)
+    if key in (torch.where, "where") and len(node.args) == 3:
+        cond, a, b = node.args
+        # which branch is constant: where(adj > 0, e, fill) or where(adj == 0, fill, e)
+        a_const, b_const = _constant(a, env), _constant(b, env)
+        if b_const is not None and a_const is None:
+            return _Mask(a, b, cond, True)
+        if a_const is not None and b_const is None:
+            return _Mask(b, a, cond, False)
+        return "neither branch of the where() is one constant value, so it is not a mask filling in a constant"
+    if key in (torch.masked_fill, "masked_fill", "masked_fill_") and len(node.args) >= 2:
+        value = _arg(node, 2, "value")
+        if _constant(value, env) is None:
+            return "masked_fill's value is not one constant"
+        return _Mask(node.args[0], value, node.args[1], False)
+    if key in _ADDS:
+        return (f"the scores are masked by an addition ({op_name(node)}, node {node.name}), not by replacing "
+                f"entries with a constant; the fused kernel replaces masked scores (where/masked_fill)")
+    return None
+
+
+def _constant(value: Any, env: Mapping) -> float | None:
+    """The one value a number or a tensor node holds at every probe position, else None - as the
+    code writes it where it can be read (``-9e15 * ones_like(e)``, ``full_like(e, -inf)``), since
+    the probes hold it rounded to float32."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, torch.fx.Node):
+        return None
+    t = env.get(value)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return None
+    first = t.reshape(-1)[0]
+    same = torch.all((t == first) | (torch.isnan(t) & torch.isnan(first)))
+    if not bool(same):
+        return None
+    written = _written_constant(value, env)
+    if written is not None and (bool(torch.tensor(written, dtype=t.dtype) == first)
+                                or (math.isnan(written) and bool(torch.isnan(first)))):
+        return written
+    return float(first)
+
+
+def _written_constant(node: torch.fx.Node, env: Mapping) -> float | None:
+    key = _target_key(node)
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if key in (operator.mul, torch.mul, "mul") and len(node.args) == 2 and len(numbers) == 1:
+        other = next(a for a in node.args if isinstance(a, torch.fx.Node))
+        ones = env.get(other)
+        if isinstance(ones, torch.Tensor) and bool(torch.all(ones == 1)):
+            return float(numbers[0])
+    if key in (torch.full_like, "new_full", torch.full) and numbers:
+        return float(numbers[-1])
+    if key in (torch.full_like, torch.full) and "fill_value" in node.kwargs:
+        return float(node.kwargs["fill_value"])
+    return None
+
+
+def _comparison(cond: Any, env: Mapping, keep: bool) -> tuple[Any, str, float, bool] | str:
+    """(mask source node, compare, threshold, keep) for ``cond``."""
+    while isinstance(cond, torch.fx.Node) and _target_key(cond) in _NOTS and len(cond.args) == 1:
+        cond, keep = cond.args[0], not keep
+    if not isinstance(cond, torch.fx.Node):
+        return "the mask is not a tensor"
+    key = _target_key(cond)
+    if key in _COMPARISONS and len(cond.args) == 2:
+        a, b = cond.args
+        if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool):
+            return a, _COMPARISONS[key], float(b), keep
+        if isinstance(b, torch.fx.Node) and isinstance(a, (int, float)) and not isinstance(a, bool):
+            return b, _FLIPPED[_COMPARISONS[key]], float(a), keep
+    value = env.get(cond)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        return cond, "true", 0.0, keep
+    return (f"the mask is computed by {op_name(cond)} (node {cond.name}); the fused kernel reads masks that "
+            f"compare one tensor with a number (adj > 0, adj == 0) or are a bool tensor")
+
+
+def _bool_mask(source: torch.fx.Node, compare: str, threshold: float, keep: bool, env: Mapping) -> tuple:
+    """A bool adjacency compared with a number is the adjacency or its negation (``adj > 0`` is
+    ``adj``): read it as it is, so the kernel does not cast every block to float to compare it."""
+    value = env.get(source)
+    if compare == "true" or not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+        return source, compare, threshold, keep
+    # whether True (1.0) and False (0.0) pass the comparison
+    passes = [{"gt": x > threshold, "ge": x >= threshold, "lt": x < threshold, "le": x <= threshold,
+               "eq": x == threshold, "ne": x != threshold}[compare] for x in (1.0, 0.0)]
+    if passes == [True, False]:
+        return source, "true", 0.0, keep
+    if passes == [False, True]:
+        return source, "true", 0.0, not keep
+    return source, compare, threshold, keep  # every entry alike: compared as written
+
+
+# --- the axes ---------------------------------------------------------------------------------------
+
+def _varies(shape: Sequence[int], rank: int) -> list[bool]:
+    """Per axis of a result of ``rank`` dims, whether a broadcast operand of ``shape`` varies along it."""
+    padded = [1] * (rank - len(shape)) + list(shape)
+    return [size != 1 for size in padded]
+
+
+@dataclasses.dataclass
+class _Axes:
+    """The scores' axes at one probe: kind per non-1 axis ("g", "i", "j"), mask variation."""
+
+    shape: tuple
+    kinds: dict  # scores axis -> "g" | "i" | "j"
+    mask: list  # scores axes (non-1) the mask varies along
+
+
+def _axes(plan_nodes: dict, env: Mapping) -> _Axes | str:
+    scores, add, u, v, source = (env[plan_nodes[k]] for k in ("scores", "add", "u", "v", "source"))
+    shape, added = tuple(scores.shape), tuple(add.shape)
+    nonone = [a for a, size in enumerate(shape) if size != 1]
+    added_nonone = [a for a, size in enumerate(added) if size != 1]
+    if [shape[a] for a in nonone] != [added[a] for a in added_nonone]:
+        return "the sum is reshaped on its way to the softmax (not only size-1 dims added or dropped)"
+    su, sv = _varies(u.shape, add.dim()), _varies(v.shape, add.dim())
+    kinds = {}
+    for a, b in zip(nonone, added_nonone):
+        kinds[a] = "g" if su[b] and sv[b] else "i" if su[b] else "j"
+    for kind, name in (("i", plan_nodes["u"].name), ("j", plan_nodes["v"].name)):
+        found = [a for a, k in kinds.items() if k == kind]
+        if len(found) != 1:
+            return (f"the sum is not s_i + t_j: {len(found)} axes vary with {name} alone "
+                    f"(node {plan_nodes['add'].name}, shapes {tuple(u.shape)} + {tuple(v.shape)})")
+    src_varies = _varies(source.shape, len(shape))
+    if len(source.shape) > len(shape) or any(src_varies[a] and shape[a] == 1 for a in range(len(shape))):
+        return "the mask has axes the scores do not have"
+    mask = [a for a in nonone if src_varies[a]]
+    i, j = (next(a for a, k in kinds.items() if k == kind) for kind in ("i", "j"))
+    if i not in mask or j not in mask:
+        return "the mask does not vary along both the rows and the columns of the scores"
+    return _Axes(shape, kinds, mask)
+
+
+# --- the rule ---------------------------------------------------------------------------------------
+
+SETTINGS = {"block_bytes": "scratch (bytes) one row block of the fused kernel may use (default 4 MiB)"}
+
+
+def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
+    """Every masked softmax attention over decomposed scores (a match), and every look-alike (declined).
+
+    ``settings``: ``{"block_bytes": n}`` (see :data:`SETTINGS`).
+    """
+    modules = dict(gm.named_modules())
+    block_bytes = int((settings or {}).get("block_bytes", DEFAULT_BLOCK_BYTES))
+    findings = []
+    for node in gm.graph.nodes:
+        if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
+            continue
+        found = _match(node, probes, modules, block_bytes)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            findings.append(Finding(RULE, node, "declined", found))
+        else:
+            findings.append(Finding(RULE, node, "match", _describe(found, probes[0].env), found,
+                                    frozenset(found.fallback[0])))
+    return findings
+
+
+def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
+           block_bytes: int) -> AttentionPlan | str | None:
+    env = probes[0].env
+    weights_in, values = node.args
+    if not isinstance(weights_in, torch.fx.Node) or not isinstance(values, torch.fx.Node):
+        return None
+    top, permutes = _through_movement(weights_in, env, modules)
+    drop = _dropout(top, modules) if isinstance(top, torch.fx.Node) else None
+    softmax = top.args[0] if drop is not None else top
+    if not isinstance(softmax, torch.fx.Node):
+        return None
+    dim = _softmax_dim(softmax, modules)
+    if dim is None:
+        return None  # not attention weights
+    x = softmax.args[0]
+    if not isinstance(x, torch.fx.Node):
+        return None
+    mask = _mask(x, env)
+    if mask is None:
+        return (f"the softmax's input is {op_name(x, modules)} (node {x.name}), not scores with a mask filled in "
+                f"(where/masked_fill); only masked attention is fused")
+    if isinstance(mask, str):
+        return mask
+    if not isinstance(mask.scores, torch.fx.Node):
+        return "the masked scores are not a tensor"
+    leaky, _ = _through_movement(mask.scores, env, modules)
+    slope = _leaky_slope(leaky, modules) if isinstance(leaky, torch.fx.Node) else None
+    if slope is None:
+        what = f"{op_name(leaky, modules)} (node {leaky.name})" if isinstance(leaky, torch.fx.Node) else repr(leaky)
+        return (f"the scores are {what}, not LeakyReLU(s_i + t_j): only GAT's decomposed scores are fused "
+                f"(a nonlinearity before the attention vector, as in GATv2's a·LeakyReLU(Wh_i + Wh_j), or dot "
+                f"products have no s_i + t_j form)")
+    add, _ = _through_movement(leaky.args[0], env, modules)
+    if not (isinstance(add, torch.fx.Node) and _target_key(add) in _ADDS
+            and len(add.args) == 2 and not add.kwargs
+            and all(isinstance(a, torch.fx.Node) for a in add.args)):
+        what = f"{op_name(add, modules)} (node {add.name})" if isinstance(add, torch.fx.Node) else repr(add)
+        return (f"LeakyReLU's input is {what}, not a broadcast sum s_i + t_j: only GAT's decomposed scores "
+                f"are fused")
+    compared = _comparison(mask.cond, env, mask.keep)
+    if isinstance(compared, str):
+        return compared
+    source, compare, threshold, keep = _bool_mask(*compared, env)
+    u, v = add.args
+    parts = {"scores": x, "add": add, "u": u, "v": v, "source": source}
+    per_probe = [_axes(parts, p.env) for p in probes]
+    bad = next((a for a in per_probe if isinstance(a, str)), None)
+    if bad is not None:
+        return bad
+    if any((a.kinds, a.mask) != (per_probe[0].kinds, per_probe[0].mask) for a in per_probe):
+        return "the scores' axes play different roles at different sizes"
+    axes = per_probe[0]
+    rank = len(axes.shape)
+    ends = {k: a for a, k in axes.kinds.items() if k != "g"}  # the axis u alone varies along ("i"), v's ("j")
+    if not isinstance(dim, int) or dim % rank not in ends.values():
+        return (f"the softmax runs over dim {dim}, not over an axis that one side of the sum alone varies along: "
+                f"it does not normalise the scores of one row over its columns")
+    if dim % rank == ends["i"]:  # PyG writes s_j + t_i: the columns are u's
+        u, v = v, u
+        axes.kinds = {a: {"i": "j", "j": "i"}.get(k, k) for a, k in axes.kinds.items()}
+        parts.update(u=u, v=v)
+    i, j = (next(a for a, k in axes.kinds.items() if k == kind) for kind in ("i", "j"))
+    if tuple(env[x].shape) != tuple(env[leaky].shape) or tuple(env[softmax].shape) != tuple(env[x].shape):
+        return "the mask broadcasts the scores to a larger shape"
+    groups_mask = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a in axes.mask]
+    groups_heads = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a not in axes.mask]
+    layout = _layouts(node, top if drop is not None else softmax, weights_in, values, axes, i, j,
+                      groups_mask, groups_heads, parts, probes, modules)
+    if isinstance(layout, str):
+        return layout
+    p, training, module = drop if drop is not None else (0.0, None, None)
+    if drop is not None and p > 0 and module is None and training is True:
+        return (f"dropout (p={p}) is always on here (training=True written in the code): a blocked kernel cannot "
+                f"draw the same random mask as dropout over the whole N x M matrix")
+    if drop is not None and (p == 0 or training is False):
+        training = False
+    options = (compare, threshold, keep, _constant(mask.fill, env), slope, block_bytes)
+    plan = AttentionPlan(node, u, v, values, source, *layout, options, p, training, module,
+                         _original(node, [u, v, values, source]))
+    mismatch = _check(plan, probes)
+    return mismatch if mismatch is not None else plan
+
+
+def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, groups_heads, parts, probes,
+             modules) -> tuple | str:
+    """The recipes for u, v, values and the mask source, and how to put the result back in place."""
+    env = probes[0].env
+    gm_n, gh_n = len(groups_mask), len(groups_heads)
+    g_order = groups_mask + groups_heads
+    nonone = sorted(axes.kinds)
+
+    def varying(kind_ok) -> list:
+        return [a for a in nonone if kind_ok(a)]
+
+    u_vals, v_vals = env[parts["u"]], env[parts["v"]]
+    u_axes = recipe(u_vals.shape, varying(lambda a: axes.kinds[a] in ("g", "i")), g_order + [i], (gm_n, gh_n))
+    v_axes = recipe(v_vals.shape, varying(lambda a: axes.kinds[a] in ("g", "j")), g_order + [j], (gm_n, gh_n))
+    mask_axes = recipe(env[parts["source"]].shape, varying(lambda a: a in axes.mask), groups_mask + [i, j], (gm_n,))
+    # the matmul's left operand: a permutation of the attention weights (which axis is which)
+    lhs = env[weights_in]
+    if weights_in is weights:
+        strides = [s for s in _contiguous_strides(lhs.shape)]
+    else:
+        movement = trace_movement(weights_in, env, modules)
+        if movement.sources != [weights]:
+            return "the attention weights are combined with something else before the matmul"
+        found = half_strides(provenance(movement, env, modules), 0, lhs.shape[-1])
+        if isinstance(found, str) or found[2] != 0 or lhs.numel() != env[weights].numel():
+            return "the attention weights are rearranged before the matmul, not only permuted"
+        strides = found[1]
+    own = dict(zip(_contiguous_strides(axes.shape), range(len(axes.shape))))
+    lhs_axes = []
+    for d, (size, stride) in enumerate(zip(lhs.shape, strides)):
+        if size == 1:
+            lhs_axes.append(None)
+            continue
+        a = own.get(stride)
+        if a is None or axes.shape[a] != size:
+            return "the attention weights are rearranged before the matmul, not only permuted"
+        lhs_axes.append(a)
+    if lhs.dim() < 2 or lhs_axes[-1] != j or lhs_axes[-2] != i:
+        return (f"the matmul does not sum over the axis the softmax normalises (dim {j} of the scores): the "
+                f"weights it sums for one output row do not add up to 1, so this is no row-normalised attention")
+    batch = lhs_axes[:-2]
+    vals = env[values]
+    if vals.dim() < 2 or vals.shape[-2] != lhs.shape[-1]:
+        return "the values do not have one row per column j"
+    padded = [1] * (len(batch) - (vals.dim() - 2)) + list(vals.shape[:-2])
+    if len(padded) != len(batch) or any((b is None) != (size == 1) for b, size in zip(batch, padded)):
+        return "the values are broadcast over the heads or the batch; only values with their own rows are fused"
+    batch_axes = [b for b in batch if b is not None]
+    if sorted(batch_axes) != sorted(g_order):
+        return "the matmul's batch axes are not the attention's batch and head axes"
+    value_squeeze = tuple(d for d, size in enumerate(vals.shape[:-2]) if size == 1)
+    values_axes = (value_squeeze, tuple(batch_axes.index(a) for a in g_order) + (len(batch_axes), len(batch_axes) + 1),
+                   (gm_n, gh_n))
+    # the fused result is [Gm.., Gh.., N, F]: back to the matmul's order, size-1 dims put back
+    out_order = tuple(g_order.index(a) for a in batch_axes) + (len(g_order), len(g_order) + 1)
+    out_unsqueeze = tuple(d for d, b in enumerate(batch) if b is None)
+    return u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return out[::-1]
+
+
+def _original(output: torch.fx.Node, inputs: Sequence[torch.fx.Node]) -> tuple:
+    """The nodes that compute ``output`` from ``inputs`` (the attention itself), in graph order, and
+    every other node they read."""
+    outside: set = set()
+    stack = list(inputs)
+    while stack:  # what the inputs depend on stays outside
+        n = stack.pop()
+        if n not in outside:
+            outside.add(n)
+            stack.extend(n.all_input_nodes)
+    inside, stack = set(), [output]
+    while stack:
+        n = stack.pop()
+        # attributes (parameters, the training flag) are read where the graph runs, not copied
+        if n in inside or n in outside or n.op in ("get_attr", "placeholder"):
+            continue
+        inside.add(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: k for k, n in enumerate(output.graph.nodes)}
+    nodes = sorted(inside, key=order.__getitem__)
+    reads = sorted({a for n in nodes for a in n.all_input_nodes if a not in inside}, key=order.__getitem__)
+    return tuple(nodes), tuple(reads)
+
+
+def _check(plan: AttentionPlan, probes: Sequence[Probe]) -> str | None:
+    """Run the fused kernel on each probe's values laid out by the plan: it must give the matmul's value."""
+    for p in probes:
+        env = p.env
+        got = fused_value(env[plan.u], env[plan.v], env[plan.values], env[plan.mask_source], plan_data(plan))
+        want = env[plan.output]
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True):
+            at = ", ".join(f"{k}={v}" for k, v in p.sizes.items())
+            return (f"the parts recognised do not reproduce the attention at {at}: the fused kernel's result differs "
+                    f"from the node's value; left as it is")
+    return None
+
+
+def plan_data(plan: AttentionPlan) -> tuple:
+    """The plan's recipes and options as plain tuples (they are written into the rewritten graph)."""
+    return (plan.u_axes, plan.v_axes, plan.values_axes, plan.mask_axes, plan.out_order, plan.out_unsqueeze,
+            plan.options)
+
+
+def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple) -> torch.Tensor:
+    """The attention computed by the fused kernel, in the layout of the original matmul's result."""
+    u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze, options = data
+    compare, threshold, keep, fill, slope, block_bytes = options
+    s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
+    h, adj = gather_axes(values, values_axes), gather_axes(source, mask_axes)
+    out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
+                           block_bytes=block_bytes)
+    return scatter_axes(out, values, values_axes, out_order, out_unsqueeze)
+
+
+def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
+                    dropout: bool = False, original: Any = None, *reads: Any) -> torch.Tensor:
+    """What the rewritten graph calls: the fused attention, or - while its dropout is on (``dropout``
+    true: train mode, p > 0) - the original nodes (``original[0]``, a GraphModule of them, on ``reads``),
+    which draw the same random mask as the model."""
+    if dropout and original is not None:
+        return original[0](*reads)
+    return fused_value(u, v, values, source, data)
+
+
+def _name(node: torch.fx.Node, env: Mapping) -> str:
+    """The user's name for the tensor a node copies (``adj`` for ``adj.unsqueeze(-1)``)."""
+    below, _ = _through_movement(node, env, {})
+    return variable_name(below if isinstance(below, torch.fx.Node) else node)
+
+
+def _describe(plan: AttentionPlan, env: Mapping) -> str:
+    compare, threshold, keep, fill, slope, block_bytes = plan.options
+    source = _name(plan.mask_source, env)
+    mask = (source if compare == "true" else
+            f"{source} {dict(gt='>', ge='>=', lt='<', le='<=', eq='==', ne='!=')[compare]} {threshold:g}")
+    text = (f"softmax_j({'where' if keep else 'masked_fill'}({mask}, LeakyReLU(s_i + t_j, {slope:g}), {fill:g})) "
+            f"@ {_name(plan.values, env)} with s from {plan.u.name}, t from {plan.v.name}: fused, in row blocks of "
+            f"at most {block_bytes} bytes of scratch, no N x N float tensor built or kept")
+    if plan.dropout_p > 0 and plan.training is not False:
+        text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: a blocked "
+                 f"kernel cannot draw dropout's random mask from the same stream")
+    return text
+
+
+def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """Insert the call of :func:`fused_attention` before the matmul; returns it."""
+    plan: AttentionPlan = finding.plan
+    args = [nodes[plan.u], nodes[plan.v], nodes[plan.values], nodes[plan.mask_source], plan_data(plan)]
+    with graph.inserting_before(nodes[plan.output]):
+        if plan.dropout_p > 0 and plan.training is not False:
+            holder = _fallback(plan, gm)
+            if plan.dropout_module is not None:
+                module = graph.get_attr(plan.dropout_module)
+                flag = graph.call_function(getattr, (module, "training"))
+            else:
+                flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
+            original = graph.create_node("get_attr", holder)
+            args += [flag, original, *[nodes[r] for r in plan.fallback[1]]]
+        return graph.call_function(fused_attention, tuple(args))
+
+
+def _fallback(plan: AttentionPlan, gm: torch.fx.GraphModule) -> str:
+    """A GraphModule of the original attention nodes, held (in a tuple: not a submodule, so
+    ``state_dict`` keys stay the model's) by ``gm`` under a name the rewritten graph reads."""
+    inside, reads = plan.fallback
+    sub = torch.fx.Graph()
+    env: dict = {}
+    for r in reads:
+        env[r] = sub.placeholder(r.name)
+    for n in inside:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(env[plan.output])
+    name = f"_fxmem_original_{plan.output.name}"
+    setattr(gm, name, (torch.fx.GraphModule(gm, sub, "original_attention"),))
+    return name

@@ -1,0 +1,236 @@
+"""The fused-attention pass and its kernel (``fxmem.ops.attention``, rules in ``fxmem.kernels.fused``).
+
+* every spelling of GAT attention over decomposed scores is fused: same outputs, gradients and
+  buffers as the original in train/eval mode with and without grad (``equivalence.py``, independent
+  of the pass's own check), no N x N float tensor left in fxmem's analysis of the result, and that
+  analysis equal to the CPU allocator on real runs - forward and training step, one block and many;
+* the kernel's rule alone against real runs: several blocks, a last partial block, masks that are
+  views, bool and float adjacencies, float64, operands that must be copied;
+* look-alikes are declined with the reason, and the graph is left as it was;
+* dropout with p > 0: the fused kernel runs in eval mode, the original attention in train mode.
+"""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+
+import attention_spellings as A
+import fxmem
+from conftest import check_against_real_run, check_training_against_real_run, load_example
+from equivalence import assert_same_in_every_mode
+from fxmem.ops.attention import block_rows, masked_attention
+from fxmem.passes.modes import trace_modes
+
+seed_gat = load_example("seed_gat")
+SEED_SPECS = (("B", "N", 6), ("B", "N", "N"))
+BOOL_ADJ = fxmem.TensorSpec(("N", "N"), dtype=torch.bool)
+
+
+def specs_of(cls) -> tuple:
+    return (("N", A.FIN), BOOL_ADJ) if cls is A.UnbatchedBoolMask else cls.SPECS
+
+
+def inputs(specs: tuple, sizes: dict, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in specs:
+        dims = spec.shape if isinstance(spec, fxmem.TensorSpec) else spec
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in dims)
+        out.append(torch.rand(shape, generator=gen) > 0.5 if isinstance(spec, fxmem.TensorSpec)
+                   else torch.randn(shape, generator=gen))
+    return out
+
+
+def fused(opt: torch.fx.GraphModule) -> list[dict]:
+    return [r for r in opt.meta["fxmem"] if r["rule"] == "fused-attention"]
+
+
+def quadratic_float_activations(report: fxmem.Report, dim: str = "N") -> list:
+    """Float storages made by the run whose size grows with dim**2 (inputs excluded)."""
+    found = []
+    for s in report.storages:
+        n = next((x for x in s.bytes.free_symbols if x.name == dim), None)
+        if n is not None and s.kind in ("activation", "gradient") and s.dtype.is_floating_point \
+                and sympy.Poly(sympy.expand(s.bytes), n).degree() >= 2:
+            found.append(s)
+    return found
+
+
+# --- every spelling is fused -------------------------------------------------------------------------
+
+SPELLINGS = [(cls, {}) for cls in A.SPELLINGS] + [(A.DecomposedHead, {"dropout": 0.5}), (A.HeadsFirst, {"dropout": 0.3})]
+
+
+@pytest.mark.parametrize("cls,kw", SPELLINGS, ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
+def test_spelling_is_fused_and_computes_the_same(cls, kw):
+    torch.manual_seed(0)
+    model = cls(**kw)
+    specs = specs_of(cls)
+    opt = fxmem.optimize(model, *specs)
+    (entry,) = fused(opt)
+    assert entry["status"] == "applied", entry["reason"]
+    assert "no N x N float tensor" in entry["reason"]
+    for at in ({"B": 2, "N": 5}, {"B": 3, "N": 7}):
+        assert_same_in_every_mode(model, opt, inputs(specs, at))
+
+
+@pytest.mark.parametrize("cls", A.SPELLINGS, ids=lambda c: c.__name__)
+def test_fused_graph_keeps_no_quadratic_tensor_and_fxmem_is_exact(cls):
+    torch.manual_seed(0)
+    model = cls()
+    specs = specs_of(cls)
+    opt = fxmem.optimize(model, *specs)
+    report = check_against_real_run(opt, specs, [{"B": 3, "N": 17}, {"B": 2, "N": 40}] if "B" in str(specs)
+                                    else [{"N": 17}, {"N": 40}])
+    assert quadratic_float_activations(report) == []
+    assert quadratic_float_activations(fxmem.analyze(model, *specs)) != []  # the original has them
+    train = check_training_against_real_run(opt, specs, [{"B": 3, "N": 17}] if "B" in str(specs) else [{"N": 17}],
+                                            lambda p: torch.optim.Adam(p))
+    assert quadratic_float_activations(train) == []
+
+
+def test_seed_layer_pair_rule_then_fused_attention():
+    torch.manual_seed(0)
+    layer = seed_gat.GraphAttentionLayerFixed(6, 16, dropout=0.0)
+    opt = fxmem.optimize(layer, *SEED_SPECS)
+    assert [(r["rule"], r["status"]) for r in opt.meta["fxmem"]] == [("pair-linear", "applied"),
+                                                                      ("fused-attention", "applied")]
+    before = fxmem.analyze(layer, *SEED_SPECS, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    after = check_training_against_real_run(opt, SEED_SPECS, [{"B": 2, "N": 33}], lambda p: torch.optim.SGD(p, lr=0.1))
+    at = dict(B=4, N=500)
+    b, a = before.evaluate(**at), after.evaluate(**at)
+    # what is left above the resident inputs is linear in N (the 4 B N^2 adjacency is an input)
+    assert (a["train_peak"] - a["train_resident"]) * 40 < b["train_peak"] - b["train_resident"]
+    assert_same_in_every_mode(layer, opt, inputs(SEED_SPECS, {"B": 2, "N": 6}))
+
+
+def test_many_blocks_are_exact(monkeypatch):
+    torch.manual_seed(0)
+    model = A.HeadsFirst()
+    opt = fxmem.optimize(model, *A.HeadsFirst.SPECS, settings={"fused-attention": {"block_bytes": 4000}})
+    (entry,) = fused(opt)
+    assert entry["status"] == "applied" and "4000 bytes" in entry["reason"]
+    report = check_against_real_run(opt, A.HeadsFirst.SPECS, [{"B": 2, "N": 23}, {"B": 3, "N": 50}])
+    # several blocks (a partial last one at N=23): rows per block from the budget
+    assert 1 < block_rows(23, 23, 8, 2 * A.HEADS, 2, 4, 4000) < 23 and 23 % block_rows(23, 23, 8, 6, 2, 4, 4000)
+    check_training_against_real_run(opt, A.HeadsFirst.SPECS, [{"B": 2, "N": 23}], lambda p: torch.optim.SGD(p, lr=0.1))
+    assert_same_in_every_mode(model, opt, inputs(A.HeadsFirst.SPECS, {"B": 2, "N": 9}))
+    assert report.region  # the block count is a guard of the formulas' region
+
+
+# --- the kernel and its rule alone ---------------------------------------------------------------------
+
+class KernelOnly(nn.Module):
+    """s, t, h from one linear map; the fused kernel with the given options (h permuted: it is copied)."""
+
+    def __init__(self, heads: int, compare: str, keep: bool, block_bytes: int, permuted: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, heads * 8)
+        self.a, self.b = nn.Parameter(torch.randn(heads, 8)), nn.Parameter(torch.randn(heads, 8))
+        self.heads, self.compare, self.keep, self.block_bytes, self.permuted = heads, compare, keep, block_bytes, permuted
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = self.lin(x).view(B, N, self.heads, 8)
+        h = h.transpose(1, 2) if self.permuted else h.permute(0, 2, 1, 3).contiguous()  # [B, H, N, 8]
+        s, t = (h * self.a[:, None]).sum(-1), (h * self.b[:, None]).sum(-1)
+        return masked_attention(s, t, h, adj, compare=self.compare, keep=self.keep, block_bytes=self.block_bytes,
+                                fill=-1e9).sum(1)
+
+
+@pytest.mark.parametrize("heads,compare,keep,block_bytes,permuted,dtype", [
+    (2, "gt", True, 4 * 2**20, False, torch.float32),  # one block
+    (2, "gt", True, 3000, True, torch.float32),  # blocks of one row, h copied
+    (3, "eq", False, 20000, False, torch.float32),  # several rows per block, a partial last one
+    (1, "true", True, 10000, False, torch.bool),  # bool adjacency, its negation allocated
+    (2, "true", False, 10000, True, torch.bool),  # a bool adjacency that says what to drop: a view
+    (2, "ne", False, 10000, False, torch.float64),  # float64 scores and adjacency
+])
+def test_kernel_rule_matches_real_runs(heads, compare, keep, block_bytes, permuted, dtype):
+    torch.manual_seed(0)
+    model = KernelOnly(heads, compare, keep, block_bytes, permuted)
+    float_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    model = model.to(float_dtype)
+    specs = (fxmem.TensorSpec(("B", "N", 6), dtype=float_dtype), fxmem.TensorSpec(("B", "N", "N"), dtype=dtype))
+    sizes = [{"B": 3, "N": 17}, {"B": 2, "N": 41}]
+    check_against_real_run(model, specs, sizes, dtype=float_dtype)
+    check_training_against_real_run(model, specs, sizes[:1], lambda p: torch.optim.SGD(p, lr=0.1), dtype=float_dtype)
+
+
+def test_kernel_gradients_match_autograd_of_the_plain_form():
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 9, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+    adj = torch.rand(2, 9, 7) > 0.6
+    adj[0, 0] = False  # a row with no edge: uniform weights, as the plain form gives
+
+    def plain(s, t, h):
+        e = torch.nn.functional.leaky_relu(s[..., None] + t[..., None, :], 0.2)
+        return torch.softmax(torch.where(adj[:, None], e, -9e15), -1) @ h
+
+    for block_bytes in (10**9, 300):
+        out = masked_attention(s, t, h, adj, compare="true", block_bytes=block_bytes)
+        torch.testing.assert_close(out, plain(s, t, h))
+        assert torch.autograd.gradcheck(lambda *a: masked_attention(*a, adj, compare="true", block_bytes=block_bytes),
+                                        (s, t, h))
+
+
+# --- look-alikes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,words", [
+    (A.GATv2Attention, ["not LeakyReLU(s_i + t_j)", "GATv2"]),
+    (A.AdditiveMask, ["masked by an addition"]),
+    (A.DotProductScores, ["not LeakyReLU(s_i + t_j)", "dot products"]),
+    (A.ProductScores, ["LeakyReLU's input is mul", "not a broadcast sum"]),
+    (A.DropoutAlwaysOn, ["always on", "training=True"]),
+    (A.SoftmaxOverRows, ["does not sum over the axis the softmax normalises"]),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_lookalike_is_declined(cls, words):
+    torch.manual_seed(0)
+    model = cls()
+    opt = fxmem.optimize(model, *cls.SPECS)
+    (entry,) = fused(opt)
+    assert entry["status"] == "declined"
+    for w in words:
+        assert w in entry["reason"], entry["reason"]
+    if not any(r["status"] == "applied" for r in opt.meta["fxmem"]):
+        assert opt.code == trace_modes(model).graph_module.code
+
+
+def test_seed_layer_as_written_is_not_fused():
+    # cat on dim=1: the pair rule declines, so the scores stay a linear map over scrambled pairs
+    torch.manual_seed(0)
+    opt = fxmem.optimize(seed_gat.GraphAttentionLayer(6, 16), *SEED_SPECS)
+    (entry,) = fused(opt)
+    assert entry["status"] == "declined" and "LeakyReLU's input is matmul" in entry["reason"]
+
+
+# --- dropout in training ---------------------------------------------------------------------------------
+
+def test_dropout_on_runs_the_original_attention_and_off_runs_the_fused_kernel():
+    torch.manual_seed(0)
+    model = A.DecomposedHead(dropout=0.6)
+    opt = fxmem.optimize(model, *A.DecomposedHead.SPECS)
+    (entry,) = fused(opt)
+    assert entry["status"] == "applied" and "while dropout (p=0.6) is on (train mode) the original" in entry["reason"]
+    # train mode: the same memory as before (the original nodes run); eval mode without grad: less
+    assert entry["train_peak_after"] == entry["train_peak_before"]
+    assert entry["inference_peak_after"] != entry["inference_peak_before"]
+    inference = fxmem.analyze(opt.eval(), *A.DecomposedHead.SPECS, grad=False)
+    assert quadratic_float_activations(inference) == []
+    check_against_real_run(opt.eval(), A.DecomposedHead.SPECS, [{"B": 3, "N": 17}], grad=False)
+    check_against_real_run(opt.train(), A.DecomposedHead.SPECS, [{"B": 3, "N": 17}])
+    assert set(opt.state_dict()) == set(model.state_dict())
+    assert_same_in_every_mode(model, opt, inputs(A.DecomposedHead.SPECS, {"B": 2, "N": 6}))
+
+
+def test_settings_are_checked():
+    with pytest.raises(fxmem.SpecError, match="no pass is called"):
+        fxmem.optimize(A.HeadsFirst(), *A.HeadsFirst.SPECS, settings={"fused": {}})
+    with pytest.raises(fxmem.SpecError, match="block_size.*cannot be set"):
+        fxmem.optimize(A.HeadsFirst(), *A.HeadsFirst.SPECS, settings={"fused-attention": {"block_size": 3}})
+    with pytest.raises(fxmem.SpecError, match="positive int"):
+        fxmem.optimize(A.HeadsFirst(), *A.HeadsFirst.SPECS, settings={"fused-attention": {"block_bytes": -1}})

@@ -18,8 +18,8 @@ ensure_passes()
 
 from . import kernels  # noqa: E402
 from .analyze import analyze  # noqa: E402
-from .errors import (DeviceError, FxMemError, ModelError, ShapeError, SpecError, TraceError,  # noqa: E402
-                     UnsupportedOpError)
+from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: E402
+                     TraceError, UnsupportedOpError)
 from .passes import optimize  # noqa: E402
 from .report import Report, format_bytes  # noqa: E402
 from .specs import TensorSpec  # noqa: E402
@@ -28,5 +28,6 @@ from .validate import validate  # noqa: E402
 __all__ = [
     "analyze", "optimize", "validate", "Report", "TensorSpec", "format_bytes", "kernels",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
+    "KernelError",
 ]
 __version__ = "0.1.0"

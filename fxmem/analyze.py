@@ -14,11 +14,11 @@ import torch
 
 from .accounting import MemoryPlan
 from .capture import forward_arguments, trace
-from .errors import ModelError, SpecError
+from .errors import FxMemError, ModelError, SpecError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import simulate
-from .specs import choose_hints, parse_specs, spec_symbols
+from .specs import SPECIALISED_SIZES, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
@@ -122,7 +122,23 @@ def analyze(
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
 
-    return run(chosen)
+    special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
+    if not special:
+        return run(chosen)
+    # PyTorch fixes a dim whose example size is 0 or 1 for good: formulas made there hold at that
+    # size only. Analyse at general sizes instead (evaluate() at the special size re-analyses
+    # there); only a model that runs at nothing but the special size is analysed at it (pinned).
+    general = choose_hints(symbols, {k: v for k, v in chosen.items() if k not in special})
+    try:
+        report = run(general)
+    except FxMemError:
+        return run(chosen)
+    given = ", ".join(f"{k}={v}" for k, v in special.items())
+    report.notes.insert(0, f"hints {given}: PyTorch treats sizes 0 and 1 specially and would fix the dim there, so "
+                           f"the formulas were made at {', '.join(f'{k}={general[k]}' for k in special)} "
+                           f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
+                           f"re-analyses at those sizes")
+    return report
 
 
 def _forward_signature(module: torch.nn.Module) -> tuple[list[str], int]:

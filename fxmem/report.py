@@ -21,6 +21,7 @@ from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
 from .accounting.symbolic import evaluate
 from .errors import SpecError
+from .kernels import environment
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
 
@@ -83,8 +84,7 @@ class Report:
     @property
     def region(self) -> list[str]:
         """Conditions on the dims under which the formulas hold (e.g. ``N >= 2``)."""
-        conds = [f"{s} >= {lo}" for s, lo in self._plan.region.lower.items() if lo > 1]
-        return conds + [str(g) for g in self._plan.region.guards]
+        return self._plan.region.conditions()
 
     def evaluate(self, **dims: int) -> Evaluation:
         """Exact byte counts at concrete dims: ``resident``, ``peak``, ``retained``, ``saved``, ...
@@ -107,14 +107,21 @@ class Report:
             check_input_sizes(self.specs, values, self.symbols)
             report = self
             if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
-                key = tuple(sorted(values.items()))
-                if key not in self._regions:
-                    self._regions[key] = self._reanalyze(values)
-                report = self._regions[key]
+                report = self._reanalysed(values)
+        here = environment(self.device)
+        if any(self.facts.get(k) != v for k, v in here.items()):
+            # made under another thread count (or oneDNN setting): kernels would allocate otherwise now
+            report = self._reanalysed(values, tuple(sorted(here.items())))
         key = tuple(sorted(values.items()))
         if key not in report._evaluations:
             report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return report, report._evaluations[key]
+
+    def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":
+        key = (environment_key, tuple(sorted(values.items())))
+        if key not in self._regions:
+            self._regions[key] = self._reanalyze(values)
+        return self._regions[key]
 
     def at(self, expr: sympy.Expr, **dims: int) -> int:
         """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``) at ``dims``."""

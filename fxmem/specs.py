@@ -27,6 +27,9 @@ from .errors import SpecError
 # constants), and large enough to survive several stride-2 downsamplings.
 DEFAULT_HINTS = (97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163, 167, 173)
 
+# Example sizes PyTorch specialises on sight (a symbol is never made for them).
+SPECIALISED_SIZES = (0, 1)
+
 _ALLOWED_AST = (
     ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Constant, ast.Load,
     ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Pow, ast.USub, ast.UAdd,
@@ -149,6 +152,10 @@ def parse_specs(
     for arg, spec in zip(arg_names, specs):
         where = f"input spec for argument '{arg}'"
         if isinstance(spec, torch.Tensor):
+            if spec.layout != torch.strided:
+                raise SpecError(f"{where}: a {spec.layout} tensor; fxmem models strided (dense) tensors only, and "
+                                f"analysing it as dense would count the wrong storages. Pass the dense inputs the "
+                                f"model builds it from, or analyse with a dense stand-in and read the numbers as such")
             dims = tuple(sympy.Integer(int(d)) for d in spec.shape)
             parsed.append(InputSpec(arg, dims, spec.dtype, bool(spec.requires_grad), f"tensor{tuple(spec.shape)}"))
             continue

@@ -6,11 +6,14 @@ The simulation asks three questions of every aten call, and one of every torch f
 * :func:`output_storage` - is a real output's storage larger than the fake one?
 * :func:`engine_takes_over` - does the real engine write the result into an existing buffer?
 * :class:`RealPaths` - does a composite take another code path for real tensors?
+* :func:`symbolic_impl` - does the fake kernel read sizes as numbers (and so fix the user's dims)?
+* :func:`check_call` - would the real kernel accept the call at all (:mod:`~fxmem.kernels.accepts`)?
 
 Rules live in :mod:`~fxmem.kernels.scalars` (wrapped Python numbers, dtype casts),
 :mod:`~fxmem.kernels.cpu` (CPU kernels' scratch), :mod:`~fxmem.kernels.calibrate` (opaque
-oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine)
-and :mod:`~fxmem.kernels.real_paths` (composites). Users describe their own ops with
+oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine),
+:mod:`~fxmem.kernels.real_paths` (composites) and :mod:`~fxmem.kernels.symbolic` (fake kernels
+that read sizes as numbers). Users describe their own ops with
 :func:`register` or ``fxmem.analyze(..., kernels={op: fn})``.
 
 >>> [r.name for r in REGISTRY.rules(Kind.HIDDEN)][:2]          # doctest: +SKIP
@@ -20,11 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import calibrate, cpu, engine, real_paths, scalars  # noqa: F401 - registers the built-in rules
+from .. import _torch_compat as tc
+
+from . import calibrate, cpu, engine, real_paths, scalars, symbolic  # noqa: F401 - registers the built-in rules
+from .accepts import KernelRefuses, check_call
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, Rule, Unknown, register, unregister
 
-__all__ = ["hidden_program", "output_storage", "engine_takes_over", "RealPaths", "register", "unregister",
+__all__ = ["environment", "hidden_program", "output_storage", "engine_takes_over", "symbolic_impl", "check_call", "KernelRefuses", "RealPaths", "register", "unregister",
            "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "ANY", "CHECKED"]
 
 
@@ -59,3 +65,20 @@ def engine_takes_over(call: Call, table: Any, between_nodes: bool, node: str) ->
     """The argument whose buffer the real engine reuses for this call's output, or None."""
     found = REGISTRY.lookup(Kind.ENGINE, call.func, call.device)
     return found.fn(call, table, between_nodes, node) if found is not None else None
+
+
+def symbolic_impl(call_func: Any, device: str) -> Rule | None:
+    """The rule computing ``call_func`` on fake tensors with symbolic sizes kept, or None."""
+    return REGISTRY.lookup(Kind.SYMBOLIC, call_func, device)
+
+
+def environment(device: str = "cpu") -> dict:
+    """What about this process decides which kernels run and what they allocate: the intra-op
+    thread count (oneDNN and batch norm pick their paths and per-thread buffers by it), whether
+    oneDNN is used, and the CPU's vector width (oneDNN's blocked layouts pad channels to it).
+    Part of every analysis' key: a report made under another environment is re-made."""
+    import torch
+
+    return {"threads": torch.get_num_threads(),
+            "onednn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+            "cpu_capability": tc.cpu_capability()}

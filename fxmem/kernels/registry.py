@@ -14,7 +14,9 @@ Kinds of knowledge (:class:`Kind`):
   as a *program*: signed byte deltas in order, with :data:`OUT` where the outputs appear;
 * ``OUTPUT_STORAGE`` - outputs whose real storage is larger than the fake one;
 * ``ENGINE`` - the autograd engine reusing a buffer in place where fake tensors get a new one;
-* ``REAL_PATH`` - a composite that takes another code path for real tensors than for fake ones.
+* ``REAL_PATH`` - a composite that takes another code path for real tensors than for fake ones;
+* ``SYMBOLIC`` - the op computed on fake tensors without reading sizes as numbers, where its
+  fake kernel does (``int(size)`` fixes the user's dim for good: formulas would hold at one size).
 
 Users describe their own ops' allocations the same way (flop_counter's ``custom_mapping`` is the
 precedent), for one analysis (``fxmem.analyze(..., kernels={op: fn})``) or for the process
@@ -121,6 +123,7 @@ class Kind(str, enum.Enum):
     OUTPUT_STORAGE = "output_storage"
     ENGINE = "engine"
     REAL_PATH = "real_path"
+    SYMBOLIC = "symbolic"
 
 
 ANY = "any"  # device key of rules that hold on every device

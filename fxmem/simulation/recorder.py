@@ -23,6 +23,7 @@ from ..kernels import OUT, Call, Keep, Unknown
 from ..records import Role, SavedBy, Storage
 from .autograd import Autograd
 from .events import EventLog
+from .failures import NotModelled
 from .storages import StorageTable
 
 aten = torch.ops.aten
@@ -40,10 +41,17 @@ class Recorder(tc.DispatchMode):
         self.used: set = set()  # kernel rules that shaped the numbers
         self._quiet = 0
         self._last_op: str | None = None
+        self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        symbolic = kernels.symbolic_impl(func, self.device)
+        if symbolic is not None:  # the fake kernel would read sizes as numbers (fixing the user's dims)
+            out = symbolic.fn(*args, **kwargs)
+            if not self._quiet:
+                self.used.add(symbolic)
+        else:
+            out = func(*args, **kwargs)
         if not self._quiet and tc.op_packet(func) not in _SKIP:
             self._record(func, args, kwargs, out)
         return out
@@ -57,10 +65,13 @@ class Recorder(tc.DispatchMode):
         finally:
             self._quiet -= 1
 
-    def saved(self, t: torch.Tensor) -> None:
-        """The saved-tensor hook: autograd packed ``t``."""
+    def saved(self, t: torch.Tensor) -> torch.Tensor:
+        """The saved-tensor hook: autograd packs ``t``; what is kept is a detached alias (see
+        :func:`fxmem._torch_compat.saved_tensor_hooks`: keeping ``t`` would keep its graph alive)."""
         if not self._quiet:
             self.autograd.saved(t)
+        with self.quiet():
+            return t.detach()
 
     def poll(self) -> None:
         """Record every storage that died since the last poll."""
@@ -78,7 +89,14 @@ class Recorder(tc.DispatchMode):
         self.autograd.bind()
         name = tc.op_name(func)
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            if t.layout != torch.strided:
+                raise NotModelled(
+                    f"{name} makes a {t.layout} tensor; fxmem models strided (dense) tensors only (a sparse tensor "
+                    f"has several storages: indices and values, or crow/col indices and values), so it cannot "
+                    f"count this model's memory exactly")
         call = Call(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), log.phase)
+        kernels.check_call(call, table.env, self._checked)  # a model that cannot run gets no numbers
         program = kernels.hidden_program(call, self.used)
         if not outs and not self.autograd.has_pending and not program:  # e.g. in-place _foreach ops
             return

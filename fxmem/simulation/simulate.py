@@ -21,9 +21,9 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..capture import model_files, trace
-from ..errors import DeviceError, FxMemError
+from ..errors import DeviceError, FxMemError, ModelError
 from ..hparams import Blueprint
-from ..kernels import REGISTRY, RealPaths
+from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step
@@ -139,6 +139,7 @@ def simulate(
     with fake_mode, REGISTRY.scoped(kernels, device):
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
+        _refuse_sparse(model)
         fake_model = tc.fake_module_copy(model, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad and grad))
@@ -170,12 +171,22 @@ def simulate(
                 optimizer = _steady_state_optimizer(training, named_params, recorder)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model
-    facts = {"threads": torch.get_num_threads(), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
+    recorder.autograd.close()
+    facts = {**environment(device), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
-    return Recording(table.storages, log.steps, log.nodes, log.events, log.notes, env, env_symbols, device,
+    return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env, env_symbols, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
                      facts)
+
+
+def _refuse_sparse(model: torch.nn.Module) -> None:
+    """Sparse parameters and buffers have several storages (indices, values); not modelled."""
+    for qual, t in [*model.named_parameters(), *model.named_buffers(), *tc.tensor_attributes(model)]:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise ModelError(f"'{qual}' is a {t.layout} tensor; fxmem models strided (dense) tensors only, and "
+                             f"counting it as dense would be wrong. Analyse a copy of the model with it dense "
+                             f"(.to_dense()) if that is what you want to know")
 
 
 def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:

@@ -126,6 +126,12 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append(line)
     if report.device == "cuda":
         lines.append("  (bytes as requested; evaluate() rounds every block up to 512 B like the CUDA allocator)")
+    facts = report.facts
+    if "threads" in facts:
+        lines.append(f"assumed: {facts['threads']} intra-op thread(s), oneDNN {'on' if facts.get('onednn') else 'off'}, "
+                     f"CPU {facts.get('cpu_capability', '?')} (numbers at another setting are re-analysed)")
+    if facts.get("kernel_rules"):
+        lines.append("kernel rules used: " + ", ".join(facts["kernel_rules"]))
     for note in report.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -108,7 +108,8 @@ class Storage:
 @dataclasses.dataclass
 class Step:
     """One aten call that allocated (or used hidden scratch): the storages it created, in order, and
-    its hidden-allocation program (byte deltas with ``OUT`` where the outputs appear; [] if none)."""
+    its hidden-allocation program (byte deltas with ``OUT`` where the outputs appear, and
+    :class:`Placed` where one output storage appears at its own moment; [] if none)."""
 
     index: int
     node: str
@@ -116,6 +117,14 @@ class Step:
     allocs: list
     program: list
     phase: Phase = Phase.FORWARD
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """In a step's program: storage ``storage`` (one of the step's allocations) is allocated here,
+    not with the others at ``OUT``."""
+
+    storage: int
 
 
 @dataclasses.dataclass

@@ -28,10 +28,10 @@ from .. import _torch_compat as tc
 from . import calibrate, cpu, engine, real_paths, scalars, symbolic  # noqa: F401 - registers the built-in rules
 from .accepts import KernelRefuses, check_call
 from .real_paths import RealPaths
-from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, Rule, Unknown, register, unregister
+from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister
 
 __all__ = ["environment", "hidden_program", "output_storage", "engine_takes_over", "symbolic_impl", "check_call", "KernelRefuses", "RealPaths", "register", "unregister",
-           "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "ANY", "CHECKED"]
+           "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "OutAt", "ANY", "CHECKED"]
 
 
 def hidden_program(call: Call, used: set | None = None) -> list:

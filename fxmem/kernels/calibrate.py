@@ -34,7 +34,7 @@ import torch
 
 from .. import _torch_compat as tc
 from ..measure import allocator_events
-from .registry import OUT, Call, Unknown, hidden, require_args
+from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,18 +56,26 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        out_ptrs = {t.untyped_storage().data_ptr() for t in outs if t.numel()}
+        position: dict[int, int] = {}  # data pointer -> first output position with that storage
+        for k, t in enumerate(outs):
+            if t.numel():
+                position.setdefault(t.untyped_storage().data_ptr(), k)
         events = allocator_events(prof)
     # an output is the *last* block born at its address (a temporary may have lived there before)
-    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in out_ptrs}
+    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in position}
     program: list = []
     born: dict[int, int] = {}
+    grouping = False  # the last event was an output birth: the next one joins OUT
     for i, (addr, nbytes) in enumerate(events):
+        if nbytes > 0 and last_birth.get(addr) == i:
+            if OUT not in program:
+                program.append(OUT)
+            elif not (grouping and program[-1] is OUT):  # born later than the first outputs, after scratch
+                program.append(OutAt(position[addr]))
+            grouping = True
+            continue
+        grouping = False
         if nbytes > 0:
-            if last_birth.get(addr) == i:
-                if OUT not in program:
-                    program.append(OUT)
-                continue
             born[addr] = nbytes
             program.append(nbytes)
         elif addr in born:  # frees of blocks born before this call are not ours
@@ -75,6 +83,10 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
     if OUT not in program:
         program.append(OUT)
     return tuple(program), out
+
+
+def _marker(p: Any) -> bool:
+    return p is OUT or p == OUT or isinstance(p, OutAt)
 
 
 # Column sets tried in order: when numel(out) is proportional to numel(in) for every shape of an
@@ -88,7 +100,7 @@ def fit(samples: Sequence[Sample]) -> list | None:
     Enough samples to determine the fit are solved exactly; every other sample must then be
     reproduced exactly.
     """
-    shapes = {tuple(p if p == OUT else (p > 0) for p in s.program) for s in samples}
+    shapes = {tuple(p if _marker(p) else (p > 0) for p in s.program) for s in samples}
     if len(shapes) != 1:
         return None  # the kernel changed its behaviour between shapes
     rows = [(s.in_numel, s.out_numel, 1) for s in samples]
@@ -99,8 +111,8 @@ def fit(samples: Sequence[Sample]) -> list | None:
         m = sympy.Matrix([[rows[i][c] for c in cols] for i in chosen])
         fitted: list = []
         for k, p in enumerate(samples[0].program):
-            if p == OUT:
-                fitted.append(OUT)
+            if _marker(p):
+                fitted.append(p)
                 continue
             sol = m.LUsolve(sympy.Matrix([abs(samples[i].program[k]) for i in chosen]))
             coef = [Fraction(0)] * 3
@@ -127,8 +139,8 @@ def symbolic_program(fitted: list, in_numel: sympy.Expr, out_numel: sympy.Expr) 
     """The fitted program with the op's own (symbolic) numels substituted."""
     out = []
     for item in fitted:
-        if item == OUT:
-            out.append(OUT)
+        if _marker(item):
+            out.append(item)
             continue
         sign, a, b, c = item
         q = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
@@ -140,19 +152,26 @@ def symbolic_program(fitted: list, in_numel: sympy.Expr, out_numel: sympy.Expr) 
 # sampling
 # ------------------------------------------------------------------------------------------------
 def layout_key(t: torch.Tensor) -> tuple:
-    """How ``t`` is laid out, independent of its sizes: dim order by stride, and broadcast dims."""
+    """How ``t`` is laid out, independent of its sizes: dim order by stride, broadcast dims, and
+    whether it has gaps (a slice of a larger tensor: kernels copy those where they would not copy a
+    dense permutation, so a stand-in must have gaps too)."""
     strides = [int(s) if isinstance(s, int) else s for s in t.stride()]
     zero = tuple(i for i, s in enumerate(strides) if s == 0)
     order = tuple(sorted(range(t.dim()), key=lambda i: (-strides[i] if strides[i] != 0 else 1, i)))
-    return order, zero
+    gapped = not zero and t.dim() > 0 and not tc.non_overlapping_and_dense(t)
+    return order, zero, gapped
 
 
 def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A real random tensor of ``shape`` laid out like the fake one ``layout`` describes."""
-    order, zero = layout
+    order, zero, gapped = layout
     base_shape = [1 if i in zero else d for i, d in enumerate(shape)]
-    dense = torch.randn([base_shape[i] for i in order], dtype=dtype) if dtype.is_floating_point else \
-        torch.zeros([base_shape[i] for i in order], dtype=dtype)
+    dense_shape = [base_shape[i] for i in order]
+    if gapped:  # one more element along the innermost dim, sliced off: a gap in every row
+        dense_shape[-1] += 1
+    dense = torch.randn(dense_shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(dense_shape, dtype=dtype)
+    if gapped:
+        dense = dense.narrow(len(order) - 1, 0, dense_shape[-1] - 1)
     inverse = [order.index(i) for i in range(len(order))]
     return dense.permute(inverse).expand(list(shape))
 

@@ -61,6 +61,15 @@ class _Out:
 
 OUT = _Out()
 
+
+@dataclasses.dataclass(frozen=True)
+class OutAt:
+    """Where one output (``index``: its position among the op's tensor outputs) appears in a program,
+    when the kernel allocates its outputs at different moments (convolution_backward allocates
+    grad_input before its scratch, grad_weight after it). Outputs without one appear at ``OUT``."""
+
+    index: int
+
 # The torch releases CI checks every built-in rule against (tests/test_kernels.py, both phases).
 CHECKED = ("2.13", "2.14")
 

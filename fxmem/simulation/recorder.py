@@ -19,8 +19,8 @@ import torch
 
 from .. import _torch_compat as tc
 from .. import kernels
-from ..kernels import OUT, Call, Keep, Unknown
-from ..records import Role, SavedBy, Storage
+from ..kernels import OUT, Call, Keep, OutAt, Unknown
+from ..records import Placed, Role, SavedBy, Storage
 from .autograd import Autograd
 from .events import EventLog
 from .failures import NotModelled
@@ -116,13 +116,15 @@ class Recorder(tc.DispatchMode):
             return
         step = log.next_step
         new = []
-        for t in outs:
+        position: dict[int, int] = {}  # output position -> its new storage
+        for k, t in enumerate(outs):
             if table.counts(t) and table.lookup(t) is None:
                 index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=step, op=name, phase=log.phase)
                 if index is not None and table.storages[index].bytes == 0:
                     table.forget(t)
                     continue
                 new.append(index)
+                position[k] = index
         for i, nbytes in kernels.output_storage(call).items():
             index = table.lookup(outs[i])
             if index is not None and index in new:  # the real kernel's storage is larger than the fake's
@@ -140,7 +142,9 @@ class Recorder(tc.DispatchMode):
         for unknown in [p for p in program if isinstance(p, Unknown)]:
             log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})")
         self.autograd.keep(kept, outs[0] if outs else None)
-        program = [p for p in program if not isinstance(p, (Keep, Unknown))]
+        program = [p for p in program if not isinstance(p, (Keep, Unknown))
+                   and not (isinstance(p, OutAt) and p.index not in position)]  # not new: nothing placed
         if new or program:
-            log.step(name, new, [p if p is OUT else tc.size_expr(table.env, p) for p in program])
+            log.step(name, new, [p if p is OUT else Placed(position[p.index]) if isinstance(p, OutAt)
+                                 else tc.size_expr(table.env, p) for p in program])
         self._last_op = name

@@ -200,7 +200,7 @@ def op_split(b: _Builder, v: Value) -> Value | None:
     half = _const(v.shape[d]) // 2
     shape = v.shape[:d] + (half,) + v.shape[d + 1:]
     if b.rng.random() < 0.5:
-        return b.add(lambda s, x, d=d: (lambda a, c: a * c)(*x.chunk(2, dim=d)), [v], shape, f"chunk(2,{d}) a*b")
+        return b.add(lambda s, x, d=d: x.chunk(2, dim=d)[0] * x.chunk(2, dim=d)[1], [v], shape, f"chunk(2,{d}) a*b")
     return b.add(lambda s, x, d=d, h=half: x.split(h, dim=d)[1], [v], shape, f"split({half},{d})[1]")
 
 

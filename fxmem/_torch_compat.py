@@ -178,6 +178,13 @@ def pinned_dims(env: ShapeEnv, symbols: dict) -> dict:
     return out
 
 
+def size_hint(value: Any) -> int:
+    """The example value of a size (an int, or a SymInt at the analysis' example sizes)."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    return int(value)
+
+
 def symbol_hints(env: ShapeEnv) -> dict:
     """``{ShapeEnv symbol: example value}`` of every size symbol of the analysis."""
     values = getattr(env, "backed_var_to_val", None)

@@ -163,6 +163,10 @@ class Node:
                 "value": str(self.value) if self.value is not None else None}
 
 
+# Every note that says some number of a report may differ from a real run contains this phrase
+# (``Report.exact`` is False then); other notes say how numbers were obtained, exactly.
+INEXACT = "numbers may not be exact"
+
 # Event kinds of a Recording, in the order they happened.
 FREE, STEP, NODE = "free", "step", "node"
 

@@ -22,6 +22,7 @@ from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPl
 from .accounting.symbolic import evaluate
 from .errors import SpecError
 from .kernels import environment
+from .records import INEXACT
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
 
@@ -81,6 +82,12 @@ class Report:
         self.nodes = plan.nodes
 
     # --- numbers --------------------------------------------------------------------------------
+    @property
+    def exact(self) -> bool:
+        """False when a note says some number may differ from a real run (an unfitted kernel
+        workspace, a path that real code would choose by tensor values); True otherwise."""
+        return not any(INEXACT in n for n in self.notes)
+
     @property
     def region(self) -> list[str]:
         """Conditions on the dims under which the formulas hold (e.g. ``N >= 2``)."""
@@ -231,7 +238,8 @@ class Report:
             "dtype": str(self.dtype).replace("torch.", ""),
             "inputs": [{"arg": s.arg, "shape": [str(d) for d in s.dims], "dtype": str(s.dtype).replace("torch.", "")}
                        for s in self.specs],
-            "dims": sorted(self.symbols), "hints": self.hints, "region": self.region, "notes": self.notes,
+            "dims": sorted(self.symbols), "hints": self.hints, "region": self.region, "exact": self.exact,
+            "notes": self.notes,
             "facts": self.facts,
             "formulas": {k: str(v) for k, v in self.formulas().items()},
             "nodes": [n.to_dict() for n in self.nodes],

@@ -46,11 +46,15 @@ class TensorSpec:
     """Shape (ints and dim names) plus dtype of one tensor argument.
 
     ``dtype=None`` means the ``dtype`` given to :func:`fxmem.analyze` (float32 by default).
+    ``fill``: the value every element holds, when the input's values decide what the model does
+    (an all-ones attention mask lets transformers skip building a mask); the analysis then takes
+    the path a real run with such an input takes, and the report says so.
     """
 
     shape: tuple[Any, ...]
     dtype: torch.dtype | None = None
     requires_grad: bool = False
+    fill: bool | int | float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, (str, int)) or not isinstance(self.shape, Iterable):
@@ -59,6 +63,8 @@ class TensorSpec:
                 f"write e.g. TensorSpec(('B', 'N', 6))"
             )
         object.__setattr__(self, "shape", tuple(self.shape))
+        if self.fill is not None and not isinstance(self.fill, (bool, int, float)):
+            raise SpecError(f"TensorSpec fill must be a Python number, got {self.fill!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,7 @@ class InputSpec:
     dtype: torch.dtype
     requires_grad: bool
     text: str  # how the user wrote it, for messages
+    fill: bool | int | float | None = None  # every element's value, when the user stated it
 
     @property
     def rank(self) -> int:
@@ -172,8 +179,9 @@ def parse_specs(
             raise SpecError(f"{where}: dtype must be a torch.dtype, got {dtype!r}")
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise SpecError(f"{where}: only floating point inputs can require grad (dtype is {dtype})")
-        text = "(" + ", ".join(str(d) for d in spec.shape) + ")"
-        parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text))
+        text = "(" + ", ".join(str(d) for d in spec.shape) + ")" + (f" filled with {spec.fill!r}" if spec.fill is not None
+                                                                   else "")
+        parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text, spec.fill))
     return parsed, symbols
 
 

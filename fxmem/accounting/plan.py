@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -195,7 +196,8 @@ class MemoryPlan:
         return Region(lower, guards, self._pins(), upper)
 
     def _notes(self) -> list[str]:
-        notes = list(self.rec.notes)
+        names = {str(env): str(user) for env, user in self.user.items()}
+        notes = [re.sub(r"\bs\d+\b", lambda m: names.get(m.group(), m.group()), n) for n in self.rec.notes]
         for dim, value in self.region.pinned.items():
             if value.is_number:
                 notes.append(f"PyTorch fixed dim {dim} at {value} while analysing: these formulas hold only at "

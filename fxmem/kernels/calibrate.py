@@ -373,8 +373,53 @@ def program_for_call(call: Call) -> list | None:
     # a failed fit is retried once uncached: oneDNN's first runs may still be settling its caches
     fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
     if fitted is None:
-        return None
+        return _other_regime(call, adapter, frozen, x, min_shape)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small
+
+
+def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, min_shape: tuple) -> list | None:
+    """The kernel behaved differently across the smallest sampled shapes (oneDNN and batch norm pick
+    paths by size and thread count). Fit from larger sizes on, guarded (the region then says
+    ``B >= 4``); or else run it once at the example sizes and pin the dims there (the region says
+    ``B == 97``, and every other size is re-analysed, exactly). None if neither is possible."""
+    free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
+    hint = [tc.size_hint(d) for d in x.shape]
+    items = tuple(frozen.items())
+    threads = torch.get_num_threads()
+    for shift in (1, 2):
+        shifted = tuple(m + shift if i in free else m for i, m in enumerate(min_shape))
+        if any(hint[i] < shifted[i] for i in free):
+            break  # the example sizes lie below this regime
+        fitted = _fit_cached(call.func, items, shifted, threads)
+        if fitted is not None:
+            for i in free:  # a guard: the formula holds from here on
+                bool(x.shape[i] >= shifted[i])
+            return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+    numel = 1
+    for d in hint:
+        numel *= d
+    if numel > EXACT_RUN_ELEMENTS:
+        return None
+    program = _program_at(call.func, items, tuple(hint), threads)
+    for i in free:  # pinned: exact at these sizes only
+        bool(x.shape[i] == hint[i])
+    return list(program)
+
+
+@functools.lru_cache(maxsize=512)
+def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tuple:
+    adapter = ADAPTERS[op]
+    frozen = dict(frozen_items)
+    _, _, dtype, layout = frozen[adapter.driver]
+    with tc.real_mode():
+        x = real_like(layout, list(shape), dtype)
+        run, _ = adapter.build(frozen, x)
+        program, out = run_and_read(run)
+        del out
+    return program
 
 
 @hidden(*ADAPTERS, device="cpu")

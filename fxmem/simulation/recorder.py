@@ -20,11 +20,12 @@ import torch
 from .. import _torch_compat as tc
 from .. import kernels
 from ..kernels import OUT, Call, Keep, OutAt, Unknown
-from ..records import Placed, Role, SavedBy, Storage
+from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
 from .events import EventLog
 from .failures import NotModelled
 from .storages import StorageTable
+from .values import KnownValues
 
 aten = torch.ops.aten
 # ops that never allocate and are too frequent to be worth a look
@@ -35,9 +36,11 @@ _LIFT = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 
 
 class Recorder(tc.DispatchMode):
-    def __init__(self, table: StorageTable, log: EventLog, autograd: Autograd, device: str):
+    def __init__(self, table: StorageTable, log: EventLog, autograd: Autograd, device: str,
+                 values: KnownValues | None = None):
         super().__init__()
         self.table, self.log, self.autograd, self.device = table, log, autograd, device
+        self.values = values or KnownValues(log.note)  # tensors whose values the user stated
         self.used: set = set()  # kernel rules that shaped the numbers
         self._quiet = 0
         self._last_op: str | None = None
@@ -45,6 +48,9 @@ class Recorder(tc.DispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        known, value = self.values.read(func, args)
+        if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads
+            return value
         symbolic = kernels.symbolic_impl(func, self.device)
         if symbolic is not None:  # the fake kernel would read sizes as numbers (fixing the user's dims)
             out = symbolic.fn(*args, **kwargs)
@@ -52,6 +58,7 @@ class Recorder(tc.DispatchMode):
                 self.used.add(symbolic)
         else:
             out = func(*args, **kwargs)
+        self.values.follow(func, args, kwargs, out)
         if not self._quiet and tc.op_packet(func) not in _SKIP:
             self._record(func, args, kwargs, out)
         return out
@@ -140,7 +147,8 @@ class Recorder(tc.DispatchMode):
             new.append(index)
             kept.append(index)
         for unknown in [p for p in program if isinstance(p, Unknown)]:
-            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})")
+            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
+                     f"{INEXACT}")
         self.autograd.keep(kept, outs[0] if outs else None)
         program = [p for p in program if not isinstance(p, (Keep, Unknown))
                    and not (isinstance(p, OutAt) and p.index not in position)]  # not new: nothing placed

@@ -13,9 +13,11 @@ sees what is saved for backward; the result is a :class:`~fxmem.records.Recordin
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from typing import Any, Iterator, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -34,6 +36,7 @@ from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
 from .storages import StorageTable
+from .values import tracing_checks
 
 # what the training step's phases are called in error messages
 _PHASE_TEXT = {Phase.LOSS: "the loss", Phase.BACKWARD: "backward()", Phase.STEP: "optimizer.step()"}
@@ -139,6 +142,9 @@ def simulate(
     with fake_mode, REGISTRY.scoped(kernels, device):
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
+        for spec, t in zip(specs, inputs):
+            if spec.fill is not None:  # the user stated the values: the real run's path follows them
+                recorder.values.set(t, spec.fill)
         _refuse_sparse(model)
         fake_model = tc.fake_module_copy(model, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
@@ -163,7 +169,8 @@ def simulate(
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
-        with grad_ctx, saved, optimizers, real_paths, recorder:
+        with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), recorder, \
+                in_user_names(env_symbols):
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
                 del out
@@ -219,6 +226,20 @@ def _note_versions(used: set, log: EventLog) -> None:
     users = sorted({r.name for r in used if r.user})
     if users:
         log.note(f"the allocations of {', '.join(users)} are as the kernels= rules describe them (not checked by fxmem)")
+
+
+@contextlib.contextmanager
+def in_user_names(env_symbols: dict) -> Iterator[None]:
+    """Errors raised inside name sizes by the user's dims, never by PyTorch's symbols (``s45``)."""
+    names = {str(sym): name for name, sym in env_symbols.items() if not isinstance(sym, (int, sympy.Integer))}
+    try:
+        yield
+    except FxMemError as exc:
+        text = re.sub(r"\bs\d+\b", lambda m: names.get(m.group(), m.group()), str(exc))
+        if text == str(exc):
+            raise
+        renamed = type(exc)(text)
+        raise renamed.with_traceback(exc.__traceback__) from exc.__cause__
 
 
 @contextlib.contextmanager

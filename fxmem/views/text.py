@@ -132,6 +132,8 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
                      f"CPU {facts.get('cpu_capability', '?')} (numbers at another setting are re-analysed)")
     if facts.get("kernel_rules"):
         lines.append("kernel rules used: " + ", ".join(facts["kernel_rules"]))
+    if not report.exact:
+        lines.append("  NOT EXACT: some numbers may differ from a real run (see the notes)")
     for note in report.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

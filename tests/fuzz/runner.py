@@ -22,6 +22,7 @@ import torch
 import fxmem
 from fxmem.inputs import random_inputs
 from fxmem.measure import measure
+from fxmem.records import INEXACT
 from fxmem.training import default_loss, train_step
 
 
@@ -53,10 +54,6 @@ def _real_step(model: torch.nn.Module, xs: list) -> tuple[int, int] | Exception:
     except Exception as exc:  # noqa: BLE001
         return exc
     return m.peak_above_start, m.retained
-
-
-# what a report's note says when one of its numbers is not exact (fxmem.simulation.recorder)
-NOT_EXACT = "fxmem cannot predict"
 
 
 def _at(report: Any, dims: dict) -> Any:
@@ -101,7 +98,7 @@ def check(case: Any, train: bool = True) -> Outcome:
                 return Outcome(case.seed, "mismatch", f"at {dims} ({mode}): fxmem predicted {predicted} but the real "
                                                       f"run fails: {measured!r}", rows)
             rows.append((mode, dims, predicted, measured))
-            unsure = [n for n in _at(report, dims).notes if NOT_EXACT in n]
+            unsure = [n for n in _at(report, dims).notes if INEXACT in n]
             if predicted != measured and unsure:
                 return Outcome(case.seed, "flagged", f"at {dims} ({mode}): {unsure[0]}", rows)
             if predicted != measured:

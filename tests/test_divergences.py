@@ -213,3 +213,38 @@ def test_models_that_cannot_run_get_no_numbers():
 def test_a_kernel_that_only_rejects_tiny_sizes_is_not_refused():
     model = nn.Conv2d(3, 4, 5)  # a 5x5 kernel does not fit the 1x1 probe; fine at real sizes
     check_against_real_run(model, (("B", 3, "H", "W"),), [dict(B=2, H=9, W=11)])
+
+
+# --- 4. layouts and copies of real kernels ------------------------------------------------------------
+class Layout(nn.Module):
+    def __init__(self, fn, *mods):
+        super().__init__()
+        self.fn = fn
+        self.mods = nn.ModuleList(mods)
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.fn(self, x * self.w)
+
+
+LAYOUTS = {
+    "softmax-transposed": (lambda s, x: x.transpose(1, 2).softmax(-1), (), ("B", "N", 6)),
+    "softmax-sliced": (lambda s, x: x[:, :, :3].softmax(-1), (), ("B", "N", 6)),
+    "log-softmax-expanded": (lambda s, x: x[:, :1].expand(-1, 5, -1).log_softmax(-1), (), ("B", "N", 6)),
+    "batchnorm-permuted": (lambda s, x: s.mods[0](x.permute(0, 3, 1, 2)) * 2, (nn.BatchNorm2d(4),), ("B", "H", "W", 4)),
+    "conv1d-transposed": (lambda s, x: s.mods[0](x.transpose(1, 2)), (nn.Conv1d(6, 4, 3, padding=1),), ("B", "N", 6)),
+    "layer-norm-transposed": (lambda s, x: s.mods[1](s.mods[0](x).transpose(1, 2)).sum(1), (nn.Linear(6, 6), nn.LayerNorm(5)),
+                              ("B", 5, 6)),
+    "abs-complex": (lambda s, x: torch.view_as_complex(x.reshape(x.shape[0], -1, 2).contiguous()).abs(), (), ("B", 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_real_kernel_layouts_and_copies(name):
+    fn, mods, spec = LAYOUTS[name]
+    sizes = [{d: v for d, v in dict(B=3, N=5, H=4, W=6).items() if d in spec},
+             {d: v for d, v in dict(B=2, N=1, H=2, W=3).items() if d in spec}]
+    torch.manual_seed(0)
+    check_against_real_run(Layout(fn, *mods), (spec,), sizes)
+    torch.manual_seed(0)
+    check_training_against_real_run(Layout(fn, *mods), (spec,), sizes, SGD)

@@ -4,6 +4,7 @@ The simulation asks three questions of every aten call, and one of every torch f
 
 * :func:`hidden_program` - what scratch does the real kernel allocate around its outputs?
 * :func:`output_storage` - is a real output's storage larger than the fake one?
+* :func:`output_layout` - does the real kernel lay an output out otherwise (contiguous)?
 * :func:`engine_takes_over` - does the real engine write the result into an existing buffer?
 * :class:`RealPaths` - does a composite take another code path for real tensors?
 * :func:`symbolic_impl` - does the fake kernel read sizes as numbers (and so fix the user's dims)?
@@ -30,7 +31,7 @@ from .accepts import KernelRefuses, check_call
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister
 
-__all__ = ["environment", "hidden_program", "output_storage", "engine_takes_over", "symbolic_impl", "check_call", "KernelRefuses", "RealPaths", "register", "unregister",
+__all__ = ["environment", "hidden_program", "output_layout", "output_storage", "engine_takes_over", "symbolic_impl", "check_call", "KernelRefuses", "RealPaths", "register", "unregister",
            "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "OutAt", "ANY", "CHECKED"]
 
 
@@ -82,3 +83,9 @@ def environment(device: str = "cpu") -> dict:
     return {"threads": torch.get_num_threads(),
             "onednn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
             "cpu_capability": tc.cpu_capability()}
+
+
+def output_layout(call: Call) -> dict:
+    """Outputs whose real layout differs from the fake one: ``{output index: memory format}``."""
+    found = REGISTRY.lookup(Kind.OUTPUT_LAYOUT, call.func, call.device)
+    return found.fn(call) if found is not None else {}

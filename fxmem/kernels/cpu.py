@@ -243,3 +243,11 @@ def _abs_complex_cpu(call: Call) -> list | None:
         return None
     tmp = x.numel() * x.element_size()
     return [OUT, tmp, -tmp]
+
+
+@rule(Kind.OUTPUT_LAYOUT, aten.native_layer_norm_backward.default, device="cpu")
+def _layer_norm_backward_layout(call: Call) -> dict:
+    """grad_input is allocated like the contiguous copy of the input the kernel works on (the fake
+    kernel follows the strided input)."""
+    mask = call.arg("output_mask") or [True, True, True]
+    return {0: torch.contiguous_format} if mask[0] else {}

@@ -15,6 +15,8 @@ Kinds of knowledge (:class:`Kind`):
 * ``OUTPUT_STORAGE`` - outputs whose real storage is larger than the fake one;
 * ``ENGINE`` - the autograd engine reusing a buffer in place where fake tensors get a new one;
 * ``REAL_PATH`` - a composite that takes another code path for real tensors than for fake ones;
+* ``OUTPUT_LAYOUT`` - outputs the real kernel lays out otherwise than the fake one (contiguous where
+  the fake kernel follows a strided input): ``fn(call) -> {output index: torch.memory_format}``;
 * ``SYMBOLIC`` - the op computed on fake tensors without reading sizes as numbers, where its
   fake kernel does (``int(size)`` fixes the user's dim for good: formulas would hold at one size).
 
@@ -133,6 +135,7 @@ class Kind(str, enum.Enum):
     ENGINE = "engine"
     REAL_PATH = "real_path"
     SYMBOLIC = "symbolic"
+    OUTPUT_LAYOUT = "output_layout"
 
 
 ANY = "any"  # device key of rules that hold on every device

@@ -58,10 +58,29 @@ class Recorder(tc.DispatchMode):
                 self.used.add(symbolic)
         else:
             out = func(*args, **kwargs)
+        out = self._real_layout(func, args, kwargs, out)
         self.values.follow(func, args, kwargs, out)
         if not self._quiet and tc.op_packet(func) not in _SKIP:
             self._record(func, args, kwargs, out)
         return out
+
+    def _real_layout(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Outputs laid out as the real kernel lays them out (an OUTPUT_LAYOUT rule): fresh fake
+        tensors in that memory format replace the fake kernel's."""
+        if not isinstance(out, (torch.Tensor, tuple, list)):
+            return out
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        wanted = kernels.output_layout(Call(func, args, kwargs, tuple(tensors), self.device))
+        if not wanted:
+            return out
+        k = -1
+        for i, t in enumerate(outs):
+            if isinstance(t, torch.Tensor):
+                k += 1
+                if k in wanted and not t.is_contiguous(memory_format=wanted[k]):
+                    outs[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=wanted[k])
+        return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:

@@ -248,3 +248,14 @@ def test_real_kernel_layouts_and_copies(name):
     check_against_real_run(Layout(fn, *mods), (spec,), sizes)
     torch.manual_seed(0)
     check_training_against_real_run(Layout(fn, *mods), (spec,), sizes, SGD)
+
+
+# --- 5. oneDNN's batch-1 path -----------------------------------------------------------------------
+def test_conv_at_batch_1_follows_onednn_by_input_size():
+    """ATen sends a batch-1 convolution to oneDNN only above 20480 input elements."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+    report = check_against_real_run(model, (("B", 8, "H", "W"),), [dict(B=1, H=60, W=60), dict(B=1, H=20, W=20),
+                                                                     dict(B=3, H=60, W=60)], grad=False)
+    assert report.evaluate(B=1, H=60, W=60)["peak_above_resident"] == 460800
+    check_training_against_real_run(model, (("B", 8, "H", "W"),), [dict(B=1, H=60, W=60), dict(B=1, H=20, W=20)], SGD)

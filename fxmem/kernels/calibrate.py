@@ -289,6 +289,35 @@ def _conv_batch(frozen: Frozen, shape: tuple) -> int:
     return 16 if (single_1x1 and batch >= 16) else 2
 
 
+ONEDNN_BATCH1_ELEMENTS = 20480  # ATen's use_mkldnn: a batch-1 input larger than this goes to oneDNN
+
+
+def _conv_minimum(frozen: Frozen, shape: tuple) -> list[int]:
+    """Smallest sample sizes, in the same oneDNN regime as the example sizes: ATen sends a batch-1
+    convolution (one group, a kernel of at most 3 on a side) to oneDNN only when its input has more
+    than 20480 elements - a comparison on the user's sizes, so it becomes a guard of the region."""
+    minimum = _spatial_minimum(_conv_key(frozen), shape, _conv_batch(frozen, shape))
+    kernel = _conv_key(frozen)[0]
+    if minimum[0] != 1 or frozen.get("groups", 1) != 1 or all(k > 3 for k in kernel) or len(shape) < 3:
+        return minimum
+    numel = 1
+    for d in shape:
+        numel = numel * d
+    if not bool(numel > ONEDNN_BATCH1_ELEMENTS):  # a guard either way
+        return minimum
+    free = [i for i in range(2, len(shape)) if not isinstance(shape[i], int)]
+    if not free:
+        return minimum
+    fixed = 1
+    for i, d in enumerate(minimum):
+        if i not in free:
+            fixed *= d
+    side = 1
+    while fixed * side ** len(free) <= ONEDNN_BATCH1_ELEMENTS:
+        side += 1
+    return [max(m, side) if i in free else m for i, m in enumerate(minimum)]
+
+
 def _conv_forward(frozen: Frozen, x: torch.Tensor) -> tuple:
     args = _real_args(frozen, skip=("input",))
     return (lambda: aten.convolution.default(input=x, **args)), lambda out: out.numel()
@@ -324,10 +353,9 @@ def _bn_minimum(frozen: Frozen, shape: tuple) -> list[int]:
 
 ADAPTERS: dict[Any, Adapter] = {
     aten.convolution.default: Adapter(
-        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_forward,
-        lambda call: call.outputs[0].numel()),
+        "input", _conv_minimum, _conv_forward, lambda call: call.outputs[0].numel()),
     aten.convolution_backward.default: Adapter(
-        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_backward,
+        "input", _conv_minimum, _conv_backward,
         lambda call: call.arg("grad_output").numel(), grad="grad_output"),
     aten.native_batch_norm.default: Adapter("input", _bn_minimum, _bn_forward, lambda call: call.arg("input").numel()),
     aten.native_batch_norm_backward.default: Adapter(

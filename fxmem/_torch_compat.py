@@ -499,6 +499,11 @@ def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     return t.suggest_memory_format()  # pragma: no cover - torch < 2.6
 
 
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (autograd's view metadata)."""
+    return bool(t._is_view())
+
+
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:
     """ATen's ``is_non_overlapping_and_dense`` (the layout condition of in-place reuse)."""
     import torch._prims_common as prims_common

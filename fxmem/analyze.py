@@ -50,7 +50,9 @@ def analyze(
         grad: ``True`` records autograd as in training; ``False`` gives inference memory.
         hints: example sizes to analyse at (default: distinct primes near 100). The formulas hold
             wherever PyTorch would take the same code path (``Report.region``); ``evaluate`` outside
-            it re-analyses.
+            it re-analyses. A hint of 0 or 1, which PyTorch specialises, is analysed at a general
+            size instead (the notes say so); a dim some op fixes at its hint shows as ``B == 97``
+            in the region, and every other size is re-analysed.
         leaf_modules: module classes fx should not trace into.
         optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
             steady-state training step with this optimizer (``train_peak``, ``grads``, ...).

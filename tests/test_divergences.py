@@ -259,3 +259,37 @@ def test_conv_at_batch_1_follows_onednn_by_input_size():
                                                                      dict(B=3, H=60, W=60)], grad=False)
     assert report.evaluate(B=1, H=60, W=60)["peak_above_resident"] == 460800
     check_training_against_real_run(model, (("B", 8, "H", "W"),), [dict(B=1, H=60, W=60), dict(B=1, H=20, W=20)], SGD)
+
+
+# --- 7. training steps ------------------------------------------------------------------------------
+def test_two_stacked_convs_and_adam_steps_are_exact():
+    torch.manual_seed(0)
+    convs = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.Conv2d(64, 64, 3, padding=1, bias=False))
+    for opt in (SGD, lambda p: torch.optim.Adam(p, lr=1e-3)):
+        check_training_against_real_run(convs, (("B", 64, "H", "W"),), [dict(B=2, H=5, W=6), dict(B=1, H=4, W=4)], opt)
+    two = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    check_training_against_real_run(two, (("B", 8),), [dict(B=3), dict(B=1)], lambda p: torch.optim.Adam(p, lr=1e-3))
+
+
+def test_gradient_checkpointing_keeps_the_rng_state():
+    """checkpoint() stashes the CPU generator's state (a real 5 KB tensor made outside any aten op)
+    until the segment's backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+            self.b = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    report = fxmem.analyze(model, ("B", "N", 16), mode="eager")
+    for dims in (dict(B=2, N=5), dict(B=1, N=3)):
+        xs = real_inputs(report, dims)
+        m = measure(lambda: model(*xs))
+        ev = report.evaluate(**dims)
+        assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained)

@@ -122,7 +122,7 @@ class Region:
             except TypeError:
                 ok = False
             if not ok:
-                why.append(str(g))
+                why.append(_guard_text(g))
         return why
 
     def _atom(self, atom: sympy.Expr) -> sympy.Expr:

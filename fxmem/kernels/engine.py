@@ -41,7 +41,7 @@ def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str
         # a view (a reshape backward's result) shares its storage with a base the engine still holds:
         # its storage's use count is not 1, so the real engine adds out of place
         if (rec.step is not None and rec.phase == Phase.BACKWARD and not rec.saved_by and not rec.is_output
-                and rec.role != Role.GRADIENT and not old._is_view() and table.is_whole(old, index)
+                and rec.role != Role.GRADIENT and not tc.is_view(old) and table.is_whole(old, index)
                 and tc.non_overlapping_and_dense(old)):
             return old
     return None

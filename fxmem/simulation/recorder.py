@@ -99,6 +99,16 @@ class Recorder(tc.DispatchMode):
         with self.quiet():
             return t.detach()
 
+    def external(self, t: torch.Tensor, name: str) -> None:
+        """A real tensor library code allocated outside any aten op (see :mod:`.outside`)."""
+        table, log = self.table, self.log
+        if self._quiet or not table.counts(t) or table.lookup(t) is not None:
+            return
+        self.poll()
+        index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=log.next_step, op=name, phase=log.phase)
+        if index is not None:
+            log.step(name, [index], [])
+
     def poll(self) -> None:
         """Record every storage that died since the last poll."""
         self.log.freed(self.table.dead())
@@ -122,7 +132,8 @@ class Recorder(tc.DispatchMode):
                     f"has several storages: indices and values, or crow/col indices and values), so it cannot "
                     f"count this model's memory exactly")
         call = Call(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), log.phase)
-        kernels.check_call(call, table.env, self._checked)  # a model that cannot run gets no numbers
+        with self.quiet():  # the probe's own real runs (and its RNG bookkeeping) are not the model's
+            kernels.check_call(call, table.env, self._checked)  # a model that cannot run gets no numbers
         program = kernels.hidden_program(call, self.used)
         if not outs and not self.autograd.has_pending and not program:  # e.g. in-place _foreach ops
             return

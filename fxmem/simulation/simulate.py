@@ -36,6 +36,7 @@ from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
 from .storages import StorageTable
+from .outside import outside_dispatch
 from .values import tracing_checks
 
 # what the training step's phases are called in error messages
@@ -169,8 +170,8 @@ def simulate(
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
-        with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), recorder, \
-                in_user_names(env_symbols):
+        with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
+                recorder, in_user_names(env_symbols):
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
                 del out

@@ -27,6 +27,7 @@ class Row:
     sizes: dict
     predicted: Any  # (peak above start, retained) bytes, or the refusal
     measured: Any
+    says_inexact: bool = False  # the report's notes say its numbers may not be exact
 
     @property
     def exact(self) -> bool:
@@ -50,7 +51,7 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         ev = forward.evaluate(**dims)
         m = measure(lambda: real(*xs))
         rows.append(Row(name, mode, "forward", dims, (ev["peak_above_resident"], ev["retained"]),
-                        (m.peak_above_start, m.retained)))
+                        (m.peak_above_start, m.retained), not forward.exact))
         if step is None:
             continue
         real = copy.deepcopy(step.graph_module if mode == "graph" else model)
@@ -59,5 +60,5 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         m = measure(lambda: train_step(real, xs, opt, default_loss))
         ev = step.evaluate(**dims)
         rows.append(Row(name, mode, "train", dims, (ev["train_peak"] - ev["train_resident"], ev["train_retained"]),
-                        (m.peak_above_start, m.retained)))
+                        (m.peak_above_start, m.retained), not step.exact))
     return rows

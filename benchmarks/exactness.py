@@ -85,9 +85,11 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t0, 1)}
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "exactness.json"), "w") as f:
-        json.dump({"meta": meta, "corpus": corpus, "corpus_skipped": skipped, "fuzz": fuzz,
-                   "fuzz_counts": dict(counts)}, f, indent=1)
+    with open(os.path.join(out, "exactness.json"), "w") as f:  # one line per row
+        f.write('{"meta": ' + json.dumps(meta) + ',\n "fuzz_counts": ' + json.dumps(dict(counts)) +
+                ',\n "corpus_skipped": ' + json.dumps(skipped) + ',\n "corpus": [\n  ' +
+                ",\n  ".join(json.dumps(r) for r in corpus) + '],\n "fuzz": [\n  ' +
+                ",\n  ".join(json.dumps(r) for r in fuzz) + "]}\n")
     exact_corpus = sum(r["status"] == "exact" for r in corpus)
     flagged_corpus = sum(r["status"] == "flagged" for r in corpus)
     lines = ["# Exactness: predictions next to the allocator", "",

@@ -2,9 +2,11 @@
 
     python docs/make_images.py
 
-* ``seed_gat_diagram.png``   - seed 000's GAT layer: formulas on every node, colours at the
-  analysis' example sizes, the peak (``cat``) with its formula;
-* ``seed_gat_timeline.png``  - the same layer's storages over time at the blog's B=4, N=500;
+* ``seed_gat_diagram.png``   - seed 000's GAT layer at the blog's B=4, N=500: what each node
+  allocates (fill) and keeps for backward (blue rows), the live bytes (grey gauges), the peak
+  (``cat``) with its formula;
+* ``seed_gat_formulas.png``  - the same diagram without sizes: formulas only, nothing coloured by size;
+* ``seed_gat_timeline.png``  - the same layer's tensors over time at B=4, N=500 (matplotlib);
 * ``transformer12_modules.png`` - the 12-block transformer of ``benchmarks/analyze_speed.py``,
   one box per block (``group="module"``), at B=8, L=512.
 """
@@ -24,7 +26,8 @@ def main() -> None:
     from seed_gat import GraphAttentionLayer
 
     layer = fxmem.analyze(GraphAttentionLayer(6, 128), ("B", "N", 6), ("B", "N", "N"))
-    written = [layer.render(os.path.join(HERE, "seed_gat_diagram.png")),
+    written = [layer.render(os.path.join(HERE, "seed_gat_diagram.png"), dims=dict(B=4, N=500)),
+               layer.render(os.path.join(HERE, "seed_gat_formulas.png")),
                layer.render(os.path.join(HERE, "seed_gat_timeline.png"), what="timeline", dims=dict(B=4, N=500))]
     stack = fxmem.analyze(Stack(), ("B", "L", 768))
     written.append(stack.render(os.path.join(HERE, "transformer12_modules.png"), dims=dict(B=8, L=512), group="module"))

@@ -11,23 +11,66 @@ real run.
 >>> report = fxmem.analyze(torch.nn.Linear(6, 128), ("B", "N", 6))
 >>> report.peak
 536*B*N + 3584
+
+The public names are loaded on first use, so ``import fxmem`` (and ``fxmem --help``) does not
+import torch until something needs it.
 """
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import warnings
+from typing import Any
+
 from ._layout import ensure_passes
+from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: F401
+                     TraceError, UnsupportedOpError)
 
 ensure_passes()
 
-from . import kernels  # noqa: E402
-from .analyze import analyze  # noqa: E402
-from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: E402
-                     TraceError, UnsupportedOpError)
-from .passes import optimize  # noqa: E402
-from .report import Report, format_bytes  # noqa: E402
-from .specs import TensorSpec  # noqa: E402
-from .validate import validate  # noqa: E402
+__version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY = {
+    "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
+    "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
+}
 
 __all__ = [
-    "analyze", "optimize", "validate", "Report", "TensorSpec", "format_bytes", "kernels",
+    "analyze", "optimize", "validate", "precisions", "Report", "TensorSpec", "format_bytes", "kernels",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError",
 ]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fxmem' has no attribute {name!r}")
+    with warnings.catch_warnings():
+        # torch warns "Failed to initialize NumPy" when its fake-tensor modules are first imported
+        # without numpy; fxmem never converts to numpy, so the warning only confuses
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        importlib.import_module(".kernels", __name__)  # the kernel registry fills itself on import
+        module = importlib.import_module(_LAZY[name] or "." + name, __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The import system binds a submodule to its package's attribute when it is first imported
+    (``fxmem.analyze`` the module, by ``from .analyze import analyze`` anywhere); the function of
+    the same name must win, as it did when ``__init__`` imported it eagerly."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and _LAZY[name] == "." + name and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -119,6 +119,23 @@ def simplify(env: ShapeEnv, expr: sympy.Basic) -> sympy.Basic:
     return env.simplify(expr)
 
 
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """Torch's own log lines about fake-tensor failures stay out of the user's stderr (fxmem reports
+    the failure itself, with the node, the line and the user's dims)."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def replacements(env: ShapeEnv) -> dict:
     """What the ShapeEnv found each symbol to equal (a number when it specialised it)."""
     return dict(getattr(env, "replacements", {}))
@@ -280,6 +297,17 @@ def fake_module_copy(module: torch.nn.Module, make: Any, memo: dict | None = Non
         if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
             new.__dict__[k] = fake(v, False)
     return new
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, int]:
+    """How many forward and backward hooks apply to a call of ``module`` itself (its own and global)."""
+    import torch.nn.modules.module as nn_module
+
+    forward = len(module._forward_hooks) + len(module._forward_pre_hooks)
+    forward += len(getattr(nn_module, "_global_forward_hooks", {})) + len(getattr(nn_module, "_global_forward_pre_hooks", {}))
+    backward = len(module._backward_hooks) + len(getattr(module, "_backward_pre_hooks", {}))
+    backward += len(getattr(nn_module, "_global_backward_hooks", {})) + len(getattr(nn_module, "_global_backward_pre_hooks", {}))
+    return {"forward": forward, "backward": backward}
 
 
 def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -7,21 +7,22 @@
 """
 from __future__ import annotations
 
-import inspect
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .accounting import MemoryPlan
-from .capture import forward_arguments, trace
+from .capture import check_leaf_modules, forward_parameters, trace
 from .errors import FxMemError, ModelError, SpecError
 from .hparams import Blueprint, blueprint
 from .report import Report
-from .simulation import simulate
-from .specs import SPECIALISED_SIZES, choose_hints, parse_specs, spec_symbols
+from .simulation import check_device, simulate
+from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
+log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
 def analyze(
@@ -38,6 +39,7 @@ def analyze(
     hparams: Mapping[str, Any] | None = None,
     init: Mapping[str, Any] | None = None,
     kernels: Mapping[Any, Callable] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Report:
     """Return the memory (bytes) of ``model`` as formulas in the dims named by the specs.
 
@@ -66,6 +68,9 @@ def analyze(
         init: concrete constructor arguments for a class or factory.
         kernels: ``{op: fn}`` - what your own ops' real kernels allocate beyond their outputs, for
             this analysis (``fn(call)`` returns a program; see :func:`fxmem.kernels.register`).
+        autocast: ``torch.bfloat16`` or ``torch.float16`` - run the forward under
+            ``torch.autocast(device, dtype=...)`` (mixed precision): the casts autocast makes, and
+            the half-precision tensors autograd keeps, are counted exactly. Weights keep their dtype.
     """
     if mode not in MODES:
         raise SpecError(f"mode={mode!r}: use 'graph' (the traced module) or 'eager' (the original forward)")
@@ -73,10 +78,19 @@ def analyze(
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
         raise SpecError(f"grad must be True or False, got {grad!r}")
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise SpecError(f"autocast={autocast!r}: use torch.bfloat16 or torch.float16 (or None)")
     if loss is not None and optimizer is None:
         raise SpecError("loss= describes a training step; pass optimizer= as well")
+    if loss is not None and not callable(loss):
+        raise SpecError("loss= must be a function of the model's output, e.g. loss=lambda out: out.pow(2).mean()")
     if optimizer is not None and not callable(optimizer):
         raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
+    check_device(device)  # before anything slow: a CPU-only torch cannot simulate CUDA
+    for arg, value in (("hints", hints), ("hparams", hparams), ("init", init), ("kernels", kernels)):
+        if value is not None and not isinstance(value, Mapping):
+            raise SpecError(f"{arg}= must be a dict, got {type(value).__name__} {value!r:.60}")
+    leaf_modules = check_leaf_modules(leaf_modules)
     if not isinstance(model, torch.nn.Module) and not (hparams is not None or init is not None):
         if isinstance(model, type) or not callable(model):
             raise ModelError(
@@ -99,27 +113,25 @@ def analyze(
         example = None  # built below, once the hints are known
     name = target.name if isinstance(target, Blueprint) else type(model).__name__
 
-    def arguments(module: torch.nn.Module) -> tuple[list[str], int, torch.fx.GraphModule | None]:
-        if mode == "graph":
-            gm = trace(module, leaf_modules)
-            return (*forward_arguments(gm), gm)
-        return (*_forward_signature(module), None)
-
     if example is None:  # names come from a concrete instance on the meta device (no memory)
         all_symbols = spec_symbols(input_specs, dict(symbols))
         at = choose_hints(all_symbols, hints)
         example = target.example({all_symbols[k]: v for k, v in at.items()})
-    arg_names, required, gm = arguments(example)
-    specs, named = parse_specs(input_specs, arg_names, required, dtype, name)
+    params = forward_parameters(example)
+    specs, named = parse_specs(input_specs, params, dtype, name)
+    omitted = {n: params.defaults[n] for n in params.names[len(specs):]}  # they keep their defaults
     for k, v in named.items():
         symbols.setdefault(k, v)
     chosen = choose_hints(symbols, hints)
+    check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
     if isinstance(target, torch.nn.Module) and mode == "graph":
-        target = gm
+        log.info("tracing %s with torch.fx", name)
+        target = trace(example, leaf_modules, omitted)
 
     def run(at: Mapping[str, int]) -> Report:
+        log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
         rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
-                       leaf_modules=leaf_modules, kernels=kernels)
+                       leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted, autocast=autocast)
         plan = MemoryPlan(rec, dict(at))
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
@@ -142,17 +154,3 @@ def analyze(
                            f"re-analyses at those sizes")
     return report
 
-
-def _forward_signature(module: torch.nn.Module) -> tuple[list[str], int]:
-    """Positional parameters of ``module.forward`` and how many have no default."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return [], 0
-    names, required = [], 0
-    for p in params:
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
-            if p.default is inspect.Parameter.empty:
-                required += 1
-    return names, required

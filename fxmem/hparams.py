@@ -45,8 +45,15 @@ class Blueprint:
     def build(self, symint: Callable[[sympy.Expr], Any]) -> torch.nn.Module:
         """Call the factory with ``symint(expr)`` for each hyperparameter (initialisation skipped)."""
         kwargs = {**self.init, **{k: symint(e) for k, e in self.hparams.items()}}
-        with tc.skip_parameter_init():
-            model = self.factory(**kwargs)
+        try:
+            with tc.skip_parameter_init():
+                model = self.factory(**kwargs)
+        except ModelError:
+            raise
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ModelError(f"building {self.name}(...) failed: {type(exc).__name__}: {text}; pass its constructor "
+                             f"arguments with init= (values) or hparams= (dims)") from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"{self.name}(...) returned {type(model).__name__}, not an nn.Module")
         return model

@@ -16,12 +16,20 @@ fxmem's predictions are checked against this, never against its own bookkeeping:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import os
+import re
+import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+# What the profiler's native library (kineto) prints to stderr on every start and stop, whatever
+# KINETO_LOG_LEVEL says: ``USDT:<date> <time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start``.
+# A model with oneDNN convolutions is calibrated with dozens of profiler sessions.
+_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] ")
 
 
 @dataclasses.dataclass
@@ -48,10 +56,44 @@ def measure(fn: Callable[[], Any], device: str = "cpu", warmup: int = 1, keep_re
     raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def _measure_cpu(fn: Callable[[], Any], keep_result: bool) -> Measurement:
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[Any]:
+    """``torch.profiler.profile`` recording the CPU allocator's events, without the native
+    library's start/stop lines on stderr (anything else it prints still reaches stderr)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _filtered_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield prof
+
+
+@contextlib.contextmanager
+def _filtered_native_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to a temporary file meanwhile (C++ code writes there, below Python's
+    ``sys.stderr``), then pass on every line that is not the profiler's chatter."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not _PROFILER_CHATTER.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def _measure_cpu(fn: Callable[[], Any], keep_result: bool) -> Measurement:
+    with cpu_memory_profile() as prof:
         out = fn()
     totals = _cpu_totals(prof)
     m = Measurement(max([0, *totals]), totals[-1] if totals else 0, out if keep_result else None)
@@ -117,10 +159,7 @@ def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> li
     Each line runs inside a profiler ``record_function`` span named after it, so the allocator's
     own events can be assigned to lines; nothing of fxmem's analysis is involved.
     """
-    import sys
-
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         out = fn()
@@ -142,7 +181,7 @@ def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> li
     def global_trace(frame: Any, event: str, arg: Any) -> Any:
         return local if event == "call" and frame.f_code.co_filename in files else None
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         previous = sys.gettrace()
         sys.settrace(global_trace)
         try:

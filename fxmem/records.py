@@ -92,6 +92,12 @@ class Storage:
     is_output: bool = False
     freed_at: str | None = None
     module: str = ""
+    copy_of: int | None = None  # for a copy (aten.clone, aten._to_copy): the storage it copies
+
+    @property
+    def is_copy(self) -> bool:
+        """Whether this storage holds a copy of another one's data (a contiguous or dtype copy)."""
+        return self.copy_of is not None
 
     @property
     def kind(self) -> str:
@@ -102,7 +108,8 @@ class Storage:
         return {"index": self.index, "module": self.module, "bytes": str(self.bytes),
                 "dtype": str(self.dtype).replace("torch.", ""), "shape": [str(d) for d in self.shape],
                 "role": self.role.value, "name": self.name, "node": self.node, "op": self.op,
-                "saved_by": [str(s) for s in self.saved_by], "freed_at": self.freed_at, "is_output": self.is_output}
+                "saved_by": [str(s) for s in self.saved_by], "freed_at": self.freed_at, "is_output": self.is_output,
+                "copy_of": self.copy_of}
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from .accounting.symbolic import evaluate
 from .errors import SpecError
 from .kernels import environment
 from .records import INEXACT
+from .parsing import parse_expression
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
 
@@ -130,10 +131,20 @@ class Report:
             self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
-    def at(self, expr: sympy.Expr, **dims: int) -> int:
-        """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``) at ``dims``."""
-        values = check_dims(dims, self.symbols)
-        return evaluate(sympy.sympify(expr), {self.symbols[k]: v for k, v in values.items()})
+    def at(self, expr: sympy.Expr | str | int, **dims: int) -> int:
+        """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``, or a
+        string such as ``"B*N**2"`` over its dims) at ``dims``."""
+        values = check_dims(dims, self.symbols, "at")
+        if isinstance(expr, str):
+            expr = parse_expression(expr, dict(self.symbols), "at(): expression", new_names=False)
+        elif isinstance(expr, bool) or not isinstance(expr, (int, sympy.Expr)):
+            raise SpecError(f"at(): expected a formula of this report, a string or an int, got {type(expr).__name__}")
+        expr = sympy.sympify(expr)
+        unknown = sorted(str(s) for s in expr.free_symbols if s not in self.symbols.values())
+        if unknown:
+            raise SpecError(f"at(): the formula uses {unknown}, which are not dims of this analysis "
+                            f"(its dims: {sorted(self.symbols)})")
+        return evaluate(expr, {self.symbols[k]: v for k, v in values.items()})
 
     def liveness(self, dims: Mapping[str, int] | None = None) -> Liveness:
         """Live activation bytes node by node, at ``dims`` (default: the example sizes ``hints``).
@@ -195,6 +206,17 @@ class Report:
             return views.node_table(self, None, max_width)
         return views.node_table(*self._at(dims), max_width)
 
+    def modules(self, dims: Mapping[str, int] | None = None) -> views.ModuleTable:
+        """The per-module table (as torchinfo's summary, exact): each module's class, output shape,
+        parameters, and the activation bytes its tensors keep after the forward (with its
+        submodules'); formulas, or numbers at ``dims``. Prints as text, shows as HTML in notebooks.
+
+        >>> print(report.modules(dict(B=64, L=32)))                # doctest: +SKIP
+        """
+        if not dims:
+            return views.module_rows(self)
+        return views.module_rows(*self._at(dims))
+
     def summary(self, dims: Mapping[str, int] | None = None) -> str:
         """The headline formulas (and numbers at ``dims``) as text."""
         return views.summary(self, self.evaluate(**dims) if dims else None)
@@ -211,16 +233,21 @@ class Report:
         """
         return views.diagram(*self._at(dims or None), concrete=bool(dims), group=group, depth=depth)
 
-    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Figure:
-        """When each activation storage lives: one bar per storage, the peak line. See :mod:`fxmem.views.timeline`.
+    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Chart:
+        """Bytes live over the forward, and one bar per tensor from its allocation to its free, at
+        ``dims`` (a matplotlib chart; see :mod:`fxmem.views.timeline`).
 
         >>> report.timeline({"B": 4, "N": 500}).save("gat_timeline.png")   # doctest: +SKIP
         """
-        return views.timeline(*self._at(dims or None), concrete=bool(dims))
+        if not dims and self.symbols:
+            raise SpecError(f"the timeline draws bytes at concrete sizes: give them, e.g. "
+                            f"timeline(dims={{{', '.join(f'{k!r}: ...' for k in sorted(self.symbols))}}})")
+        return views.timeline(*self._at(dims or None, check=True))
 
     def render(self, path: str, what: str = "diagram", dims: Mapping[str, int] | None = None,
                group: str | None = None) -> str:
-        """Write the diagram (``what="timeline"``: the timeline) to ``path``; SVG, PNG or PDF by extension.
+        """Write the diagram (``what="timeline"``: the timeline, which needs ``dims``) to ``path``; SVG,
+        PNG or PDF by extension.
 
         >>> report.render("gat.png", dims={"B": 4, "N": 500})        # doctest: +SKIP
         'gat.png'

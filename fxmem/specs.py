@@ -13,14 +13,15 @@ H*D
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch
 
+from .capture.source import Parameters
 from .errors import SpecError
+from .parsing import MAX_SIZE, check_name, check_sizes, dim_symbol, parse_expression, parse_int
 
 # Example sizes the analysis runs at when the user gives none: distinct (so no two dims are
 # confused), not 0/1 (which PyTorch specialises), not powers of two (which collide with model
@@ -29,16 +30,6 @@ DEFAULT_HINTS = (97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157,
 
 # Example sizes PyTorch specialises on sight (a symbol is never made for them).
 SPECIALISED_SIZES = (0, 1)
-
-_ALLOWED_AST = (
-    ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Constant, ast.Load,
-    ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Pow, ast.USub, ast.UAdd,
-)
-
-
-def dim_symbol(name: str) -> sympy.Symbol:
-    """The sympy symbol fxmem uses for the user's dim ``name`` (a positive integer)."""
-    return sympy.Symbol(name, integer=True, positive=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,73 +77,57 @@ class InputSpec:
 def parse_dim(dim: Any, symbols: dict[str, sympy.Symbol], where: str = "dim") -> sympy.Expr:
     """One dim: an int >= 0, or a name / arithmetic expression over names (``"H*D"``, ``"N-1"``).
 
-    New names are added to ``symbols``.
+    New names are added to ``symbols``. A dim that is negative for every size (``"-B"``) is refused.
     """
     if isinstance(dim, bool) or not isinstance(dim, (int, str, sympy.Expr, torch.SymInt)):
         raise SpecError(f"{where}: {dim!r} is neither an int nor a dim name; use e.g. 'B' or 128")
     if isinstance(dim, int):
         if dim < 0:
             raise SpecError(f"{where}: size {dim} is negative; sizes must be >= 0")
-        return sympy.Integer(dim)
+        return sympy.Integer(parse_int(dim, where, minimum=0))
     if isinstance(dim, sympy.Expr):
         for s in dim.free_symbols:
+            check_name(str(s), where)
             symbols.setdefault(str(s), dim_symbol(str(s)))
-        return dim.xreplace({s: symbols[str(s)] for s in dim.free_symbols})
-    text = str(dim).strip()
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        raise SpecError(f"{where}: cannot parse dim {text!r}; use a name like 'N' or an expression like 'H*D'") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED_AST):
-            raise SpecError(
-                f"{where}: dim {text!r} may only use names, integers and + - * // ** (found {type(node).__name__})"
-            )
-        if isinstance(node, ast.Constant) and not isinstance(node.value, int):
-            raise SpecError(f"{where}: dim {text!r} contains the non-integer {node.value!r}")
-    names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
-    for n in names:
-        symbols.setdefault(n, dim_symbol(n))
-    expr = _eval_ast(tree.body, symbols)
-    return sympy.expand(expr)
-
-
-def _eval_ast(node: ast.AST, symbols: dict[str, sympy.Symbol]) -> sympy.Expr:
-    # A tiny evaluator (instead of sympify) so that names such as N, E, I, S, Q mean the user's
-    # dims and never sympy's built-ins.
-    if isinstance(node, ast.Constant):
-        return sympy.Integer(node.value)
-    if isinstance(node, ast.Name):
-        return symbols[node.id]
-    if isinstance(node, ast.UnaryOp):
-        v = _eval_ast(node.operand, symbols)
-        return -v if isinstance(node.op, ast.USub) else v
-    assert isinstance(node, ast.BinOp)
-    a, b = _eval_ast(node.left, symbols), _eval_ast(node.right, symbols)
-    if isinstance(node.op, ast.Add):
-        return a + b
-    if isinstance(node.op, ast.Sub):
-        return a - b
-    if isinstance(node.op, ast.Mult):
-        return a * b
-    if isinstance(node.op, ast.FloorDiv):
-        return sympy.floor(a / b)
-    return a**b
+        expr = dim.xreplace({s: symbols[str(s)] for s in dim.free_symbols})
+    else:
+        expr = parse_expression(dim, symbols, where)
+    if expr.is_number:
+        if expr < 0:
+            raise SpecError(f"{where}: size {dim!r} = {expr} is negative; sizes must be >= 0")
+        return expr
+    large = expr.xreplace({s: 10**6 for s in expr.free_symbols})
+    if large < 0:
+        raise SpecError(f"{where}: {dim!r} is negative for every size of {', '.join(sorted(map(str, expr.free_symbols)))}; "
+                        f"sizes must be >= 0")
+    return expr
 
 
 def parse_specs(
     specs: Sequence[Any],
-    arg_names: Sequence[str],
-    required: int,
+    params: Parameters,
     default_dtype: torch.dtype,
     owner: str,
 ) -> tuple[list[InputSpec], dict[str, sympy.Symbol]]:
-    """Parse one spec per positional ``forward`` argument; returns specs and the dim symbols."""
+    """Parse one spec per positional ``forward`` argument, in order; returns specs and the dim
+    symbols. Arguments after the last spec keep their defaults."""
+    arg_names, required = params.names, params.required
+    if params.keyword_only:
+        raise SpecError(
+            f"{owner}.forward has keyword-only argument(s) {', '.join(params.keyword_only)} without defaults; fxmem "
+            f"gives input specs to positional arguments: wrap the model in a Module whose forward takes them "
+            f"positionally and calls it with keywords")
+    if not arg_names and params.varargs and specs:
+        raise SpecError(
+            f"{owner}.forward takes only *args/**kwargs, so fxmem cannot tell which spec is which argument: wrap the "
+            f"model in a Module whose forward names its tensor arguments")
     if not required <= len(specs) <= len(arg_names):
         need = f"{required}" if required == len(arg_names) else f"{required} to {len(arg_names)}"
+        optional = [n for n in arg_names if n in params.defaults]
+        tail = (f"; {', '.join(optional)} have defaults and may be left out" if optional else "")
         raise SpecError(
             f"got {len(specs)} input spec(s) but {owner}.forward takes {need} tensor argument(s) "
-            f"({', '.join(arg_names)}); give one spec per argument, e.g. ('B', 'N', 6)"
+            f"({', '.join(arg_names)}){tail}; give one spec per argument, in order, e.g. ('B', 'N', 6)"
         )
     symbols: dict[str, sympy.Symbol] = {}
     parsed = []
@@ -163,6 +138,7 @@ def parse_specs(
                 raise SpecError(f"{where}: a {spec.layout} tensor; fxmem models strided (dense) tensors only, and "
                                 f"analysing it as dense would count the wrong storages. Pass the dense inputs the "
                                 f"model builds it from, or analyse with a dense stand-in and read the numbers as such")
+            check_dtype(spec.dtype, where)
             dims = tuple(sympy.Integer(int(d)) for d in spec.shape)
             parsed.append(InputSpec(arg, dims, spec.dtype, bool(spec.requires_grad), f"tensor{tuple(spec.shape)}"))
             continue
@@ -175,14 +151,27 @@ def parse_specs(
             )
         dims = tuple(parse_dim(d, symbols, f"{where}, dim {i}") for i, d in enumerate(spec.shape))
         dtype = spec.dtype or default_dtype
-        if not isinstance(dtype, torch.dtype):
-            raise SpecError(f"{where}: dtype must be a torch.dtype, got {dtype!r}")
+        check_dtype(dtype, where)
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise SpecError(f"{where}: only floating point inputs can require grad (dtype is {dtype})")
         text = "(" + ", ".join(str(d) for d in spec.shape) + ")" + (f" filled with {spec.fill!r}" if spec.fill is not None
                                                                    else "")
         parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text, spec.fill))
     return parsed, symbols
+
+
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+def check_dtype(dtype: Any, where: str) -> torch.dtype:
+    """A dtype fxmem can simulate: a ``torch.dtype``, not a quantized one."""
+    if not isinstance(dtype, torch.dtype):
+        raise SpecError(f"{where}: dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
+    if dtype in _QUANTIZED:
+        raise SpecError(f"{where}: quantized dtype {dtype} is not supported: quantized kernels cannot run on fake "
+                        f"tensors with symbolic sizes; analyse the float model instead (its numbers are not the "
+                        f"quantized model's)")
+    return dtype
 
 
 def spec_symbols(specs: Sequence[Any], symbols: dict[str, sympy.Symbol]) -> dict[str, sympy.Symbol]:
@@ -208,10 +197,7 @@ def choose_hints(symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int] |
     out = {}
     for name in symbols:
         if name in hints:
-            value = hints[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise SpecError(f"hint for dim '{name}' must be an int >= 0, got {value!r}")
-            out[name] = value
+            out[name] = parse_int(hints[name], f"hints: dim '{name}'", minimum=0)
         else:
             try:
                 out[name] = next(free)
@@ -221,37 +207,24 @@ def choose_hints(symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int] |
 
 
 def check_dims(dims: Mapping[str, Any], symbols: Mapping[str, sympy.Symbol], what: str = "evaluate") -> dict[str, int]:
-    """Validate a ``{name: size}`` mapping against the analysis' dims."""
-    unknown = sorted(set(dims) - set(symbols))
-    if unknown:
-        raise SpecError(f"{what}(): unknown dim(s) {unknown}; this analysis has dims {sorted(symbols)}")
-    missing = sorted(set(symbols) - set(dims))
-    if missing:
-        raise SpecError(f"{what}(): missing dim(s) {missing}; give a size for each of {sorted(symbols)}")
-    out = {}
-    for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            try:
-                as_int = int(value)
-            except (TypeError, ValueError):
-                as_int = None
-            if as_int is None or as_int != value:
-                raise SpecError(f"{what}(): dim {name}={value!r} is not an integer")
-            value = as_int
-        if value <= 0:
-            raise SpecError(f"{what}(): dim {name}={value} must be a positive integer")
-        out[name] = value
-    return out
+    """Validate a ``{name: size}`` mapping against the analysis' dims (whole numbers >= 1)."""
+    return check_sizes(dims, symbols, what)
 
 
-def check_input_sizes(specs: Sequence[InputSpec], dims: Mapping[str, int], symbols: Mapping[str, sympy.Symbol]) -> None:
-    """Raise if some input dim expression is negative at ``dims`` (e.g. ``N-5`` with N=3)."""
+def check_input_sizes(specs: Sequence[InputSpec], dims: Mapping[str, int], symbols: Mapping[str, sympy.Symbol],
+                      advice: str = "") -> None:
+    """Raise if some input dim is negative at ``dims`` (``N-5`` with N=3), or an input would be
+    larger than torch can index."""
     subs = {symbols[k]: v for k, v in dims.items()}
+    at = ", ".join(f"{k}={v}" for k, v in dims.items())
     for spec in specs:
+        numel = 1
         for i, d in enumerate(spec.dims):
             value = d.xreplace(subs)
             if not getattr(value, "is_number", True) or value < 0:
-                raise SpecError(
-                    f"input '{spec.arg}' {spec.text}: dim {i} = {d} is {value} at "
-                    f"{', '.join(f'{k}={v}' for k, v in dims.items())}; sizes must be >= 0"
-                )
+                raise SpecError(f"input '{spec.arg}' {spec.text}: dim {i} = {d} is {value} at {at}; "
+                                f"sizes must be >= 0{advice}")
+            numel *= int(value)
+        if numel * spec.dtype.itemsize > MAX_SIZE:
+            raise SpecError(f"input '{spec.arg}' {spec.text} would hold {numel:,} elements at {at}, more bytes than "
+                            f"torch can index ({MAX_SIZE:,}); use smaller sizes{advice}")

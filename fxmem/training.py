@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import _torch_compat as tc
-from .errors import FxMemError
+from .errors import FxMemError, SpecError
 from .records import Phase
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -65,6 +65,19 @@ class Training:
         return self.loss or default_loss
 
 
+def check_loss(value: Any) -> None:
+    """A loss is a one-element floating tensor that requires grad (what ``backward()`` needs)."""
+    if not isinstance(value, torch.Tensor):
+        raise SpecError(f"loss= returned {type(value).__name__} {value!r:.60}; it must return a scalar tensor computed "
+                        f"from the model's output, e.g. loss=lambda out: out.pow(2).mean()")
+    if any(not isinstance(d, int) or d != 1 for d in value.shape):  # a symbolic size is never 1 everywhere
+        raise SpecError(f"loss= returned a tensor of shape {tuple(value.shape)}; backward() needs one element: "
+                        f"reduce it, e.g. with .sum() or .mean()")
+    if not value.requires_grad:
+        raise SpecError("loss= returned a tensor that does not require grad: compute it from the model's output "
+                        "(a .detach() or .item() in the loss cuts it off from the parameters)")
+
+
 class StepHooks:
     """What :func:`train_step` lets an observer do: run the forward its own way, and wrap each phase.
 
@@ -78,6 +91,10 @@ class StepHooks:
     def phase(self, phase: Phase) -> Iterator[None]:
         yield
 
+    def check_loss(self, loss: Any) -> None:
+        """Refuse what ``backward()`` cannot take (see :func:`check_loss`)."""
+        check_loss(loss)
+
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss just before ``backward()``."""
 
@@ -89,6 +106,7 @@ def train_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer,
     out = hooks.forward(module, inputs)
     with hooks.phase(Phase.LOSS):
         value = loss(out)
+    hooks.check_loss(value)
     hooks.before_backward(value)
     with hooks.phase(Phase.BACKWARD):
         value.backward()

@@ -115,6 +115,11 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
                           "(validate on device='cpu', or run on a machine with a GPU)")
     if not isinstance(dims, Mapping) or not dims:
         raise SpecError("validate(dims=...) needs the sizes to measure at, e.g. dims=dict(B=4, N=500)")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < float("inf"):
+        raise SpecError(f"validate(tolerance={tolerance!r}): the allowed relative difference is a number >= 0, "
+                        f"e.g. 0.01 for 1 %")
+    if optimized is not None and not isinstance(optimized, torch.nn.Module):
+        raise SpecError(f"validate(optimized=...) takes the module fxmem.optimize returned, got {type(optimized).__name__}")
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
     loss_fn = loss or default_loss
     report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode, **analyze_kw)

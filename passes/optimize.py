@@ -25,7 +25,7 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..analyze import analyze
-from ..capture import forward_arguments, trace
+from ..capture import forward_parameters, trace
 from ..errors import FxMemError, ModelError, ShapeError, SpecError
 from ..inputs import random_inputs
 from ..report import Report
@@ -101,14 +101,18 @@ def optimize(
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
     name = type(model).__name__
-    gm = trace(model, leaf_modules)
-    arg_names, required = forward_arguments(gm)
-    specs, symbols = parse_specs(input_specs, arg_names, required, dtype, name)
-    probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
+    params = forward_parameters(model)
+    specs, symbols = parse_specs(input_specs, params, dtype, name)
+    gm = trace(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
+    try:
+        probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
+    except ShapeError:
+        analyze(gm, *input_specs, **{**kw, "grad": False})  # a shape error at every size says where, in dims
+        raise
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     findings = [(p, f) for p in PASSES for f in p.find(gm, probes)]
 
-    kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     state = _Search(gm, model, input_specs, kw, verify_inputs)
     for rule, finding in findings:
         state.log_finding(finding)

@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import torch
+
 import fxmem
+import fxmem.cli
 from conftest import ROOT, load_example
 from fxmem.cli import parse_input
 
@@ -64,3 +67,78 @@ def test_eager_lines_and_training_flags():
               "--mode", "eager", "--lines", "--optimizer", "sgd", "--dims", "B=2,L=8")
     assert out.returncode == 0, out.stderr
     assert "qkv = self.qkv(x)" in out.stdout and "train_peak" in out.stdout and "memory" in out.stdout
+
+
+def test_help_and_version_do_not_import_torch():
+    # `fxmem --help` answers at once: torch (seconds to import) is loaded only after parsing
+    code = ("import sys, contextlib, io\n"
+            "import fxmem.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: fxmem.cli.main(['--version'])\n"
+            "    except SystemExit: pass\n"
+            "print(out.getvalue().strip(), 'torch' in sys.modules, 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.split() == ["fxmem", fxmem.__version__, "(torch", f"{torch.__version__})", "False", "False"]
+    help_text = run("analyze", "--help").stdout
+    for option in ("--input", "--hints", "--init", "--dtype", "--mode", "--optimizer", "--eval", "--json", "--dims",
+                   "--device", "--no-grad", "--lines", "--modules", "--diagram", "--timeline", "--group"):
+        assert option in help_text
+    # every option has a help text: argparse prints a bare option line otherwise
+    parser = fxmem.cli.build_parser()
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+
+
+def test_package_module_targets_and_progress_on_stderr():
+    out = run("analyze", "torch.nn:Linear", "--init", "in_features=6,out_features=128", "--input", "B,6",
+              "--dims", "B=4")
+    assert out.returncode == 0, out.stderr
+    report = fxmem.analyze(torch.nn.Linear(6, 128), ("B", 6))
+    assert f"peak            = {report.peak}" in out.stdout
+    assert "tracing Linear" in out.stderr and "simulating Linear" in out.stderr  # progress, not on stdout
+    assert "fxmem: [" not in out.stdout
+    out = run("analyze", "torch.nn:Linear", "--input", "B,6")
+    assert out.returncode == 2 and "--init" in out.stderr and "in_features" in out.stderr
+    out = run("analyze", "no_such_package.mod:Net", "--input", "B,6")
+    assert out.returncode == 2 and "no importable module 'no_such_package.mod'" in out.stderr
+
+
+def test_dtype_converts_the_model_too():
+    out = run("analyze", "examples/seed_attention.py:Attention", "--init", "dim=64,num_heads=4", "--input", "B,L,64",
+              "--dtype", "bfloat16", "--dims", "B=2,L=8", "--json", "--quiet")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    model = load_example("seed_attention").Attention(64, 4).to(torch.bfloat16)
+    report = fxmem.analyze(model, ("B", "L", 64), dtype=torch.bfloat16)
+    assert data["formulas"]["resident"] == str(report.resident)
+    params = sum(p.numel() for p in model.parameters())
+    assert report.at(report.resident, B=2, L=8) == 2 * (params + 2 * 8 * 64)  # 2 bytes each: weights and input
+    assert out.stderr == ""  # --quiet
+
+
+def test_stderr_is_clean_for_a_cnn_without_numpy(tmp_path):
+    # calibrating oneDNN convolutions runs the profiler dozens of times; its native start/stop
+    # lines and torch's "Failed to initialize NumPy" warning must not reach the user
+    (tmp_path / "cnn.py").write_text(
+        "import torch.nn as nn\n"
+        "class CNN(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)\n"
+        "    def forward(self, x):\n"
+        "        return self.b1(self.c1(x)).relu()\n")
+    code = ("import sys, runpy; sys.modules['numpy'] = None\n"  # as if numpy were not installed
+            f"sys.argv = ['fxmem', 'analyze', {str(tmp_path / 'cnn.py:CNN')!r}, '--input', 'B,3,H,W', '--quiet']\n"
+            "runpy.run_module('fxmem', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "peak" in out.stdout
+    assert out.stderr == ""
+
+
+def test_modules_table():
+    out = run("analyze", "examples/seed_attention.py:Attention", "--init", "dim=64,num_heads=4", "--input", "B,L,64",
+              "--dims", "B=3,L=7", "--modules", "--quiet")
+    assert out.returncode == 0, out.stderr
+    report = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    assert str(report.modules(dict(B=3, L=7))) in out.stdout

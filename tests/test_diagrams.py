@@ -95,12 +95,12 @@ def test_symbolic_labels_shapes_allocations_and_edges(layer):
     assert "(B, N, N, 256)" in " ".join(n.text for n in nodes.values())
 
 
-def test_saved_for_backward_is_marked_on_exactly_those_nodes(layer):
+def test_kept_for_backward_is_marked_on_exactly_those_nodes(layer):
     nodes = items(layer.diagram().svg(), "node")
-    marked = {name for name, n in nodes.items() if "saved for backward" in n.text and name != "output"}
+    marked = {name for name, n in nodes.items() if "kept for the backward of" in n.text}
     assert marked == kept_nodes(layer)
     assert marked >= {"cat", "softmax", "dropout"}
-    assert f"saved for backward {pretty(layer.saved)}" in nodes["output"].text
+    assert f"kept for backward {pretty(layer.saved)}" in nodes["output"].text
 
 
 def test_numbers_at_dims(layer):
@@ -115,17 +115,58 @@ def test_numbers_at_dims(layer):
         assert "·N" not in body and "B," not in body, (name, n.text)
 
 
-def test_heat_scale_follows_live_bytes(layer):
+def test_fill_is_what_the_node_allocates_and_the_gauge_what_is_live(layer):
     live = layer.liveness(SEED)
     nodes = items(layer.diagram(SEED).svg(), "node")
     order = list(fxmem.views.figure.HEAT)
-    fill = {n.name: nodes[n.name].fills[0] for n in layer.nodes if n.shapes and nodes[n.name].fills[0] in order}
-    assert fill["cat"] == order[-1]  # the peak is the reddest
-    high = dict(zip((n.name for n in layer.nodes), live.high))
-    for a in fill:
+    allocated = {n.name: layer.at(n.allocated, **SEED) for n in layer.nodes if n.allocations}
+    fill = {name: nodes[name].fills[0] for name in allocated}
+    assert set(fill.values()) <= set(order)
+    for a in fill:  # more bytes allocated: never a lighter colour
         for b in fill:
-            if high[a] > high[b]:
+            if allocated[a] > allocated[b]:
                 assert order.index(fill[a]) >= order.index(fill[b]), (a, b)
+    # the pair tensor and the two repeat copies stand out; the N^2 attention tensors do not
+    assert order.index(fill["cat"]) > order.index(fill["repeat"]) > order.index(fill["softmax"])
+    # nodes that allocate nothing are not coloured by size
+    assert nodes["view"].fills[0] == "white" and nodes["squeeze"].fills[0] == "white"
+    # the second encoding: live bytes after each node, from the report's liveness
+    for k, n in enumerate(layer.nodes):
+        if n.name in nodes and n.op not in ("placeholder", "get_attr"):
+            assert f"live after it: {fxmem.format_bytes(live.after[k])}" in nodes[n.name].text, n.name
+    assert f"up to {fxmem.format_bytes(live.peak_above_resident)} while it runs" in nodes["cat"].text
+
+
+def test_without_dims_nothing_is_coloured_by_size_and_size_arithmetic_is_left_out(layer):
+    svg = layer.diagram().svg()
+    nodes = items(svg, "node")
+    assert {nodes[n.name].fills[0] for n in layer.nodes if n.allocations} == {"white"}
+    assert "diagram(dims=...)" in svg and "live after it" not in " ".join(n.text for n in nodes.values())
+    arithmetic = [n.name for n in layer.nodes if n.op == "call_function" and not n.shapes and not n.allocations]
+    assert arithmetic and not set(arithmetic) & set(nodes)  # getitem = N, mul = N²: not drawn
+    # the peak formula has no Max here, so its node is the same for every size: marked
+    assert not layer.peak.has(sympy.Max)
+    assert [t for t, n in nodes.items() if "PEAK" in n.text] == ["cat"]
+    # where the peak's node depends on the sizes, no node is marked without dims
+    attention = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    assert attention.peak.has(sympy.Max)
+    assert not [t for t, n in items(attention.diagram().svg(), "node").items() if "PEAK" in n.text]
+
+
+def test_which_tensors_a_node_allocates():
+    report = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    nodes = items(report.diagram(dict(B=2, L=8)).svg(), "node")
+    matmul = nodes["matmul"].text
+    # matmul copies q (getitem_3) and k^T (transpose) into contiguous tensors, and autograd keeps
+    # those copies, not qkv: the seed's key point, in the picture
+    copies = [s for s in report.storages if s.node == "matmul" and s.op == "aten.clone"]
+    assert len(copies) == 2 and all(str(b) == "matmul (aten.bmm)" for s in copies for b in s.saved_by)
+    q = next(n for n in report.nodes if n.name == "getitem_3")
+    assert all(s.copy_of == q.outputs[0] for s in copies)  # both copy views of qkv's storage
+    assert "contiguous copy of getitem_3" in matmul and "contiguous copy of transpose" in matmul
+    assert matmul.count("kept for the backward of matmul (aten.bmm)") == 2
+    assert "a Python number" not in nodes["mul"].text  # 8 bytes: folded into one small row
+    assert "+ 8 B in 1 small tensor" in nodes["mul"].text
 
 
 def test_liveness_agrees_with_the_formulas(layer):
@@ -146,11 +187,12 @@ def test_outside_the_region_the_diagram_is_of_the_real_code_path(layer):
 def test_group_by_module_collapses_blocks(stack):
     plain = items(stack.diagram().svg(), "node")
     grouped = items(stack.diagram(group="module").svg(), "node")
-    top = [n for n in stack.nodes if not n.module]
+    tensors = [n for n in stack.nodes if n.shapes or n.allocations or n.op in ("placeholder", "get_attr", "output")]
+    top = [n for n in tensors if not n.module]
     blocks = sorted({".".join(n.module.split(".")[:2]) for n in stack.nodes if n.module.startswith("blocks.")})
     others = {n.module for n in stack.nodes if n.module and not n.module.startswith("blocks.")}
     assert blocks == ["blocks.0", "blocks.1", "blocks.2"] and others == {"ln"}
-    assert len(plain) == len(stack.nodes)
+    assert set(plain) == {n.name for n in tensors}  # every node but size arithmetic
     assert len(grouped) == len(top) + len(blocks) + len(others) < len(plain)
     assert {f"module {b}" for b in blocks} <= set(grouped)
     # each block says what its nodes allocate, summed from the storages it allocated
@@ -159,7 +201,7 @@ def test_group_by_module_collapses_blocks(stack):
     for b in blocks:
         total = sum(stack.at(s.bytes, **dims) for s in stack.storages if s.module == b or s.module.startswith(b + "."))
         assert f"allocates {fxmem.format_bytes(total)}" in grouped[f"module {b}"].text
-        assert f"{len([n for n in stack.nodes if n.module.startswith(b)])} nodes" in grouped[f"module {b}"].text
+        assert f"{len([n for n in tensors if n.module.startswith(b)])} nodes" in grouped[f"module {b}"].text
     assert [t for t, n in grouped.items() if "PEAK" in n.text] == [stack.peak_node(**dims)]
 
 
@@ -176,38 +218,64 @@ def test_group_holding_the_peak_says_so():
 
 
 # --- the timeline -------------------------------------------------------------------------------
-def test_timeline_has_one_bar_per_activation_storage(layer):
-    nodes = items(layer.timeline().svg(), "node")
+# --- the timeline -------------------------------------------------------------------------------
+def patches(chart) -> dict:
+    """The chart's drawn rectangles by their SVG id: id -> (x0, x1, y0, y1) in data units."""
+    out = {}
+    for ax in chart.figure.axes:
+        for p in ax.patches:
+            if p.get_gid():
+                out[p.get_gid()] = (p.get_x(), p.get_x() + p.get_width(), p.get_y(), p.get_y() + p.get_height())
+    return out
+
+
+def test_timeline_has_one_bar_per_activation_tensor_and_they_render(layer):
+    chart = layer.timeline(SEED)
+    svg = chart.svg()
     activations = [s for s in layer.storages if s.kind == "activation"]
-    assert sorted(t for t in nodes if t.startswith("bar:")) == sorted(f"bar:{s.index}" for s in activations)
-    # bars still alive at return run into the kept zone; saved ones are labelled so
-    assert {t for t in nodes if t.startswith("kept:")} == {f"kept:{s.index}" for s in activations if s.freed_at is None}
-    for s in activations:
-        fate = nodes[f"fate:{s.index}"].text
-        assert fate.startswith("saved for backward") == bool(s.saved_by and s.freed_at is None), (s.name, fate)
-        assert nodes[f"size:{s.index}"].text == pretty(s.bytes)
+    drawn = sorted(g for g in patches(chart) if g.startswith("bar:"))
+    assert drawn == sorted(f"bar:{s.index}" for s in activations)
+    assert all(f'id="{g}"' in svg for g in drawn)  # the rendered SVG has them, by id
+    names = [t.get_text() for t in chart.figure.axes[1].get_xticklabels()]
+    assert names[:4] == ["matmul", "repeat", "repeat_1", "cat"] and names[-1] == "after return"  # node names
+    labels = " ".join(t.get_text() for t in chart.figure.axes[1].get_yticklabels())
+    assert "cat · output" in labels
 
 
-def test_timeline_geometry_bars_and_peak_line(layer):
-    nodes = items(layer.timeline(SEED).svg(), "node")
+def test_timeline_geometry_bars_and_peak(layer):
+    chart = layer.timeline(SEED)
+    bars = patches(chart)
+    live = layer.liveness(SEED)
+    numbers = layer.evaluate(**SEED)
     position = {n.name: k for k, n in enumerate(layer.nodes)}
     activations = [s for s in layer.storages if s.kind == "activation"]
-    end = nodes["line:return"].x[0]
-    peak_x = sum(nodes["line:peak"].x) / 2
+    after_return = max(x1 for g, (x0, x1, *_) in bars.items() if g.startswith("bar:"))
+    peak_x = chart.figure.axes[0].lines[0].get_xdata()[0]
     peak = position[layer.peak_node(**SEED)]
     for s in activations:
-        left, right = nodes[f"bar:{s.index}"].x
-        if s.freed_at is None or s.freed_at == "<return>":
-            assert right == pytest.approx(end, abs=1.5), s.name
+        left, right, *_ = bars[f"bar:{s.index}"]
+        if s.freed_at is None:  # kept for backward, or returned: into the "after return" column
+            assert right == pytest.approx(after_return), s.name
         else:
-            assert right < end - 1, s.name
-        # the peak line crosses exactly the storages live while the peak's node runs
+            assert right < after_return - 1, s.name
+        # the peak line crosses exactly the tensors live while the peak's node runs
         born, dies = position[s.node], position.get(s.freed_at, len(layer.nodes))
         assert (left < peak_x < right) == (born <= peak <= dies), s.name
-    lefts = [nodes[f"bar:{s.index}"].x[0] for s in activations]
+    lefts = [bars[f"bar:{s.index}"][0] for s in activations]
     assert lefts == sorted(lefts)  # allocation order runs left to right
-    value = layer.evaluate(**SEED)["peak"]
-    assert f"{value:,} B" in nodes["label:peak"].text and "peak in node cat" in nodes["label:peak"].text
+    # the upper chart stacks activations on the resident bytes: the peak's column reaches the peak
+    columns = [g for g in bars if g.startswith("live:")]
+    tops = {g: bars[g][3] for g in columns}
+    assert max(tops.values()) == numbers["peak"] == live.peak
+    assert all(bars[g.replace("live", "resident")][3] == numbers["resident"] for g in columns)
+    assert tops[columns[-1]] == numbers["resident"] + numbers["retained"]  # after return: what is kept
+    title = chart.figure.axes[0].get_title(loc="left")
+    assert f"{numbers['peak']:,} B" in title and "peak in node cat" in title
+
+
+def test_timeline_needs_sizes(layer):
+    with pytest.raises(SpecError, match="timeline.*'B': ..., 'N': ..."):
+        layer.timeline()
 
 
 # --- files, command line, notebooks ------------------------------------------------------------
@@ -217,7 +285,7 @@ MAGIC = {".svg": b"<?xml", ".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF-"}
 @pytest.mark.parametrize("what", ["diagram", "timeline"])
 @pytest.mark.parametrize("ext", sorted(MAGIC))
 def test_render_writes_real_files(layer, tmp_path, what, ext):
-    path = layer.render(str(tmp_path / f"gat{ext}"), what=what)
+    path = layer.render(str(tmp_path / f"gat{ext}"), what=what, dims=SEED)
     data = open(path, "rb").read()
     assert data.startswith(MAGIC[ext]) and len(data) > 2000
     if ext == ".svg":
@@ -247,7 +315,7 @@ def test_notebook_display(layer):
     fig = layer.diagram()
     assert fig._repr_svg_().lstrip().startswith("<?xml") and "<svg" in fig._repr_html_()
     assert "image/svg+xml" in fig._repr_mimebundle_()
-    assert "<svg" in layer.timeline()._repr_svg_()
+    assert "<svg" in layer.timeline(SEED)._repr_svg_()
     latex = layer._repr_latex_()
     assert latex.startswith("$$") and sympy.latex(layer.peak) in latex and sympy.latex(layer.saved) in latex
     page = layer._repr_html_()
@@ -255,3 +323,9 @@ def test_notebook_display(layer):
     rows = [line.split()[1] for line in layer.table().splitlines()[2:]]
     assert all(f"<b>{name}</b>" in page for name in rows)
     assert pretty(layer.peak) in page and "peak in node <b>cat</b>" in page
+    # formulas typeset in notebooks (MathJax/KaTeX run over HTML output), and report.peak itself
+    assert f"\\({sympy.latex(layer.peak)}\\)" in page
+    assert layer.peak._repr_latex_() == f"$\\displaystyle {sympy.latex(layer.peak)}$"
+    # the peak's node depends on the sizes here: the page does not name one at sizes nobody chose
+    attention = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
+    assert "depends on the sizes" in attention._repr_html_() and "example sizes" not in attention._repr_html_()

@@ -119,7 +119,7 @@ class Region:
         for g in self.guards:
             try:
                 ok = bool(g.xreplace(values))
-            except TypeError:
+            except (TypeError, ValueError, ZeroDivisionError):  # undefined there (x % (N-1) at N=1): outside
                 ok = False
             if not ok:
                 why.append(_guard_text(g))

@@ -2,11 +2,14 @@
 where each piece of it came from in the user's source.
 
 >>> gm = trace(torch.nn.Linear(4, 2))                        # doctest: +SKIP
->>> forward_arguments(gm)                                      # doctest: +SKIP
-(['input'], 1)
-"""
-from .source import SourceLine, is_user_file, model_files, module_path, source_line, statement_of, statement_text
-from .trace import forward_arguments, helper_modules, trace
 
-__all__ = ["trace", "forward_arguments", "helper_modules", "SourceLine", "source_line", "module_path",
+>>> forward_parameters(gm).names                               # doctest: +SKIP
+('input',)
+"""
+from .source import (Parameters, SourceLine, forward_parameters, is_user_file, model_files, module_path, source_line,
+                     statement_of, statement_text)
+from .trace import check_leaf_modules, helper_modules, private_copy, trace
+
+__all__ = ["trace", "forward_parameters", "Parameters", "private_copy", "check_leaf_modules",
+           "helper_modules", "SourceLine", "source_line", "module_path",
            "is_user_file", "model_files", "statement_of", "statement_text"]

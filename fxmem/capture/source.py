@@ -131,3 +131,39 @@ def module_path(node: torch.fx.Node) -> str:
         last: Any = list(stack.values())[-1]
         return str(last[0] if isinstance(last, tuple) else last)
     return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameters:
+    """What ``forward`` accepts: positional parameters (with their defaults), and what it cannot take
+    from positional specs."""
+
+    names: tuple  # positional parameters, in order
+    defaults: dict  # name -> default, for those that have one
+    keyword_only: tuple  # keyword-only parameters without a default
+    varargs: bool  # *args or **kwargs
+
+    @property
+    def required(self) -> int:
+        return sum(1 for n in self.names if n not in self.defaults)
+
+
+def forward_parameters(module: torch.nn.Module) -> Parameters:
+    """The parameters of ``module.forward`` (a GraphModule's are its placeholders)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return Parameters((), {}, (), True)
+    names, defaults, keyword_only, varargs = [], {}, [], False
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            if p.default is not p.empty:
+                defaults[p.name] = p.default
+        elif p.kind == p.KEYWORD_ONLY and p.default is p.empty:
+            keyword_only.append(p.name)
+        elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            varargs = True
+    return Parameters(tuple(names), defaults, tuple(keyword_only), varargs)

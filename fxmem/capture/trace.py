@@ -5,20 +5,28 @@ Helper libraries such as einops call into their own backends with a ``Proxy`` an
 ``autowrap_modules`` turns each of their functions into one graph node instead, which then runs on
 fake tensors like any other call.
 
+Tracing runs the model's Python code, so it runs on a copy (sharing the parameters and buffers):
+counters, caches and attributes that ``forward`` sets are the copy's, never the user's model's.
+Buffers are traced as graph values, so an in-place update of one is recorded, not executed. The
+model is traced as it is *called*: its own forward hooks are part of the graph (fx alone would
+call ``forward`` and leave them out), as are the hooks of its submodules.
+
 >>> gm = trace(torch.nn.Linear(4, 2))
 >>> [n.op for n in gm.graph.nodes]
 ['placeholder', 'call_module', 'output']
 """
 from __future__ import annotations
 
+import copy
 import math
 import traceback
 from types import ModuleType
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 
+from .. import _torch_compat as tc
 from ..errors import TraceError
 from .source import is_user_file
 
@@ -36,30 +44,75 @@ def helper_modules() -> tuple[ModuleType, ...]:
 
 
 class _Tracer(torch.fx.Tracer):
-    def __init__(self, leaf_modules: Sequence[type] = ()):
+    def __init__(self, leaf_modules: Sequence[type] = (), called: bool = False):
         super().__init__(autowrap_modules=helper_modules())
         self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # buffer updates in forward are recorded, not run
         self._extra_leaves = tuple(leaf_modules)
+        self._called = called
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if m is self.root:  # called through __call__ for its hooks: trace into it
+            return False
         if self._extra_leaves and isinstance(m, self._extra_leaves):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple:
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if not (self._called and is_module):
+            return fn, args
+        # the same arguments, through the module's __call__: its hooks run (and are traced) too
+        return (lambda root, *rest: torch.nn.Module.__call__(root, *rest)), args
 
-def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = ()) -> torch.fx.GraphModule:
-    """Symbolically trace ``model`` into a GraphModule that shares its parameters.
 
+def check_leaf_modules(leaf_modules: Any) -> tuple[type, ...]:
+    """``leaf_modules`` as a tuple of nn.Module classes (fx does not trace into them)."""
+    if isinstance(leaf_modules, (str, type)) or not isinstance(leaf_modules, (list, tuple, set, frozenset)):
+        raise TraceError(f"leaf_modules must be a list of nn.Module classes, e.g. [MyBlock], got {leaf_modules!r}")
+    for cls in leaf_modules:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TraceError(f"leaf_modules: {cls!r} is not an nn.Module class; pass the class itself "
+                             f"(e.g. leaf_modules=[torch.nn.Linear]), not {type(cls).__name__}")
+    return tuple(leaf_modules)
+
+
+def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
+          concrete_args: Mapping[str, Any] | None = None) -> torch.fx.GraphModule:
+    """Symbolically trace ``model`` (as it is called, hooks included) into a GraphModule that
+    shares its parameters and buffers; ``model`` itself is left as it was.
+
+    ``concrete_args`` fixes arguments the analysis gives no input for (``mask=None``).
     Raises :class:`TraceError` naming the user's ``file:line`` when fx cannot trace it.
     """
     if isinstance(model, torch.fx.GraphModule):
         return model
-    tracer = _Tracer(leaf_modules)
+    leaf_modules = check_leaf_modules(leaf_modules)
+    hooks = tc.module_hooks(model)
+    if hooks.get("backward"):
+        raise TraceError(f"{type(model).__name__} has backward hooks on the model itself, which fx tracing cannot "
+                         f"follow; analyse with mode='eager' (the model's own call, hooks included)")
+    twin = private_copy(model)
+    tracer = _Tracer(leaf_modules, called=bool(hooks.get("forward")))
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(twin, concrete_args=dict(concrete_args) if concrete_args else None)
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def private_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose Python state is its own and whose tensors are the model's.
+
+    What ``forward`` does to ``self`` while it is traced (a call counter, a cache, an attribute set
+    to an intermediate value) then happens to the copy. Tensors are shared, not copied: no memory.
+    """
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    memo.update({id(t): t for _, t in tc.tensor_attributes(model)})
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # an attribute that cannot be copied (a lock, a generator): copy the module tree
+        return tc.fake_module_copy(model, lambda t, trainable: t)
 
 
 def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
@@ -78,17 +131,3 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
         advice = ("fx symbolic tracing cannot follow this code. Mark the module that contains it as a leaf "
                   "(analyze(..., leaf_modules=[...])) or wrap the function with torch.fx.wrap.")
     return TraceError(f"cannot trace {type(model).__name__} at {where}\n  {reason}\n  what to do: {advice}")
-
-
-def forward_arguments(gm: torch.fx.GraphModule) -> tuple[list[str], int]:
-    """Names of the graph's placeholders and how many of them have no default."""
-    names, required = [], 0
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        if str(n.target).startswith("*"):
-            continue
-        names.append(str(n.target))
-        if not n.args:  # placeholders with a default carry it in args
-            required += 1
-    return names, required

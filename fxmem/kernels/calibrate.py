@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
@@ -33,8 +34,10 @@ import sympy
 import torch
 
 from .. import _torch_compat as tc
-from ..measure import allocator_events
+from ..measure import allocator_events, cpu_memory_profile
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
+
+log = logging.getLogger(__name__)  # progress: a calibration runs real kernels for a few seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,10 @@ class Sample:
 
 def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
     """Run ``fn`` for real under the profiler; the allocation deltas it made, OUT for its result."""
-    from torch.profiler import ProfilerActivity, profile
-
     with tc.real_mode():
         for _ in range(2):  # warm-up: first calls create oneDNN primitives and caches
             fn()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with cpu_memory_profile() as prof:  # quiet: a CNN is calibrated with dozens of sessions
             out = fn()
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
         position: dict[int, int] = {}  # data pointer -> first output position with that storage
@@ -372,6 +373,7 @@ def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int) ->
     adapter = ADAPTERS[op]
     frozen = dict(frozen_items)
     _, shape, dtype, layout = frozen[adapter.driver]
+    log.info("calibrating %s on small real tensors", getattr(op, "__name__", op))
     samples = []
     with tc.real_mode():
         for s in sample_shapes(shape, min_shape):

@@ -8,6 +8,9 @@ values, or a shape the model does not accept - each with where it happened and w
 """
 from __future__ import annotations
 
+import re
+from typing import Callable, Mapping
+
 from .. import _torch_compat as tc
 from ..errors import FxMemError, KernelError, ShapeError, UnsupportedOpError
 from ..kernels import KernelRefuses
@@ -17,18 +20,29 @@ class NotModelled(RuntimeError):
     """Something the simulation saw that fxmem does not model (raised inside a run, so that the
     runner names the fx node or source line; :func:`failure` makes it an UnsupportedOpError)."""
 
+_SYMBOL = re.compile(r"\b[su]\d+\b")
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+
+def renamer(names: Mapping[str, str]) -> Callable[[str], str]:
+    """A function that writes torch's size symbols (``s41``) in a text as the user's dims (``B``)."""
+    if not names:
+        return lambda text: text
+    return lambda text: _SYMBOL.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+
+
+def first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def failure(exc: BaseException, where: str, *, op: object = None, detail: str = "",
-            advice: str = "check the rank and sizes of the input specs against what the model expects") -> FxMemError:
-    """The FxMemError for ``exc`` raised at ``where`` (``op``: the function that ran)."""
+            advice: str = "check the rank and sizes of the input specs against what the model expects",
+            rename: Callable[[str], str] = lambda text: text) -> FxMemError:
+    """The FxMemError for ``exc`` raised at ``where`` (``op``: the function that ran); ``rename``
+    writes torch's size symbols as the user's dims."""
     if isinstance(exc, FxMemError):
         return exc
-    text = str(exc)
+    text = rename(str(exc))
     if isinstance(exc, NotModelled):
         return UnsupportedOpError(f"{where}: {text}")
     if isinstance(exc, KernelRefuses):
@@ -39,11 +53,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
         op = getattr(exc, "func", None) or op
         return UnsupportedOpError(
             f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
-            f"({type(exc).__name__}: {first_line(exc) if text.strip() else ''}). "
+            f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "
             f"Register one with torch.library.register_fake (it only computes output shapes).")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         return UnsupportedOpError(
-            f"{where}: the result depends on tensor values ({type(exc).__name__}: {first_line(exc)}). fxmem gives "
+            f"{where}: the result depends on tensor values ({type(exc).__name__}: {first_line(text)}). fxmem gives "
             f"formulas in input sizes; replace value-dependent code (.item(), nonzero, boolean masks) by size-only ops.")
-    return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(exc)}\n"
+    return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(text)}\n"
                       f"  what to do: {advice}.")

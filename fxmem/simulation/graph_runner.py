@@ -89,7 +89,7 @@ class GraphRunner(torch.fx.Interpreter):
 
     def _error(self, n: torch.fx.Node, exc: BaseException) -> FxMemError:
         src = source_line(n)
-        where = f"fx node '{n.name}' ({n.format_node()})" + (f" from {src.file}:{src.line}: {src.code}" if src else "")
+        where = f"fx node '{n.name}' ({_call_text(n)})" + (f" from {src.file}:{src.line}: {src.code}" if src else "")
         feeding, stack, seen = [], [n], set()  # which inputs flow into this node: the specs to look at
         while stack:
             m = stack.pop()
@@ -101,9 +101,19 @@ class GraphRunner(torch.fx.Interpreter):
             stack.extend(m.all_input_nodes)
         specs = {s.arg: s for s in self.specs}
         args_text = ", ".join(f"'{a}' {specs[a].text}" for a in reversed(feeding) if a in specs)
-        shapes = [f"{a.name}: {tuple(tc.size_expr(self.recorder.table.env, d) for d in v.shape)}"
+        rename = self.recorder.rename
+        shapes = [f"{a.name}: {rename(str(tuple(tc.size_expr(self.recorder.table.env, d) for d in v.shape)))}"
                   for a in n.all_input_nodes if isinstance(v := self.env.get(a), torch.Tensor)]
         detail = ("; operand shapes " + ", ".join(shapes)) if shapes else ""
-        return failure(exc, where, op=n.target, detail=detail,
+        return failure(exc, where, op=n.target, detail=detail, rename=rename,
                        advice=f"check the rank and sizes of the input specs reaching this node "
                               f"({args_text or 'none'}) against what the model expects")
+
+
+def _call_text(n: torch.fx.Node) -> str:
+    """``linear(input_1, weight, bias)``: what the node calls, on what."""
+    target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
+    args += [f"{k}={v.name if isinstance(v, torch.fx.Node) else repr(v)}" for k, v in n.kwargs.items()]
+    text = f"{'.' if n.op == 'call_method' else ''}{target}({', '.join(args)})"
+    return text if len(text) <= 120 else text[:119] + "…"

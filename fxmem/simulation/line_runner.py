@@ -113,7 +113,7 @@ class LineRunner:
         except FxMemError:
             raise
         except Exception as exc:
-            raise _line_error(exc) from exc
+            raise _line_error(exc, self.recorder.rename) from exc
         finally:
             sys.settrace(previous)
             self._stack.clear()
@@ -125,7 +125,7 @@ class LineRunner:
         return out
 
 
-def _line_error(exc: BaseException) -> FxMemError:
+def _line_error(exc: BaseException, rename: Any) -> FxMemError:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else "(unknown line)"
-    return failure(exc, where, advice="check the input specs against what this line expects")
+    return failure(exc, where, advice="check the input specs against what this line expects", rename=rename)

@@ -33,6 +33,8 @@ _SKIP = frozenset({torch.ops.prim.device, aten.sym_size, aten.sym_stride, aten.s
                    aten.is_contiguous, aten.is_same_size, aten.is_non_overlapping_and_dense})
 # ops that turn a tensor made outside the run into one of the run's (not a constant of the model)
 _LIFT = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
+# ops whose output is a copy of their first argument's data (the views name it: "contiguous copy of q")
+_COPIES = frozenset({aten.clone, aten._to_copy})
 
 
 class Recorder(tc.DispatchMode):
@@ -42,6 +44,7 @@ class Recorder(tc.DispatchMode):
         self.table, self.log, self.autograd, self.device = table, log, autograd, device
         self.values = values or KnownValues(log.note)  # tensors whose values the user stated
         self.used: set = set()  # kernel rules that shaped the numbers
+        self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self._quiet = 0
         self._last_op: str | None = None
         self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
@@ -160,6 +163,8 @@ class Recorder(tc.DispatchMode):
                 if index is not None and table.storages[index].bytes == 0:
                     table.forget(t)
                     continue
+                if tc.op_packet(func) in _COPIES and arg_tensors:
+                    table.storages[index].copy_of = table.lookup(arg_tensors[0])
                 new.append(index)
                 position[k] = index
         for i, nbytes in kernels.output_storage(call).items():

@@ -22,8 +22,8 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as tc
-from ..capture import model_files, trace
-from ..errors import DeviceError, FxMemError, ModelError
+from ..capture import model_files, private_copy, trace
+from ..errors import DeviceError, FxMemError, ModelError, SpecError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
@@ -31,7 +31,7 @@ from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step
 from .autograd import Autograd
 from .events import EventLog
-from .failures import failure
+from .failures import failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
@@ -79,12 +79,18 @@ class _Run(StepHooks):
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         first = self.log.next_step
-        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase)):
+        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase), self.recorder.rename):
             yield
             if phase == Phase.BACKWARD:
                 self._mark_gradients()
             self.recorder.end_node()
         self.log.ended(Node(phase.value, "phase", phase.value, "", None, [], [], [], first, self.log.next_step))
+
+    def check_loss(self, loss: Any) -> None:
+        try:
+            super().check_loss(loss)
+        except SpecError as exc:
+            raise SpecError(self.recorder.rename(str(exc))) from None
 
     def before_backward(self, loss: torch.Tensor) -> None:
         self.recorder.autograd.watch_engine(loss)
@@ -108,13 +114,16 @@ def simulate(
     mode: str = "graph",
     leaf_modules: Sequence[type] = (),
     kernels: dict | None = None,
+    concrete_args: dict | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Recording:
     """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
 
     ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
     :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
     ``forward`` runs, memory attributed to source lines. ``kernels``: the user's rules for their
-    own ops (see :func:`fxmem.kernels.register`).
+    own ops (see :func:`fxmem.kernels.register`). ``autocast``: the forward runs under
+    ``torch.autocast(device, dtype=autocast)`` (mixed precision; loss and backward outside it).
 
     With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
     the optimizer's state is created first (quietly, from placeholder gradients), then forward,
@@ -131,23 +140,30 @@ def simulate(
     def symint(expr: Any) -> Any:
         return tc.make_symint(env, expr.xreplace(to_env), int(expr.xreplace(hint_of)))
 
+    rename = renamer({str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)})
     if isinstance(model, Blueprint):
         with fake_mode:
-            model = model.build(symint)
+            try:
+                model = model.build(symint)
+            except ModelError as exc:
+                raise ModelError(rename(str(exc))) from exc.__cause__
         if mode == "graph":
             with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
                 warnings.filterwarnings("ignore", message="Raw Sym")
-                model = trace(model, leaf_modules)
+                model = trace(model, leaf_modules, concrete_args)
     table, log = StorageTable(env, device), EventLog()
     recorder = Recorder(table, log, Autograd(table, log), device)
-    with fake_mode, REGISTRY.scoped(kernels, device):
+    recorder.rename = rename
+    table.rename = recorder.rename
+    with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
         for spec, t in zip(specs, inputs):
             if spec.fill is not None:  # the user stated the values: the real run's path follows them
                 recorder.values.set(t, spec.fill)
         _refuse_sparse(model)
-        fake_model = tc.fake_module_copy(model, lambda t, trainable: torch.empty_strided(
+        source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
+        fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad and grad))
         for spec, t in zip(specs, inputs):
@@ -166,12 +182,14 @@ def simulate(
         else:
             line_runner = LineRunner(recorder, model_files(model))
             run_forward = lambda xs: line_runner.run(fake_model, xs)  # noqa: E731
+        if autocast is not None:
+            run_forward = _under_autocast(run_forward, device, autocast)
         hooks = _Run(recorder, run_forward, named_params)
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
         with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
-                recorder, in_user_names(env_symbols):
+                recorder:
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
                 del out
@@ -180,7 +198,8 @@ def simulate(
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model
     recorder.autograd.close()
-    facts = {**environment(device), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
+    facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
+             "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
     return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env, env_symbols, device,
@@ -197,12 +216,21 @@ def _refuse_sparse(model: torch.nn.Module) -> None:
                              f"(.to_dense()) if that is what you want to know")
 
 
+def _under_autocast(run_forward: Any, device: str, dtype: torch.dtype) -> Any:
+    """The forward as a mixed-precision step runs it: inside ``torch.autocast``, whose exit frees
+    its cache of casted weights (as leaving a real ``with torch.autocast(...)`` block does)."""
+    def run(xs: list) -> Any:
+        with torch.autocast(device_type=device, dtype=dtype):
+            return run_forward(xs)
+    return run
+
+
 def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:
     """Build the optimizer and let it create its state (as after a first step), quietly."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise FxMemError("no parameter requires grad, so there is nothing to train")
-    with recorder.quiet(), failures("creating the optimizer's state"):
+    with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -230,22 +258,8 @@ def _note_versions(used: set, log: EventLog) -> None:
 
 
 @contextlib.contextmanager
-def in_user_names(env_symbols: dict) -> Iterator[None]:
-    """Errors raised inside name sizes by the user's dims, never by PyTorch's symbols (``s45``)."""
-    names = {str(sym): name for name, sym in env_symbols.items() if not isinstance(sym, (int, sympy.Integer))}
-    try:
-        yield
-    except FxMemError as exc:
-        text = re.sub(r"\bs\d+\b", lambda m: names.get(m.group(), m.group()), str(exc))
-        if text == str(exc):
-            raise
-        renamed = type(exc)(text)
-        raise renamed.with_traceback(exc.__traceback__) from exc.__cause__
-
-
-@contextlib.contextmanager
-def failures(what: str | None) -> Iterator[None]:
-    """Errors raised by a phase of the training step, named after the phase."""
+def failures(what: str | None, rename: Any = lambda text: text) -> Iterator[None]:
+    """Errors raised by a phase of the training step, named after the phase (None: passed on)."""
     if what is None:
         yield
         return
@@ -254,5 +268,5 @@ def failures(what: str | None) -> Iterator[None]:
     except FxMemError:
         raise
     except Exception as exc:
-        raise failure(exc, f"{what} on fake tensors", advice="check that the loss and optimizer work on this "
-                      "model's outputs and parameters") from exc
+        raise failure(exc, f"{what} on fake tensors", rename=rename, advice="check that the loss and optimizer "
+                      "work on this model's outputs and parameters") from exc

@@ -29,6 +29,7 @@ class StorageTable:
         self.storages: list[Storage] = []
         self._live: dict[int, tuple[Any, int]] = {}  # allocated by the run: key -> (weakref, index)
         self._resident: dict[int, tuple[Any, int]] = {}  # there before the run: never polled
+        self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
 
     def counts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in the memory being predicted (the analysed device)."""
@@ -58,7 +59,7 @@ class StorageTable:
             if tc.unbacked_symbols(e):
                 raise NotModelled(
                     f"{op or role.value} makes a tensor whose size depends on the data "
-                    f"(shape {tuple(t.shape)}); fxmem gives formulas in input sizes only. Give that size "
+                    f"(shape {self.rename(str(tuple(t.shape)))}); fxmem gives formulas in input sizes only. Give that size "
                     f"as an input (e.g. an index tensor of shape ('E',)) instead of computing it from values."
                 )
         record = Storage(len(self.storages), nbytes, t.dtype, shape, role, name, node=node if step is not None else None,

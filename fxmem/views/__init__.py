@@ -11,8 +11,10 @@ from .diagram import diagram
 from .figure import Figure, output_format
 from .html import report_html
 from .lines import LineRow, by_line, format_lines
+from .modules import ModuleRow, ModuleTable, module_rows
 from .text import format_bytes, formula_text, node_table, summary
-from .timeline import timeline
+from .timeline import Chart, timeline
 
 __all__ = ["diagram", "timeline", "by_line", "format_lines", "LineRow", "report_html", "node_table", "summary",
-           "format_bytes", "formula_text", "Figure", "output_format"]
+           "format_bytes", "formula_text", "Figure", "Chart", "output_format",
+           "module_rows", "ModuleRow", "ModuleTable"]

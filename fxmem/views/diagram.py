@@ -1,12 +1,18 @@
-"""The liveness diagram: the fx graph in execution order, coloured by the memory live at each step.
+"""The memory diagram: the fx graph in execution order, each node saying what it allocates and keeps.
 
-Each node says what it computes (op, output shape), what it allocates and whether autograd keeps
-it for backward; each edge says how big the tensor it carries is; the fill is the most activation
-bytes live while the node runs (a heat scale, legend on top), and the node holding the peak
-carries a banner with the peak's formula and value. Without ``dims`` shapes and bytes are
-formulas in the user's dims and colours are taken at the analysis' example sizes (``report.hints``);
-with ``dims`` everything is numbers at those sizes. ``group="module"`` draws one box per module
-(``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays legible.
+What a node *allocates* is the first thing one sees: one row per tensor it allocates (its output,
+the contiguous copies ``matmul`` makes of its operands, dropout's mask ...), the size of each,
+and, on a blue row, whether autograd keeps it for backward; with ``dims`` the fill is the node's
+allocated bytes on a heat scale. The memory *live* when the node ends (everything allocated
+before and not yet freed) is a second, distinct mark: a grey gauge at the bottom of the box, its
+length the share of the peak; the node where the peak happens has a dark red frame and a banner
+with the peak's formula and value.
+
+Without ``dims`` every size is a formula in the user's dims and nothing is coloured by size (the
+analysis' example sizes were never the user's choice); the peak's node is marked only where it is
+the same for all sizes (the peak formula has no ``Max``). With ``dims`` everything is numbers.
+Size arithmetic (``x.size(1)``, ``N * N``) is left out. ``group="module"`` draws one box per
+module (``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays legible.
 
 >>> fig = diagram(report, report.evaluate(B=4, N=500), concrete=True)    # doctest: +SKIP
 >>> fig.save("gat.svg")                           # doctest: +SKIP
@@ -15,18 +21,21 @@ with ``dims`` everything is numbers at those sizes. ``group="module"`` draws one
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import sympy
 
 from ..accounting import Evaluation, Liveness
 from ..accounting.symbolic import evaluate
 from ..errors import SpecError
-from ..records import Node
-from .figure import FONT, INK_SOFT, OUTPUT, PEAK, RESIDENT, SAVED, Figure, esc, heat, heat_bins, ink, lines_html
-from .text import code_text, dims_text, format_bytes, formula_text, node_kind, wrap
+from ..records import Node, Storage
+from .figure import (FONT, INK_SOFT, OUTPUT, PEAK, RESIDENT, SAVED, Figure, esc, heat, heat_bins, ink,
+                     lines_html)
+from .text import code_lines, dims_text, format_bytes, formula_text, node_inputs, node_kind, storage_text, wrap
 
 GROUPS = (None, "module")
+GAUGE_W = 150  # points: the live-bytes gauge at the peak
+SMALL = 1024  # bytes: constant-size tensors below this (a Python number as a tensor) share one row
 
 
 @dataclasses.dataclass
@@ -52,23 +61,24 @@ class _Numbers:
     def bytes(self, expr: Any) -> str:
         return format_bytes(self.value(expr)) if self.concrete else formula_text(expr)
 
-    def allocated(self, nodes: list[Node]) -> str:
+    def storages(self, storages: list[Storage]) -> str:
         # numbers use the plan's sizes: on CUDA those are rounded to 512-byte blocks
         if self.concrete:
-            return format_bytes(sum(self.live.sizes[a.index] for n in nodes for a in n.allocations))
-        return formula_text(sympy.Add(*[n.allocated for n in nodes]))
+            return format_bytes(sum(self.live.sizes[s.index] for s in storages))
+        return formula_text(sympy.Add(*[s.bytes for s in storages]))
+
+    def size_of(self, storages: list[Storage]) -> int:
+        return sum(self.live.sizes[s.index] for s in storages)
 
     def shape(self, shape: tuple) -> str:
         dims = [str(self.value(d)) if self.concrete else formula_text(d) for d in shape]
         return "(" + ", ".join(dims) + ")"
 
     def tensor(self, n: Node) -> str | None:
-        """Size of what ``n`` passes on: its tensors' bytes, or the value of a size computation."""
+        """Size of what ``n`` passes on: its tensors' bytes (None for size arithmetic)."""
         if n.shapes:
             total = sympy.Add(*[sympy.Mul(*s) * dt.itemsize for s, dt in zip(n.shapes, n.dtypes)])
             return self.bytes(total)
-        if n.value is not None:
-            return str(self.value(n.value)) if self.concrete else formula_text(n.value)
         return None
 
 
@@ -76,8 +86,9 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
             depth: int | None = None) -> Figure:
     """The fx graph of ``report`` as a :class:`~.figure.Figure` (a ``graphviz.Digraph``).
 
-    ``evaluation``: the numbers colours (and, when ``concrete``, labels) are at; without
-    ``concrete`` labels are formulas.
+    ``evaluation``: the numbers at ``dims`` (``concrete``); without ``concrete`` labels are
+    formulas and fills are not sized (``evaluation`` then only says where the peak is when that
+    does not depend on the sizes).
     ``group="module"``: one box per module, cut at the first numbered level (``blocks.3``) or at
     ``depth`` components of the module path; nodes at top level stay as they are.
     Byte counts are bytes; live bytes are above resident (parameters, buffers, inputs).
@@ -89,21 +100,22 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
         raise SpecError(f"diagram(group={group!r}): use group=None or group='module'")
     live = evaluation.liveness
     num = _Numbers(report, live, concrete=concrete)
+    peak_node = live.peak_node if concrete or not report.peak.has(sympy.Max) else None
     fig = Figure(name=report.model_name, graph_attr=dict(
         rankdir="TB", nodesep="0.3", ranksep="0.35", fontname=FONT, labelloc="t", tooltip=report.model_name,
-        label=_title(report, evaluation, num)),
-        node_attr=dict(shape="box", style="filled,rounded", fontname=FONT, fontsize="11", margin="0.06,0.04",
-                       penwidth="1", color="#888888"),
+        label=_title(report, evaluation, num, peak_node)),
+        node_attr=dict(shape="box", style="filled,rounded", fontname=FONT, fontsize="11", margin="0.08,0.05",
+                       penwidth="1", color="#888888", fillcolor="white"),
         edge_attr=dict(fontname=FONT, fontsize="9", fontcolor=INK_SOFT, color="#666666", arrowsize="0.6"))
-    fig.dims, fig.peak_node = dict(live.dims), live.peak_node
+    fig.dims, fig.peak_node = (dict(live.dims) if concrete else {}), peak_node
     if group:  # keep sibling blocks left to right in execution order (ungrouped, dot's own order reads better)
         fig.graph_attr["ordering"] = "out"
     position = {n.name: k for k, n in enumerate(report.nodes)}
+    fx_nodes = {n.name: n for n in report.graph_module.graph.nodes}
     boxes = _boxes(report, group, depth)
     box_of = {n.name: b for b in boxes for _, n in b.nodes}
     for box in boxes:
-        _draw_box(fig, box, report, num)
-    fx_nodes = {n.name: n for n in report.graph_module.graph.nodes}
+        _draw_box(fig, box, report, num, peak_node)
     seen = set()
     for box in boxes:
         for _, n in box.nodes:
@@ -112,12 +124,8 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
                 if tail is None or tail is box or (src.name, box.id) in seen:
                     continue
                 seen.add((src.name, box.id))
-                producer = report.nodes[position[src.name]]
-                carried = num.tensor(producer)
-                size_edge = not producer.shapes  # an int (x.size(1)), not a tensor
-                fig.edge(tail.id, box.id, label=f" {carried}" if carried else "",
-                         style="dashed" if size_edge else "solid",
-                         tooltip=f"{src.name} -> {n.name}")
+                carried = num.tensor(report.nodes[position[src.name]])
+                fig.edge(tail.id, box.id, label=f" {carried}" if carried else "", tooltip=f"{src.name} -> {n.name}")
     return fig
 
 
@@ -133,13 +141,18 @@ def module_group(module: str, depth: int | None = None) -> str:
     return parts[0]
 
 
+def is_size_arithmetic(n: Node) -> bool:
+    """A node that computes a size (``x.size(1)``, ``N * N``), not a tensor: left out of the drawing."""
+    return n.op not in ("placeholder", "get_attr", "output") and not n.shapes and not n.allocations
+
+
 def _boxes(report: Any, group: str | None, depth: int | None) -> list[_Box]:
     classes = _module_classes(report)
     boxes: list[_Box] = []
     by_group: dict[str, _Box] = {}
     in_graph = {n.name for n in report.graph_module.graph.nodes}  # the forward's nodes, nothing after it
     for k, n in enumerate(report.nodes):
-        if n.name not in in_graph:
+        if n.name not in in_graph or is_size_arithmetic(n):
             continue
         key = module_group(n.module, depth) if group == "module" and n.module else None
         if key is None:
@@ -169,68 +182,68 @@ def _module_classes(report: Any) -> dict[str, str]:
 
 
 # --- labels -------------------------------------------------------------------------------------
-def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers) -> None:
+def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str | None) -> None:
     nodes = [n for _, n in box.nodes]
-    names = {n.name for n in nodes}
-    high = max(num.live.high[k] for k, _ in box.nodes)
-    has_peak = num.live.peak_node in names
-    fill = heat(high, num.live.peak_above_resident)
-    tooltip = "; ".join(f"{n.name}: live after = {n.live_after} B" for n in nodes[:20])
-    attrs: dict[str, str] = dict(fillcolor=fill, fontcolor=ink(fill), tooltip=tooltip)
+    allocations = [s for n in nodes for s in n.allocations]
+    has_peak = peak_node in {n.name for n in nodes}
+    fill = heat(num.size_of(allocations), num.live.peak_above_resident) if num.concrete and allocations else "white"
+    attrs: dict[str, str] = dict(fillcolor=fill, tooltip=_tooltip(report, nodes, has_peak))
     if has_peak:
         attrs.update(color=PEAK, penwidth="3.5")
-        attrs["tooltip"] = f"peak = {report.peak} B; " + tooltip
     single = nodes[0] if len(nodes) == 1 else None
     if single is not None and single.op in ("placeholder", "get_attr"):
-        attrs.update(fillcolor=RESIDENT, fontcolor="black", style="filled", shape="box")
+        attrs.update(fillcolor=RESIDENT, style="filled", shape="box")
     elif single is not None and single.op == "output":
-        attrs.update(fillcolor=OUTPUT, fontcolor="black", shape="box", style="filled")
-    elif single is not None and not single.shapes and not single.allocations and not has_peak:
-        # size arithmetic (x.size(1), N * N): small and out of the way
-        value = num.tensor(single)
-        fig.node(box.id, label=f"{single.name}" + (f" = {value}" if value else ""), shape="ellipse",
-                 style="dashed", fontsize="9", fontcolor=INK_SOFT, color="#aaaaaa", height="0.25",
-                 tooltip=f"{single.target}: {single.value}")
-        return
+        attrs.update(fillcolor=OUTPUT, shape="box", style="filled")
     rows = []
     if has_peak:
         rows.append(_peak_row(report, num))
     rows.append(_header_row(box))
-    soft = "#f2f2f2" if ink(fill) == "white" else "#3c3c3c"  # secondary text that still reads on the fill
     if single is not None:
-        rows.extend(_node_rows(single, report, num, soft))
+        rows.extend(_node_rows(single, report, num))
     else:
-        rows.extend(_group_rows(nodes, box, num, soft))
+        rows.extend(_group_rows(nodes, box, num))
+    if single is None or single.op not in ("placeholder", "get_attr"):
+        rows.extend(_gauge_rows(box, num))
     fig.node(box.id, label=_table(rows), **attrs)
+
+
+def _tooltip(report: Any, nodes: list[Node], has_peak: bool) -> str:
+    tip = "; ".join(f"{n.name}: allocates {n.allocated} B, live after {n.live_after} B" for n in nodes[:20])
+    return (f"peak = {report.peak} B; " if has_peak else "") + tip
 
 
 def _table(rows: list[str]) -> str:
     return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="2">' + "".join(rows) + "</TABLE>>"
 
 
-def _row(text_html: str, size: int = 10, color: str | None = None, bg: str | None = None, bold: bool = False) -> str:
-    font = f'<FONT POINT-SIZE="{size}"' + (f' COLOR="{color}"' if color else "") + ">"
+def _row(text_html: str, size: int = 10, color: str | None = None, bg: str | None = None, bold: bool = False,
+         face: str | None = None) -> str:
+    font = f'<FONT POINT-SIZE="{size}"' + (f' COLOR="{color}"' if color else "") + (f' FACE="{face}"' if face else "") + ">"
     body = f"<B>{text_html}</B>" if bold else text_html
-    cell = '<TD ALIGN="LEFT" BALIGN="LEFT"' + (f' BGCOLOR="{bg}"' if bg else "") + ">"
+    cell = '<TD ALIGN="LEFT" BALIGN="LEFT" COLSPAN="2"' + (f' BGCOLOR="{bg}"' if bg else "") + ">"
     return f"<TR>{cell}{font}{body}</FONT></TD></TR>"
 
 
 def _header_row(box: _Box) -> str:
     first, last = box.nodes[0][0], box.nodes[-1][0]  # execution steps; a module called twice spans both calls
     step = f"#{first}" if first == last else f"#{first}–#{last}"
-    kind = "" if box.kind == box.title else f"  {esc(box.kind)}"
-    return _row(f"<B>{esc(box.title)}</B>{kind}  <FONT POINT-SIZE=\"9\">{step}</FONT>", size=12)
+    kind = "" if box.kind == box.title else esc(box.kind)
+    # name and op in cells of their own: renderers that drop repeated spaces cannot run them together
+    return (f'<TR><TD ALIGN="LEFT"><FONT POINT-SIZE="12"><B>{esc(box.title)}</B></FONT></TD>'
+            f'<TD ALIGN="RIGHT"><FONT POINT-SIZE="10" COLOR="{INK_SOFT}">{kind} {step}</FONT></TD></TR>')
 
 
 def _peak_row(report: Any, num: _Numbers) -> str:
-    where = "" if num.concrete else " (example sizes)"
     formula = wrap(f"PEAK  {formula_text(report.peak)}", 46)
-    value = f"= {num.live.peak:,} B ({format_bytes(num.live.peak)})"
-    return _row(lines_html(formula + [value, f"at {dims_text(num.live.dims)}{where}"]), size=10, color="white",
-                bg=PEAK, bold=True)
+    if num.concrete:
+        lines = formula + [f"= {num.live.peak:,} B ({format_bytes(num.live.peak)})", f"at {dims_text(num.live.dims)}"]
+    else:
+        lines = formula + ["(here for all sizes)"]
+    return _row(lines_html(lines), size=10, color="white", bg=PEAK, bold=True)
 
 
-def _node_rows(n: Node, report: Any, num: _Numbers, soft: str) -> list[str]:
+def _node_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
     rows = []
     for shape, dtype in zip(n.shapes, n.dtypes):
         dt = "" if dtype == report.dtype else f"  {str(dtype).replace('torch.', '')}"
@@ -239,54 +252,106 @@ def _node_rows(n: Node, report: Any, num: _Numbers, soft: str) -> list[str]:
         rows.append(_row(esc(f"resident {num.tensor(n)}"), color=INK_SOFT))
     elif n.op == "output":
         rows.append(_row(lines_html(wrap(f"retained {num.bytes(report.retained)}", 46))))
-        rows.append(_row(lines_html(wrap(f"saved for backward {num.bytes(report.saved)}", 46)), bg=SAVED))
+        rows.append(_row(lines_html(wrap(f"kept for backward {num.bytes(report.saved)}", 46)), bg=SAVED))
     elif n.allocations:
-        rows.append(_row(lines_html(wrap(f"allocates {num.allocated([n])}", 46))))
-    if n.op != "output" and n.saved != 0:
-        by = sorted({str(s) for a in n.allocations if a.saved_by and a.freed_at is None for s in a.saved_by})
-        rows.append(_row(lines_html(wrap(f"saved for backward {num.bytes(n.saved)}", 46)), bg=SAVED, color="black"))
-        rows.append(_row(lines_html(wrap("for the backward of " + ", ".join(by), 52)), size=8, bg=SAVED, color="black"))
-    if n.source is not None:
-        rows.append(_row(esc(f"{n.source}  {code_text(n.source.code)}"), size=8, color=soft))
+        rows.extend(_allocation_rows(n, report, num))
+    if n.source is not None and n.op not in ("output",):
+        code = code_lines(n.source.code, 56)
+        rows.append(_row(lines_html([f"{n.source}"] + code), size=8, color=INK_SOFT))
     return rows
 
 
-def _group_rows(nodes: list[Node], box: _Box, num: _Numbers, soft: str) -> list[str]:
-    saved = sympy.Add(*[n.saved for n in nodes])
-    high = max(num.live.high[k] for k, _ in box.nodes)
-    where = "" if num.concrete else f" at {dims_text(num.live.dims)}"
-    rows = [_row(esc(f"{len(nodes)} nodes"), size=9, color=soft),
-            _row(lines_html(wrap(f"allocates {num.allocated(nodes)}", 46)))]
-    if saved != 0:
-        rows.append(_row(lines_html(wrap(f"saved for backward {num.bytes(saved)}", 46)), bg=SAVED, color="black"))
-    rows.append(_row(esc(f"most live {format_bytes(high)}{where}")))
-    peak = next((n for n in nodes if n.name == num.live.peak_node), None)
+def _allocation_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
+    """What the node allocates, tensor by tensor: size, what it is, whether autograd keeps it."""
+    inputs = node_inputs(report, n)
+    big = [s for s in n.allocations if not _small(s)]
+    small = [s for s in n.allocations if _small(s)]
+    rows = [_row(esc(f"allocates {num.storages(n.allocations)}"), size=11, bold=True)] if len(n.allocations) > 1 else []
+    for s in big:
+        what = storage_text(s, n, inputs, report.storages)
+        line = f"{num.storages([s])}  {what}" if len(n.allocations) > 1 else f"allocates {num.storages([s])} ({what})"
+        kept = s.saved_by and s.freed_at is None
+        rows.append(_row(lines_html(wrap(line, 52)), size=11 if len(n.allocations) == 1 else 10,
+                         bold=len(n.allocations) == 1, bg=SAVED if kept else None))
+        if kept:
+            by = ", ".join(sorted({str(b) for b in s.saved_by}))
+            rows.append(_row(lines_html(wrap(f"kept for the backward of {by}", 60)), size=8, bg=SAVED))
+    if small:
+        kept = [s for s in small if s.saved_by and s.freed_at is None]
+        text = f"+ {num.storages(small)} in {len(small)} small tensor{'s' if len(small) > 1 else ''}"
+        text += " (Python numbers as tensors)" if all(not s.shape for s in small) else ""
+        text += f", {len(kept)} kept for backward" if kept else ""
+        rows.append(_row(esc(text), size=8, color=INK_SOFT))
+    return rows
+
+
+def _small(s: Storage) -> bool:
+    """A constant-size tensor of a few bytes: shown as one summary row, not one row each."""
+    return not getattr(s.bytes, "free_symbols", None) and int(s.bytes) < SMALL
+
+
+def _group_rows(nodes: list[Node], box: _Box, num: _Numbers) -> list[str]:
+    allocations = [s for n in nodes for s in n.allocations]
+    kept = [s for s in allocations if s.saved_by and s.freed_at is None]
+    rows = [_row(esc(f"{len(nodes)} nodes"), size=9, color=INK_SOFT),
+            _row(lines_html(wrap(f"allocates {num.storages(allocations)}", 46)), size=11, bold=True)]
+    if kept:
+        rows.append(_row(lines_html(wrap(f"kept for backward {num.storages(kept)}", 46)), bg=SAVED))
+    peak = next((n for n in nodes if n.name == num.live.peak_node), None) if num.concrete else None
     if peak is not None:
         rows.append(_row(esc(f"peak inside, at node {peak.name}" + (f" ({peak.source})" if peak.source else "")),
                          bold=True))
     return rows
 
 
-def _title(report: Any, evaluation: Evaluation, num: _Numbers) -> str:
+def _gauge_rows(box: _Box, num: _Numbers) -> list[str]:
+    """Live activation bytes when the box's last node ends (most while it runs, if more): a grey bar
+    whose length is the share of the peak - a second encoding, apart from the fill."""
+    if not num.concrete or not num.live.peak_above_resident:
+        return []
+    last = box.nodes[-1][0]
+    after = num.live.after[last]
+    high = max(num.live.high[k] for k, _ in box.nodes)
+    top = num.live.peak_above_resident
+    filled = max(1, round(GAUGE_W * after / top)) if after else 0
+    extra = max(0, round(GAUGE_W * high / top) - filled)
+    rest = max(1, GAUGE_W - filled - extra)
+    cells = "".join(f'<TD FIXEDSIZE="TRUE" WIDTH="{w}" HEIGHT="7" BGCOLOR="{c}"></TD>'
+                    for w, c in ((filled, "#4d4d4d"), (extra, "#a6a6a6"), (rest, "#ffffff")) if w)
+    more = format_bytes(high) != format_bytes(after)
+    text = f"live after it: {format_bytes(after)}" + (f" (up to {format_bytes(high)} while it runs)" if more else "")
+    # a fixed-size cell around the gauge: a stretched table would spread its cells apart
+    return [f'<TR><TD ALIGN="LEFT" COLSPAN="2" FIXEDSIZE="TRUE" WIDTH="{GAUGE_W + 8}" HEIGHT="13">'
+            f'<TABLE BORDER="1" COLOR="#7f7f7f" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0"><TR>{cells}</TR>'
+            f'</TABLE></TD></TR>',
+            _row(esc(text), size=8, color=INK_SOFT)]
+
+
+def _title(report: Any, evaluation: Evaluation, num: _Numbers, peak_node: str | None) -> str:
     live = evaluation.liveness
     mode = "training (autograd records)" if report.grad else "inference"
-    at = dims_text(live.dims)
-    colours = (f"fill: the most activation bytes live while the node runs (above the resident "
-               f"{format_bytes(live.resident)}), at {at}"
-               + ("" if num.concrete else " (the analysis' example sizes; labels are formulas in bytes)"))
     head = f"<B>{esc(report.model_name)}</B>  ·  {esc(mode)}  ·  {esc(report.device)}"
     values = evaluation if num.concrete else {}
     formulas = [f"{k} = {formula_text(getattr(report, k))}" + (f"  = {format_bytes(values[k])}" if values else "")
                 for k in ("peak", "resident", "retained", "saved")]
-    legend = "".join(f'<TD BGCOLOR="{c}" WIDTH="58"><FONT POINT-SIZE="8" COLOR="{ink(c)}">'
-                     f"{esc(format_bytes(hi))}</FONT></TD>" for c, _, hi in heat_bins(live.peak_above_resident))
-    keys = (f'<TD BGCOLOR="{PEAK}"><FONT POINT-SIZE="8" COLOR="white"> peak </FONT></TD>'
-            f'<TD BGCOLOR="{SAVED}"><FONT POINT-SIZE="8"> saved for backward </FONT></TD>'
-            f'<TD BGCOLOR="{RESIDENT}"><FONT POINT-SIZE="8"> resident </FONT></TD>')
+    if num.concrete:
+        explain = (f"at {dims_text(live.dims)}: fill = bytes the node allocates; blue rows = tensors kept for "
+                   f"backward; grey bar = activations live after the node (share of the peak's "
+                   f"{format_bytes(live.peak_above_resident)} above the resident {format_bytes(live.resident)})")
+        legend = "".join(f'<TD BGCOLOR="{c}" WIDTH="58"><FONT POINT-SIZE="8" COLOR="{ink(c)}">'
+                         f"{esc(format_bytes(hi))}</FONT></TD>" for c, _, hi in heat_bins(live.peak_above_resident))
+        scale = (f'<TR><TD ALIGN="LEFT"><TABLE BORDER="0" CELLSPACING="1" CELLPADDING="2"><TR>'
+                 f'<TD><FONT POINT-SIZE="8">allocates up to</FONT></TD>{legend}<TD WIDTH="12"></TD>'
+                 f'<TD BGCOLOR="{SAVED}"><FONT POINT-SIZE="8"> kept for backward </FONT></TD>'
+                 f'<TD BGCOLOR="{RESIDENT}"><FONT POINT-SIZE="8"> resident </FONT></TD></TR></TABLE></TD></TR>')
+    else:
+        where = (f"the peak happens in node {peak_node} at every size" if peak_node else
+                 "where the peak happens depends on the sizes (the peak is a Max)")
+        explain = (f"sizes are formulas in bytes; blue rows = tensors kept for backward; {where}. "
+                   f"For numbers, a colour scale and the live bytes: diagram(dims=...)")
+        scale = ""
     return ('<<TABLE BORDER="0" CELLSPACING="2" CELLPADDING="2">'
             f'<TR><TD ALIGN="LEFT" BALIGN="LEFT"><FONT POINT-SIZE="14">{head}</FONT></TD></TR>'
             f'<TR><TD ALIGN="LEFT" BALIGN="LEFT"><FONT POINT-SIZE="10">{lines_html([l for f in formulas for l in wrap(f, 90)])}</FONT></TD></TR>'
-            f'<TR><TD ALIGN="LEFT" BALIGN="LEFT"><FONT POINT-SIZE="9" COLOR="{INK_SOFT}">{esc(colours)}</FONT></TD></TR>'
-            f'<TR><TD ALIGN="LEFT"><TABLE BORDER="0" CELLSPACING="1" CELLPADDING="2"><TR>'
-            f'<TD><FONT POINT-SIZE="8">activations live, up to</FONT></TD>{legend}<TD WIDTH="12"></TD>{keys}</TR></TABLE></TD></TR>'
-            "</TABLE>>")
+            f'<TR><TD ALIGN="LEFT" BALIGN="LEFT"><FONT POINT-SIZE="9" COLOR="{INK_SOFT}">{lines_html(wrap(explain, 110))}</FONT></TD></TR>'
+            f"{scale}</TABLE>>")

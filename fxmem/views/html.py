@@ -1,7 +1,8 @@
 """A Report as HTML: the summary (formulas in bytes) and the per-node table, for notebooks.
 
-The same content as ``report.summary()`` and ``report.table()``, with the peak's node and the
-tensors autograd keeps highlighted the way the diagram colours them.
+The same content as ``report.summary()`` and ``report.table()``, with the peak's node (where it
+does not depend on the sizes) and the tensors autograd keeps highlighted as the diagram marks
+them. Formulas appear typeset (``\\( ... \\)``, which Jupyter's MathJax/KaTeX render) and as text.
 
 >>> from IPython.display import HTML; HTML(report_html(report, report.evaluate(**report.hints)))  # doctest: +SKIP
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
+
 from ..accounting import Evaluation
 from .figure import PEAK, SAVED, esc
-from .text import dims_text, formula_text, node_kind
+from .text import formula_text, node_kind
 
 OPEN_ROWS = 60  # longer tables start folded, so a 12-block model does not flood the notebook
 
@@ -25,12 +28,18 @@ def report_html(report: Any, at_hints: Evaluation) -> str:
             f"inputs: <code>{esc(inputs)}</code>"]
     if report.region:
         head.append("formulas hold for: <code>" + esc(", ".join(report.region)) + "</code>")
+    # each formula twice: typeset (notebooks run MathJax/KaTeX over HTML output) and as plain text,
+    # which is also what a renderer without maths shows
     formulas = "".join(f"<tr><td style='text-align:left'>{esc(k)}</td><td style='text-align:left'>"
+                       f"\\({esc(sympy.latex(v))}\\)</td><td style='text-align:left'>"
                        f"<code>{esc(formula_text(v))}</code> B</td></tr>" for k, v in report.formulas().items())
-    peak = at_hints.liveness.peak_node
+    # the peak's node is said only where it is the same at every size (no Max in the peak): the
+    # example sizes the analysis ran at were never the user's choice
+    peak = at_hints.liveness.peak_node if not report.peak.has(sympy.Max) else None
     where = next((n for n in report.nodes if n.name == peak), None)
-    peak_line = (f"peak in node <b>{esc(peak)}</b>" + (f" ({esc(where.source)})" if where and where.source else "")
-                 + f" at the example sizes {esc(dims_text(report.hints))}") if peak else ""
+    peak_line = ((f"peak in node <b>{esc(peak)}</b>" + (f" ({esc(where.source)})" if where and where.source else "")
+                  + " at every size") if peak else
+                 "where the peak happens depends on the sizes: <code>report.peak_node(B=..., ...)</code>")
     notes = "".join(f"<li>{esc(n)}</li>" for n in report.notes)
 
     rows = []
@@ -56,3 +65,10 @@ def report_html(report: Any, at_hints: Evaluation) -> str:
             + (f"<ul>{notes}</ul>" if notes else "")
             + f"<details{fold}><summary>per-node table ({len(rows)} nodes)</summary>"
             + f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table></details></div>")
+
+
+def html_table(header: tuple, rows: list[tuple]) -> str:
+    """Rows of strings as an HTML table (escaped, left-aligned)."""
+    head = "".join(f"<th style='text-align:left'>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

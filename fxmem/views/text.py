@@ -12,10 +12,29 @@ import re
 from typing import Any, Mapping
 
 import sympy
+from sympy.printing.str import StrPrinter
 
 from ..accounting import FORMULA_KEYS, TRAIN_KEYS
+from ..specs import dim_symbol
 
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+class FormulaPrinter(StrPrinter):
+    """sympy's own text printer with ``·`` for products and superscripts for integer powers
+    (``2052*B*N**2`` -> ``2052·B·N²``); terms keep sympy's order, as ``str(expr)`` has them."""
+
+    def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:
+        exp = expr.exp
+        if exp.is_Integer and exp > 1:
+            return self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Pow"]) + \
+                str(exp).translate(_SUPERSCRIPT)
+        return super()._print_Pow(expr, rational)
+
+    def _print_Mul(self, expr: sympy.Mul) -> str:
+        # the base class joins factors with "*"; every factor is printed by this printer, so the
+        # only "*" left in its result are products
+        return super()._print_Mul(expr).replace("*", "·")
 
 
 def format_bytes(n: int) -> str:
@@ -30,9 +49,10 @@ def format_bytes(n: int) -> str:
 
 def formula_text(expr: Any) -> str:
     """A formula as compact text: ``2052*B*N**2 + 4096`` -> ``'2052·B·N² + 4096'``."""
-    text = str(sympy.sympify(expr))
-    text = re.sub(r"\*\*(\d+)", lambda m: m.group(1).translate(_SUPERSCRIPT), text)
-    return text.replace("**", "^").replace("*", "·")
+    if isinstance(expr, str):  # names are dims, never sympy's own functions (N, S, E ...)
+        names = {name: dim_symbol(name) for name in re.findall(r"[A-Za-z_]\w*", expr) if name not in ("Max", "Min")}
+        expr = sympy.sympify(expr, locals=names)
+    return FormulaPrinter().doprint(sympy.sympify(expr))
 
 
 def wrap(text: str, width: int = 48) -> list[str]:
@@ -52,10 +72,57 @@ def wrap(text: str, width: int = 48) -> list[str]:
     return lines
 
 
-def code_text(code: str, width: int = 56) -> str:
-    """A source line without its comment, cut to ``width`` characters."""
+def code_lines(code: str, width: int = 56) -> list[str]:
+    """A source line without its comment, broken at spaces into lines of about ``width`` characters
+    (never cut: the whole statement is what the reader looks for)."""
     code = code.split("  #")[0].strip()
-    return code if len(code) <= width else code[: width - 1] + "…"
+    lines = [""]
+    for word in code.split(" "):
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > width:
+            lines.append("    " + word)
+        else:
+            lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
+    return lines
+
+
+# what the tensors a node allocates are, by the aten op that made them
+_COPY_KIND = {"aten.clone": "contiguous copy", "aten._to_copy": "copy"}
+
+
+def node_inputs(report: Any, node: Any) -> list[tuple[str, int | None, tuple]]:
+    """The tensor inputs of fx node ``node`` as ``(fx node name, storage index, shape)`` ([] in eager mode)."""
+    if report.graph_module is None:
+        return []
+    fx = next((n for n in report.graph_module.graph.nodes if n.name == node.name), None)
+    by_name = {m.name: m for m in report.nodes}
+    out = []
+    for src in fx.all_input_nodes if fx is not None else []:
+        m = by_name.get(src.name)
+        if m is not None and m.shapes and m.outputs:
+            out.append((m.name, m.outputs[0], m.shapes[0]))
+    return out
+
+
+def storage_text(s: Any, node: Any, inputs: list, storages: list) -> str:
+    """What one tensor a node allocates is: ``output``, ``contiguous copy of getitem_3``, ``bfloat16
+    copy of qkv.weight``, ``a Python number as a tensor``, or the aten op that made it.
+
+    ``inputs``: the node's tensor inputs as ``(fx node name, storage index, shape)``; a copy is
+    named after the input it copies only when exactly one input is a view of the copied storage
+    with the copy's shape (otherwise after the storage itself).
+    """
+    if s.index in (node.outputs or []):
+        return "output"
+    if s.copy_of is not None:
+        kind = _COPY_KIND.get(s.op, "copy")
+        if s.op == "aten._to_copy":
+            kind = f"{str(s.dtype).replace('torch.', '')} copy"
+        same = [name for name, index, shape in inputs if index == s.copy_of and tuple(shape) == tuple(s.shape)]
+        source = same[0] if len(same) == 1 else storages[s.copy_of].name
+        return f"{kind} of {source}"
+    if not s.shape and not getattr(s.bytes, "free_symbols", None):
+        return "a Python number as a tensor"
+    return s.op or s.name
 
 
 def dims_text(dims: Mapping[str, int]) -> str:
@@ -105,8 +172,15 @@ def node_table(report: Any, evaluation: Any = None, max_width: int = 60) -> str:
         rows.append((str(k), n.name, target, shape[:40], fmt(n.allocated) if n.allocations else "",
                      fmt(n.saved) if n.saved != 0 else "", fmt(n.live_after, k, node_live=True),
                      str(n.source) if n.source else ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return text_table(rows[0], rows[1:])
+
+
+def text_table(header: tuple, rows: list[tuple], right: tuple = ()) -> str:
+    """Rows of strings as an aligned text table under ``header`` (columns ``right`` right-aligned)."""
+    rows = [tuple(header)] + [tuple(r) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -134,6 +208,25 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append("kernel rules used: " + ", ".join(facts["kernel_rules"]))
     if not report.exact:
         lines.append("  NOT EXACT: some numbers may differ from a real run (see the notes)")
-    for note in report.notes:
+    for note in fold_notes(report.notes):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def fold_notes(notes: list[str], names: int = 3) -> list[str]:
+    """Notes that differ only in the node they name (``node 'x': aten.mm may ...``), said once:
+    ``nodes 'a', 'b', 'c' and 222 more: aten.mm may ...`` (a 32-layer model repeats each 32 times)."""
+    groups: dict[str, list[str]] = {}
+    for note in notes:
+        m = re.match(r"node '([^']*)': (.*)", note, re.S)
+        key, name = (m.group(2), m.group(1)) if m else (note, None)
+        groups.setdefault(key, []).append(name)
+    out = []
+    for rest, nodes in groups.items():
+        if nodes == [None]:
+            out.append(rest)
+            continue
+        shown = ", ".join(f"'{n}'" for n in nodes[:names])
+        more = f" and {len(nodes) - names} more" if len(nodes) > names else ""
+        out.append(f"node{'s' if len(nodes) > 1 else ''} {shown}{more}: {rest}")
+    return out

@@ -1,167 +1,167 @@
-"""The liveness timeline: one bar per activation storage, from the node that allocates it to the
-node by whose end it is freed, with the live bytes above it and a line through the peak.
+"""The memory timeline: bytes live over the forward, and one bar per tensor from its allocation to its free.
 
 Time runs left to right over the fx nodes that allocate or free something (views and size
-arithmetic change nothing and are skipped). Bars of tensors autograd keeps for backward, and of
-the returned tensors, run past the forward's return into a shaded "kept" zone: that is the
-memory a training step holds until backward. Bar colour is the storage's size on the same heat
-scale as the live-bytes histogram on top (red = the size of the peak).
+arithmetic change nothing and are skipped), named on the x-axis. The upper chart is the memory
+live while each node runs: the resident bytes (parameters, buffers, inputs) at the bottom in
+grey, the activations above them, so its top is what ``memory_allocated()`` would show and the
+peak's bar reaches the report's ``peak``. The lower chart has one bar per activation tensor, from
+the node that allocates it to the node by whose end it is freed, coloured by its fate: freed
+during the forward, kept for backward, or returned. Bars of kept tensors run into the "after
+return" column: what a training step holds until backward. A dashed line marks the peak.
 
-Drawn with graphviz (``neato`` with pinned positions), so it saves to SVG, PNG or PDF like the
-diagram.
+Drawn with matplotlib (a real chart: axes, ticks, text that is measured, not guessed); it saves
+to SVG, PNG or PDF by extension and shows itself in notebooks. Every bar has an SVG id
+(``bar:<storage index>``, ``live:<column>``, ``resident:<column>``, ``line:peak``).
 
->>> timeline(report, report.evaluate(B=4, N=500), concrete=True).save("gat_timeline.svg")  # doctest: +SKIP
+>>> timeline(report, report.evaluate(B=4, N=500)).save("gat_timeline.svg")  # doctest: +SKIP
 'gat_timeline.svg'
 """
 from __future__ import annotations
 
 import bisect
-from typing import Any, Mapping
+import io
+import os
+from typing import Any
 
-from ..accounting import Evaluation, Liveness
+from ..accounting import Evaluation
+from ..errors import FxMemError
 from ..records import Storage
-from .figure import FONT, INK_SOFT, OUTPUT, PEAK, RESIDENT, SAVED, SAVED_EDGE, Figure, heat, heat_bins, ink
-from .text import dims_text, format_bytes, formula_text, wrap
+from .figure import PEAK, output_format
+from .text import dims_text, format_bytes, node_inputs, storage_text
 
-# geometry, inches
-LABEL_W = 2.6  # storage names, right-aligned left of the chart
-SIZE_W = 1.0  # each storage's bytes, right of the chart
-NOTE_W = 3.6  # what ends its life
-CHART_W = 7.0  # the forward, however many columns
-COL_MIN, COL_MAX = 0.06, 0.4
-KEPT_W = 0.5  # the zone after the forward returns
-HIST_H = 1.1  # live-bytes histogram
-ROW, BAR = 0.22, 0.15
-GAP = 0.08
-ZEBRA = "#f4f4f4"
+MAX_BARS = 40  # tensors drawn one by one; the rest (the smallest) are counted in the caption
+FREED, KEPT, RETURNED, RESIDENT_GREY, LIVE = "#fdae6b", "#6baed6", "#74c476", "#bdbdbd", "#fd8d3c"
 
 
-class _Canvas:
-    """Boxes and text at fixed positions (inches, y downwards) on a ``neato`` graph."""
+class Chart:
+    """A matplotlib figure that saves itself by extension and shows itself in notebooks (SVG).
 
-    def __init__(self, fig: Figure):
-        self.fig = fig
-
-    def box(self, id: str, x: float, y: float, w: float, h: float, fill: str, **attrs: str) -> None:
-        self.fig.node(id, pos=f"{x + w / 2:.3f},{-(y + h / 2):.3f}!", width=f"{max(w, 0.01):.3f}",
-                      height=f"{max(h, 0.01):.3f}", fillcolor=fill, **attrs)
-
-    def text(self, id: str, x: float, y: float, w: float, h: float, text: str, align: str = "l",
-             size: int = 9, color: str = "black", bold: bool = False, **attrs: str) -> None:
-        # a fixed-size box whose label ends in \l or \r is aligned inside it, wherever the text ends;
-        # the box grows (away from its aligned edge) to hold text longer than planned, with the
-        # width estimated at 0.62 em per character, so graphviz never re-centres overflowing text
-        lines = text.split("\n")
-        need = max(len(line) for line in lines) * size * (0.66 if bold else 0.62) / 72 + 0.05
-        if need > w:
-            x -= {"l": 0.0, "r": need - w}.get(align, (need - w) / 2)
-            w = need
-        h = max(h, len(lines) * size * 1.25 / 72)
-        end = {"l": "\\l", "r": "\\r"}.get(align, "\\n")
-        label = "".join(line.replace("\\", "\\\\") + end for line in lines)
-        self.fig.node(id, label=label, pos=f"{x + w / 2:.3f},{-(y + h / 2):.3f}!", width=f"{w:.3f}",
-                      height=f"{h:.3f}", style="", fontsize=str(size), fontcolor=color,
-                      fontname="Helvetica-Bold" if bold else FONT, **attrs)
-
-
-def timeline(report: Any, evaluation: Evaluation, concrete: bool) -> Figure:
-    """The liveness timeline of ``report`` as a :class:`~.figure.Figure` (bytes).
-
-    Bars are at ``evaluation``'s dims; without ``concrete`` sizes are shown as formulas. Bars are
-    named ``bar:<storage index>`` in the output (an SVG ``<title>``), one per storage the forward
-    allocated.
+    ``dims`` are the sizes its numbers are at; ``peak_node`` the node holding the peak there.
     """
+
+    def __init__(self, figure: Any, dims: dict, peak_node: str | None):
+        self.figure, self.dims, self.peak_node = figure, dims, peak_node
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the chart to ``path``: ``.svg``, ``.png`` or ``.pdf``."""
+        path = os.fspath(path)
+        fmt = output_format(path)
+        if fmt is None:
+            raise FxMemError(f"cannot write {path!r}: the timeline is a chart, not a graph; use .svg, .png or .pdf")
+        self.figure.savefig(path, format=fmt, dpi=110)
+        return path
+
+    def svg(self) -> str:
+        """The chart as SVG text."""
+        out = io.StringIO()
+        self.figure.savefig(out, format="svg")
+        return out.getvalue()
+
+    def _repr_svg_(self) -> str:
+        return self.svg()
+
+
+def timeline(report: Any, evaluation: Evaluation) -> Chart:
+    """The memory timeline of ``report`` at ``evaluation``'s dims, as a :class:`Chart` (bytes)."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter, MultipleLocator
+    except ImportError:
+        raise FxMemError("the timeline is drawn with matplotlib: pip install matplotlib (or fxmem[plot])") from None
     live = evaluation.liveness
     in_forward = {n.name for n in report.nodes if n.op != "phase"}  # fx nodes, or lines in eager mode
     position = {n.name: k for k, n in enumerate(report.nodes) if n.name in in_forward}
     storages = [s for s in report.storages if s.step is not None and s.node in position]
 
-    # columns: the nodes where something is allocated or freed (and the peak's)
+    # columns: the nodes where something is allocated or freed (and the peak's), then "after return"
     busy = {position[s.node] for s in storages} | {position[s.freed_at] for s in storages if s.freed_at in position}
     if live.peak_node in position:
         busy.add(position[live.peak_node])
     cols = sorted(busy) or [0]
-    col_w = min(COL_MAX, max(COL_MIN, CHART_W / len(cols)))
-    chart_w = col_w * len(cols)
+    end = len(cols)  # the "after return" column
 
     def col(k: int) -> int:  # the column a node falls in: the last busy node at or before it
         return max(0, bisect.bisect_right(cols, k) - 1)
 
-    fig = Figure(name=f"{report.model_name} timeline", engine="neato",
-                 graph_attr=dict(splines="false", overlap="true", outputorder="nodesfirst", pad="0.25",
-                                 fontname=FONT, tooltip=f"{report.model_name} liveness timeline"),
-                 node_attr=dict(shape="box", style="filled", fixedsize="true", label="", margin="0",
-                                penwidth="0", fontname=FONT, fontsize="9"))
-    fig.dims, fig.peak_node = dict(live.dims), live.peak_node
-    c = _Canvas(fig)
-    rows_h = ROW * len(storages)
-    top = live.peak_above_resident
+    shown = sorted(storages, key=lambda s: -live.sizes[s.index])[:MAX_BARS]
+    shown.sort(key=lambda s: s.index)  # allocation order, top to bottom
+    hidden = len(storages) - len(shown)
+    width = min(18.0, max(10.0, 0.28 * (end + 1) + 4.5))
+    height = 2.6 + 0.24 * len(shown) + 1.4
+    fig = Figure(figsize=(width, height), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2.6, 0.24 * max(len(shown), 1) + 0.2])
+    binary = FuncFormatter(lambda v, _: format_bytes(int(v)) if v else "0")
 
-    # drawn first so that everything else lies on them: zebra rows, the zone after the return
-    for r in range(1, len(storages), 2):
-        c.box(f"row:{r}", -LABEL_W - GAP, 0.2 + r * ROW, LABEL_W + chart_w + KEPT_W + SIZE_W + NOTE_W + 3 * GAP,
-              ROW, ZEBRA)
-    c.box("zone:kept", chart_w, -HIST_H - 0.05, KEPT_W, HIST_H + 0.25 + rows_h, SAVED,
-          tooltip="after the forward returns: what autograd keeps for backward, and the outputs")
-    c.text("label:kept", chart_w + 0.03, -HIST_H - 0.05, KEPT_W + 1.2, 0.2, "kept after return",
-           size=8, color=SAVED_EDGE)
-    c.box("line:return", chart_w, -HIST_H - 0.05, 0.012, HIST_H + 0.25 + rows_h, "#7f7f7f")
-
-    # live bytes per column: the most live while its node runs (a skipped node allocates and frees
-    # nothing, so it never holds more than its neighbours)
-    values = [live.high[k] if k < len(live.high) else 0 for k in cols]
+    # live bytes while each node runs, on top of the resident bytes
+    values = [live.high[k] if k < len(live.high) else 0 for k in cols] + [live.after[-1] if live.after else 0]
+    peak_col = col(position[live.peak_node]) if live.peak_node in position else None
     for i, v in enumerate(values):
-        h = HIST_H * v / top if top else 0
-        c.box(f"live:{i}", i * col_w, -h, col_w, h, heat(v, top), penwidth="0.3", color="#ffffff",
-              tooltip=f"{report.nodes[cols[i]].name}: up to {format_bytes(v)} live")
-    c.text("label:live", -LABEL_W - GAP, -HIST_H / 2 - 0.2, LABEL_W, 0.4,
-           f"live activations\nup to {format_bytes(top)}", align="r", size=9, color=INK_SOFT)
-    c.box("axis:live", 0, 0, chart_w, 0.01, "#7f7f7f")
+        r = top.bar(i, live.resident, width=0.8, color=RESIDENT_GREY, edgecolor="white", linewidth=0.3)
+        r.patches[0].set_gid(f"resident:{i}")
+        colour = PEAK if i == peak_col else KEPT if i == end else LIVE
+        b = top.bar(i, v, bottom=live.resident, width=0.8, color=colour, edgecolor="white", linewidth=0.3)
+        b.patches[0].set_gid(f"live:{i}")
+    top.yaxis.set_major_locator(MultipleLocator(_binary_step(max(values, default=0) + live.resident)))
+    top.yaxis.set_major_formatter(binary)
+    top.set_ylabel("live while the node runs")
+    top.grid(axis="y", color="#eeeeee")
+    top.set_axisbelow(True)
 
-    # one bar per storage; names left, size and fate in aligned columns right, zebra rows between
-    notes_x = chart_w + KEPT_W + GAP
-    for r, s in enumerate(storages):
-        y = 0.2 + r * ROW
-        start = col(position[s.node]) * col_w
-        end = (col(position[s.freed_at]) + 1) * col_w if s.freed_at in position else chart_w
-        size = live.sizes[s.index]
-        c.box(f"bar:{s.index}", start, y + (ROW - BAR) / 2, max(end - start, col_w), BAR, heat(size, top),
-              penwidth="0.6", color="#7f7f7f", tooltip=_tooltip(s))
+    # one bar per tensor
+    for r, s in enumerate(shown):
+        start = col(position[s.node])
         kept = _kept(s, position)
-        if kept:
-            colour = SAVED_EDGE if s.saved_by else "#238b45" if s.is_output else "#7f7f7f"
-            c.box(f"kept:{s.index}", chart_w, y + (ROW - BAR) / 2, KEPT_W, BAR,
-                  SAVED if s.saved_by else OUTPUT if s.is_output else RESIDENT, penwidth="1.2", color=colour)
-        ink_ = SAVED_EDGE if kept and s.saved_by else "black"
-        c.text(f"name:{s.index}", -LABEL_W - GAP, y, LABEL_W, ROW, _name(s), align="r")
-        c.text(f"size:{s.index}", notes_x, y, SIZE_W, ROW, format_bytes(size) if concrete else formula_text(s.bytes),
-               align="r", color=ink_)
-        c.text(f"fate:{s.index}", notes_x + SIZE_W + GAP, y, NOTE_W, ROW, _fate(s, kept), color=ink_)
-    c.text("label:time", 0, 0.2 + rows_h, chart_w, 0.2,
-           f"execution order →  ({len(cols)} nodes that allocate or free)", align="r", size=8, color=INK_SOFT)
+        stop = end if kept else col(position[s.freed_at]) if s.freed_at in position else end - 1
+        colour = (KEPT if s.saved_by else RETURNED) if kept else FREED
+        bars = bottom.barh(r, stop - start + 0.8, left=start - 0.4, height=0.7, color=colour, edgecolor="#7f7f7f",
+                           linewidth=0.5)
+        bars.patches[0].set_gid(f"bar:{s.index}")
+        bottom.text(stop + 0.5, r, format_bytes(live.sizes[s.index]), va="center", fontsize=7)
+    by_name = {n.name: n for n in report.nodes}
+    bottom.set_yticks(range(len(shown)), [_name(s, by_name[s.node], report) for s in shown], fontsize=8)
+    bottom.set_ylim(len(shown) - 0.5, -0.5)
+    bottom.set_xlim(-0.6, end + 1.6)
+    bottom.set_xticks(range(end + 1), [report.nodes[k].name for k in cols] + ["after return"], rotation=90,
+                      fontsize=8)
+    bottom.set_xlabel("execution order (nodes that allocate or free)")
+    bottom.legend(handles=[Patch(color=RESIDENT_GREY), Patch(color=LIVE), Patch(color=FREED), Patch(color=KEPT),
+                           Patch(color=RETURNED)],
+                  labels=[f"resident: parameters, buffers, inputs ({format_bytes(live.resident)})",
+                          "activations live", "tensor freed during the forward", "kept for backward", "returned"],
+                  loc="lower left", fontsize=8, frameon=False, ncols=5 if width > 12 else 3, bbox_to_anchor=(0, 1.0),
+                  handlelength=1.2, columnspacing=1.2)
+    for ax in (top, bottom):
+        ax.axvspan(end - 0.5, end + 1.6, color="#f0f0f0", zorder=0)
+        if peak_col is not None:
+            line = ax.axvline(peak_col, color=PEAK, linestyle="--", linewidth=1)
+            line.set_gid("line:peak" if ax is top else "line:peak-bars")
 
-    # the peak line
-    bottom = 0.2 + rows_h
-    if live.peak_node in position:
-        x = (col(position[live.peak_node]) + 0.5) * col_w
-        c.box("line:peak", x - 0.01, -HIST_H - 0.15, 0.02, HIST_H + 0.15 + bottom + 0.3, PEAK,
-              tooltip=f"peak = {report.peak} B")
-        where = "" if concrete else " (the analysis' example sizes)"
-        c.text("value:peak", x - 1.0, -HIST_H - 0.32, 2.0, 0.18, format_bytes(live.peak_above_resident),
-               align="c", size=8, color=PEAK)
-        c.text("label:peak", max(0.0, x - 0.05), bottom + 0.3, 8.0, 0.42,
-               "\n".join(wrap(f"peak in node {live.peak_node}: {formula_text(report.peak)}", 90)
-                         + [f"= {live.peak:,} B ({format_bytes(live.peak)}) at {dims_text(live.dims)}{where}"]),
-               align="l", size=10, color=PEAK, bold=True)
-    _title(c, report, live, concrete, chart_w)
-    return fig
+    where = f" in node {live.peak_node}" if live.peak_node else ""
+    fig.suptitle(f"{report.model_name} · memory timeline · {'training' if report.grad else 'inference'} · "
+                 f"{report.device} · at {dims_text(live.dims)}", fontsize=12, fontweight="bold")
+    caption = (f"peak{where}: {live.peak:,} B ({format_bytes(live.peak)}) = resident {format_bytes(live.resident)}"
+               f" + activations {format_bytes(live.peak_above_resident)}")
+    if hidden:
+        caption += f"; {hidden} smaller tensors not drawn as bars"
+    top.set_title(caption, fontsize=9, color=PEAK, loc="left", wrap=True)
+    return Chart(fig, dict(live.dims), live.peak_node)
 
 
-def _name(s: Storage) -> str:
-    return f"{s.node} · {s.op}" if s.op else s.node
+def _binary_step(top: int) -> float:
+    """A tick step of 2**k bytes (0.25 MiB, 512 MiB, 1 GiB ...) giving four to eight ticks up to ``top``."""
+    step = 1.0
+    while top / step > 8:
+        step *= 2
+    return step
 
 
-def _kept(s: Storage, forward: Mapping[str, int]) -> bool:
+def _name(s: Storage, node: Any, report: Any) -> str:
+    """``matmul · contiguous copy of getitem_3``: the node and what the tensor is to it."""
+    return f"{s.node} · {storage_text(s, node, node_inputs(report, node), report.storages)}"
+
+
+def _kept(s: Storage, forward: dict) -> bool:
     """Whether the storage outlives the forward: alive at its return, or freed only after it
     (by a training step's backward, which a report with ``optimizer=`` also records)."""
     if s.freed_at is None:
@@ -169,38 +169,3 @@ def _kept(s: Storage, forward: Mapping[str, int]) -> bool:
     if s.freed_at == "<return>":
         return s.is_output or bool(s.saved_by)
     return s.freed_at not in forward
-
-
-def _fate(s: Storage, kept: bool) -> str:
-    """What ends the storage's life: a node, the return, or backward."""
-    if kept and s.saved_by:
-        return "saved for backward of " + ", ".join(str(t) for t in s.saved_by)
-    if kept and s.is_output:
-        return "output"
-    if s.freed_at is None:
-        return "alive at return"
-    if s.freed_at == "<return>":
-        return "freed at return"
-    return f"freed by {s.freed_at}"
-
-
-def _tooltip(s: Storage) -> str:
-    shape = "(" + ", ".join(str(d) for d in s.shape) + ")"
-    return f"{s.name}: {s.op} {shape} {str(s.dtype).replace('torch.', '')} = {s.bytes} B"
-
-
-def _title(c: _Canvas, report: Any, live: Liveness, concrete: bool, chart_w: float) -> None:
-    mode = "training (autograd records)" if report.grad else "inference"
-    y = -HIST_H - 1.05
-    c.text("title", -LABEL_W - GAP, y, LABEL_W + chart_w + 4, 0.3,
-           f"{report.model_name}  ·  liveness timeline  ·  {mode}  ·  {report.device}", size=14, bold=True)
-    at = dims_text(live.dims) + ("" if concrete else " (the analysis' example sizes; sizes are formulas in bytes)")
-    c.text("subtitle", -LABEL_W - GAP, y + 0.3, LABEL_W + chart_w + 4, 0.22,
-           "one bar per activation storage, from the node that allocates it to the node by whose end it is freed; "
-           f"colour: its size; bars at {at}", size=8, color=INK_SOFT)
-    # the heat scale, shared by bars and histogram
-    x = -LABEL_W - GAP
-    c.text("legend:label", x, y + 0.55, 0.75, 0.2, "bytes up to", size=8)
-    for i, (fill, _, hi) in enumerate(heat_bins(live.peak_above_resident)):
-        c.box(f"legend:{i}", x + 0.8 + i * 0.72, y + 0.55, 0.7, 0.2, fill, penwidth="0.4", color="#7f7f7f",
-              label=format_bytes(hi), fontsize="7", fontcolor=ink(fill))

@@ -9,6 +9,7 @@ import torch
 
 from fuzz.generator import generate
 from fxmem import _torch_compat as tc
+from fxmem.capture import forward_parameters
 from fxmem.inputs import random_inputs
 from fxmem.specs import parse_specs
 
@@ -89,7 +90,7 @@ def test_fake_kernels_give_the_real_layouts(chunk):
     for seed in [s for s in SEEDS if s % 3 == chunk]:
         case = generate(seed)
         torch.manual_seed(seed)
-        specs, _ = parse_specs(case.specs, ["x"], 1, torch.float32, "Program")
+        specs, _ = parse_specs(case.specs, forward_parameters(case.model), torch.float32, "Program")
         for dims in case.sizes[1:]:  # sizes 2 and a random one (size 1 hides strides)
             xs = random_inputs(specs, dims, seed=seed)
             model = case.model.train()

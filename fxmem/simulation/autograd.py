@@ -73,8 +73,6 @@ class Autograd:
         """Hook each kept storage to its op's ``grad_fn`` (runs at the next op, once autograd attached it)."""
         for ref, node, indices in self._unbound:
             t = ref()
-            if t is None:  # the output died before autograd's node could be seen: so did the node
-                self._release([i for i in indices if i in self._keeps.get(node, [])])
             fn = getattr(t, "grad_fn", None) if t is not None else None
             if fn is None:
                 continue

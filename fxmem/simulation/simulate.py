@@ -192,6 +192,7 @@ def simulate(
                 recorder:
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
+                recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             else:
                 optimizer = _steady_state_optimizer(training, named_params, recorder)

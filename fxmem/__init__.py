@@ -24,8 +24,8 @@ import warnings
 from typing import Any
 
 from ._layout import ensure_passes
-from .errors import (DeviceError, FxMemError, ModelError, ShapeError, SpecError, TraceError,  # noqa: F401
-                     UnsupportedOpError)
+from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: F401
+                     TraceError, UnsupportedOpError)
 
 ensure_passes()
 
@@ -40,6 +40,7 @@ _LAZY = {
 __all__ = [
     "analyze", "optimize", "validate", "precisions", "Report", "TensorSpec", "format_bytes", "kernels",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
+    "KernelError",
 ]
 
 

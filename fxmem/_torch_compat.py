@@ -55,6 +55,8 @@ __all__ = [
     "size_expr",
     "shape_guards",
     "symbol_lower_bound",
+    "symbol_upper_bound",
+    "pinned_dims",
     "storage_key",
     "plain_sympy",
     "fake_cuda_is_safe",
@@ -155,6 +157,58 @@ def symbol_lower_bound(env: ShapeEnv, sym: sympy.Symbol) -> int:
         return int(lower)
     except (TypeError, ValueError):
         return 1
+
+
+def symbol_upper_bound(env: ShapeEnv, sym: sympy.Symbol) -> int | None:
+    """The largest value ``sym`` may take under the analysis (None: unbounded).
+
+    A guard such as ``B < 64`` refines the symbol's range; the bound is part of where the
+    formulas hold even when the guard itself simplifies away.
+    """
+    vr = env.var_to_range.get(sym)
+    if vr is None or not getattr(vr.upper, "is_Integer", False):  # oo / int_oo: unbounded
+        return None
+    upper = int(vr.upper)
+    return upper if upper < 2**62 else None
+
+
+def pinned_dims(env: ShapeEnv, symbols: dict) -> dict:
+    """``{name: value or expression}`` for each user dim the analysis no longer treats as free.
+
+    ``symbols`` maps dim names to what :func:`make_dim_symbol` returned: a number when PyTorch
+    specialised the dim on creation (example size 0 or 1), else a ShapeEnv symbol. A symbol is
+    pinned when an op forced it to a number (``int(size)`` in a kernel, an equality guard) or
+    found it equal to an expression in other symbols (returned over ShapeEnv symbols).
+    """
+    found = replacements(env)
+    out = {}
+    for name, sym in symbols.items():
+        if not isinstance(sym, sympy.Symbol):
+            out[name] = sympy.Integer(int(sym))
+            continue
+        r = found.get(sym)
+        if r is not None and r != sym:
+            out[name] = env.simplify(r)
+            continue
+        upper = symbol_upper_bound(env, sym)
+        if upper is not None and upper == symbol_lower_bound(env, sym):
+            out[name] = sympy.Integer(upper)
+    return out
+
+
+def size_hint(value: Any) -> int:
+    """The example value of a size (an int, or a SymInt at the analysis' example sizes)."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    return int(value)
+
+
+def symbol_hints(env: ShapeEnv) -> dict:
+    """``{ShapeEnv symbol: example value}`` of every size symbol of the analysis."""
+    values = getattr(env, "backed_var_to_val", None)
+    if values is None:
+        values = env.var_to_val
+    return dict(values)
 
 
 def unbacked_symbols(expr: sympy.Expr) -> set[sympy.Symbol]:
@@ -345,11 +399,17 @@ def fake_cuda_is_safe() -> tuple[bool, str]:
 
 @contextlib.contextmanager
 def saved_tensor_hooks(pack: Any) -> Iterator[None]:
-    """Call ``pack(t)`` for every tensor autograd saves; the tensor itself is what gets saved."""
+    """Call ``pack(t)`` for every tensor autograd saves; what it returns is what gets saved.
+
+    With hooks, autograd hands a saved *output* to the pack hook with its ``grad_fn`` attached;
+    keeping it as is would make a reference cycle (output -> grad_fn -> saved output) that no
+    refcount breaks, so a graph nothing can reach any more (after ``.detach()`` or ``argmax``)
+    would keep its saved tensors alive. Autograd's own packing saves outputs without their
+    ``grad_fn``: ``pack`` should return a detached alias (same storage, same version counter).
+    """
 
     def _pack(t: torch.Tensor) -> torch.Tensor:
-        pack(t)
-        return t
+        return pack(t)
 
     with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
         yield
@@ -457,6 +517,27 @@ def optimizers_treat_fake_as_real() -> Iterator[None]:
         for lst in lists:
             if FakeTensor in lst:
                 lst.remove(FakeTensor)
+
+
+def cpu_capability() -> str:
+    """The vector instruction set ATen's CPU kernels were dispatched to (``"AVX512"``, ``"AVX2"`` ...)."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return str(get()) if get is not None else "unknown"
+
+
+def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """``t.suggest_memory_format()`` that works on symbolic strides (channels-last or contiguous)."""
+    import torch._prims_common as prims_common
+
+    suggest = getattr(prims_common, "suggest_memory_format", None)
+    if suggest is not None:
+        return suggest(t)
+    return t.suggest_memory_format()  # pragma: no cover - torch < 2.6
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (autograd's view metadata)."""
+    return bool(t._is_view())
 
 
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -14,11 +14,11 @@ import torch
 
 from .accounting import MemoryPlan
 from .capture import check_leaf_modules, forward_parameters, trace
-from .errors import ModelError, SpecError
+from .errors import FxMemError, ModelError, SpecError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import check_device, simulate
-from .specs import check_input_sizes, choose_hints, parse_specs, spec_symbols
+from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
 MODES = ("graph", "eager")
@@ -52,7 +52,9 @@ def analyze(
         grad: ``True`` records autograd as in training; ``False`` gives inference memory.
         hints: example sizes to analyse at (default: distinct primes near 100). The formulas hold
             wherever PyTorch would take the same code path (``Report.region``); ``evaluate`` outside
-            it re-analyses.
+            it re-analyses. A hint of 0 or 1, which PyTorch specialises, is analysed at a general
+            size instead (the notes say so); a dim some op fixes at its hint shows as ``B == 97``
+            in the region, and every other size is re-analysed.
         leaf_modules: module classes fx should not trace into.
         optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
             steady-state training step with this optimizer (``train_peak``, ``grads``, ...).
@@ -134,5 +136,21 @@ def analyze(
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
                       hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
 
-    return run(chosen)
+    special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
+    if not special:
+        return run(chosen)
+    # PyTorch fixes a dim whose example size is 0 or 1 for good: formulas made there hold at that
+    # size only. Analyse at general sizes instead (evaluate() at the special size re-analyses
+    # there); only a model that runs at nothing but the special size is analysed at it (pinned).
+    general = choose_hints(symbols, {k: v for k, v in chosen.items() if k not in special})
+    try:
+        report = run(general)
+    except FxMemError:
+        return run(chosen)
+    given = ", ".join(f"{k}={v}" for k, v in special.items())
+    report.notes.insert(0, f"hints {given}: PyTorch treats sizes 0 and 1 specially and would fix the dim there, so "
+                           f"the formulas were made at {', '.join(f'{k}={general[k]}' for k in special)} "
+                           f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
+                           f"re-analyses at those sizes")
+    return report
 

@@ -28,3 +28,8 @@ class DeviceError(FxMemError):
 
 class ModelError(FxMemError, TypeError):
     """The thing given as a model is not something fxmem can analyse."""
+
+
+class KernelError(FxMemError):
+    """The model cannot run: a real kernel rejects a call its fake kernel accepted (a dtype or
+    layout the kernel does not implement, operands of different dtypes)."""

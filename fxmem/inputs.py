@@ -35,7 +35,9 @@ def random_inputs(specs: Sequence[InputSpec], sizes: Mapping[str, int], *, seed:
     out = []
     for spec in specs:
         shape = input_shape(spec, sizes)
-        if makers and spec.arg in makers:
+        if spec.fill is not None:
+            t = torch.full(shape, spec.fill, dtype=spec.dtype)
+        elif makers and spec.arg in makers:
             t = makers[spec.arg](shape, sizes)
         elif spec.dtype == torch.bool:
             t = torch.rand(shape, generator=gen) > 0.5

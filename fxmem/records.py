@@ -115,7 +115,8 @@ class Storage:
 @dataclasses.dataclass
 class Step:
     """One aten call that allocated (or used hidden scratch): the storages it created, in order, and
-    its hidden-allocation program (byte deltas with ``OUT`` where the outputs appear; [] if none)."""
+    its hidden-allocation program (byte deltas with ``OUT`` where the outputs appear, and
+    :class:`Placed` where one output storage appears at its own moment; [] if none)."""
 
     index: int
     node: str
@@ -123,6 +124,14 @@ class Step:
     allocs: list
     program: list
     phase: Phase = Phase.FORWARD
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """In a step's program: storage ``storage`` (one of the step's allocations) is allocated here,
+    not with the others at ``OUT``."""
+
+    storage: int
 
 
 @dataclasses.dataclass
@@ -160,6 +169,10 @@ class Node:
                 "saved": str(self.saved), "live_after": str(self.live_after),
                 "value": str(self.value) if self.value is not None else None}
 
+
+# Every note that says some number of a report may differ from a real run contains this phrase
+# (``Report.exact`` is False then); other notes say how numbers were obtained, exactly.
+INEXACT = "numbers may not be exact"
 
 # Event kinds of a Recording, in the order they happened.
 FREE, STEP, NODE = "free", "step", "node"

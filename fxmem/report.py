@@ -21,6 +21,8 @@ from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
 from .accounting.symbolic import evaluate
 from .errors import SpecError
+from .kernels import environment
+from .records import INEXACT
 from .parsing import parse_expression
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
@@ -82,10 +84,15 @@ class Report:
 
     # --- numbers --------------------------------------------------------------------------------
     @property
+    def exact(self) -> bool:
+        """False when a note says some number may differ from a real run (an unfitted kernel
+        workspace, a path that real code would choose by tensor values); True otherwise."""
+        return not any(INEXACT in n for n in self.notes)
+
+    @property
     def region(self) -> list[str]:
         """Conditions on the dims under which the formulas hold (e.g. ``N >= 2``)."""
-        conds = [f"{s} >= {lo}" for s, lo in self._plan.region.lower.items() if lo > 1]
-        return list(dict.fromkeys(conds + [str(g) for g in self._plan.region.guards]))  # once each
+        return self._plan.region.conditions()
 
     def evaluate(self, **dims: int) -> Evaluation:
         """Exact byte counts at concrete dims: ``resident``, ``peak``, ``retained``, ``saved``, ...
@@ -108,14 +115,21 @@ class Report:
             check_input_sizes(self.specs, values, self.symbols)
             report = self
             if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
-                key = tuple(sorted(values.items()))
-                if key not in self._regions:
-                    self._regions[key] = self._reanalyze(values)
-                report = self._regions[key]
+                report = self._reanalysed(values)
+        here = environment(self.device)
+        if any(self.facts.get(k) != v for k, v in here.items()):
+            # made under another thread count (or oneDNN setting): kernels would allocate otherwise now
+            report = self._reanalysed(values, tuple(sorted(here.items())))
         key = tuple(sorted(values.items()))
         if key not in report._evaluations:
             report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return report, report._evaluations[key]
+
+    def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":
+        key = (environment_key, tuple(sorted(values.items())))
+        if key not in self._regions:
+            self._regions[key] = self._reanalyze(values)
+        return self._regions[key]
 
     def at(self, expr: sympy.Expr | str | int, **dims: int) -> int:
         """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``, or a
@@ -251,7 +265,8 @@ class Report:
             "dtype": str(self.dtype).replace("torch.", ""),
             "inputs": [{"arg": s.arg, "shape": [str(d) for d in s.dims], "dtype": str(s.dtype).replace("torch.", "")}
                        for s in self.specs],
-            "dims": sorted(self.symbols), "hints": self.hints, "region": self.region, "notes": self.notes,
+            "dims": sorted(self.symbols), "hints": self.hints, "region": self.region, "exact": self.exact,
+            "notes": self.notes,
             "facts": self.facts,
             "formulas": {k: str(v) for k, v in self.formulas().items()},
             "nodes": [n.to_dict() for n in self.nodes],

@@ -28,6 +28,8 @@ from .parsing import MAX_SIZE, check_name, check_sizes, dim_symbol, parse_expres
 # constants), and large enough to survive several stride-2 downsamplings.
 DEFAULT_HINTS = (97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163, 167, 173)
 
+# Example sizes PyTorch specialises on sight (a symbol is never made for them).
+SPECIALISED_SIZES = (0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +37,15 @@ class TensorSpec:
     """Shape (ints and dim names) plus dtype of one tensor argument.
 
     ``dtype=None`` means the ``dtype`` given to :func:`fxmem.analyze` (float32 by default).
+    ``fill``: the value every element holds, when the input's values decide what the model does
+    (an all-ones attention mask lets transformers skip building a mask); the analysis then takes
+    the path a real run with such an input takes, and the report says so.
     """
 
     shape: tuple[Any, ...]
     dtype: torch.dtype | None = None
     requires_grad: bool = False
+    fill: bool | int | float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, (str, int)) or not isinstance(self.shape, Iterable):
@@ -48,6 +54,8 @@ class TensorSpec:
                 f"write e.g. TensorSpec(('B', 'N', 6))"
             )
         object.__setattr__(self, "shape", tuple(self.shape))
+        if self.fill is not None and not isinstance(self.fill, (bool, int, float)):
+            raise SpecError(f"TensorSpec fill must be a Python number, got {self.fill!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +67,7 @@ class InputSpec:
     dtype: torch.dtype
     requires_grad: bool
     text: str  # how the user wrote it, for messages
+    fill: bool | int | float | None = None  # every element's value, when the user stated it
 
     @property
     def rank(self) -> int:
@@ -125,6 +134,10 @@ def parse_specs(
     for arg, spec in zip(arg_names, specs):
         where = f"input spec for argument '{arg}'"
         if isinstance(spec, torch.Tensor):
+            if spec.layout != torch.strided:
+                raise SpecError(f"{where}: a {spec.layout} tensor; fxmem models strided (dense) tensors only, and "
+                                f"analysing it as dense would count the wrong storages. Pass the dense inputs the "
+                                f"model builds it from, or analyse with a dense stand-in and read the numbers as such")
             check_dtype(spec.dtype, where)
             dims = tuple(sympy.Integer(int(d)) for d in spec.shape)
             parsed.append(InputSpec(arg, dims, spec.dtype, bool(spec.requires_grad), f"tensor{tuple(spec.shape)}"))
@@ -141,8 +154,9 @@ def parse_specs(
         check_dtype(dtype, where)
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise SpecError(f"{where}: only floating point inputs can require grad (dtype is {dtype})")
-        text = "(" + ", ".join(str(d) for d in spec.shape) + ")"
-        parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text))
+        text = "(" + ", ".join(str(d) for d in spec.shape) + ")" + (f" filled with {spec.fill!r}" if spec.fill is not None
+                                                                   else "")
+        parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text, spec.fill))
     return parsed, symbols
 
 

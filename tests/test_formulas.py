@@ -88,6 +88,18 @@ def test_domination_test_is_sound():
         assert all(to_expr(c).subs({N: n, M: m}) <= best for c in cands)
 
 
+def test_region_states_pinned_dims_and_upper_bounds():
+    B, N = sympy.symbols("B N", integer=True, positive=True)
+    region = Region({B: 97, N: 2}, [sympy.Eq(sympy.Mod(N, 2), 0)], pinned={B: sympy.Integer(97)}, upper={N: 63})
+    assert set(region.conditions()) == {"B == 97", "N <= 63", "N >= 2", "Mod(N, 2) == 0"}
+    assert region.violations({B: 97, N: 4}) == []
+    assert region.violations({B: 500, N: 4}) == ["B == 97"]  # never "B >= 97"
+    assert region.violations({B: 97, N: 64}) == ["N <= 63"]
+    assert region.violations({B: 97, N: 3}) == ["Mod(N, 2) == 0"]
+    related = Region({B: 2, N: 2}, [], pinned={B: 2 * N})
+    assert related.violations({B: 6, N: 3}) == [] and related.violations({B: 5, N: 3}) == ["B == 2*N"]
+
+
 def test_table_and_dict_views():
     report = fxmem.analyze(gat.GraphAttentionLayer(6, 128), ("B", "N", 6), ("B", "N", "N"))
     table = report.table()

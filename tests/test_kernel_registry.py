@@ -93,7 +93,7 @@ def test_every_builtin_rule_is_keyed_by_an_op_object_and_says_where_it_was_check
         assert tc.is_op(r.key) or (r.kind == Kind.REAL_PATH and callable(r.key)), r
         assert r.verified == CHECKED and r.why, r.name
     kinds = {r.kind for r in rules}
-    assert kinds == {Kind.HIDDEN, Kind.OUTPUT_STORAGE, Kind.ENGINE, Kind.REAL_PATH}
+    assert kinds == {Kind.HIDDEN, Kind.OUTPUT_STORAGE, Kind.ENGINE, Kind.REAL_PATH, Kind.SYMBOLIC, Kind.OUTPUT_LAYOUT}
 
 
 def test_an_overloads_own_rule_wins_over_its_packets():

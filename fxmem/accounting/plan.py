@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -176,8 +177,15 @@ class MemoryPlan:
             hit = self._user_cache[expr] = sympy.expand(user)
         return hit
 
+    def _pins(self) -> dict[sympy.Symbol, sympy.Expr]:
+        """User dims the analysis no longer treats as free: ``{dim: value or expression}``."""
+        return {self.symbols[name]: self.to_user(v) if not v.is_number else v
+                for name, v in tc.pinned_dims(self.rec.env, self.rec.env_symbols).items()}
+
     def _region(self) -> Region:
-        lower = {self.user[s]: tc.symbol_lower_bound(self.rec.env, s) for s in self.user}
+        env = self.rec.env
+        lower = {self.user[s]: tc.symbol_lower_bound(env, s) for s in self.user}
+        upper = {self.user[s]: hi for s in self.user if (hi := tc.symbol_upper_bound(env, s)) is not None}
         guards = []
         for g in tc.shape_guards(self.rec.env):
             ug = tc.plain_sympy(tc.simplify(self.rec.env, g).xreplace(self.user))
@@ -185,20 +193,18 @@ class MemoryPlan:
                 continue
             if ug not in guards:
                 guards.append(ug)
-        return Region(lower, guards)
+        return Region(lower, guards, self._pins(), upper)
 
     def _notes(self) -> list[str]:
-        notes = list(self.rec.notes)
-        found = tc.replacements(self.rec.env)
-        for env_sym, user_sym in self.user.items():
-            r = found.get(env_sym)
-            if r is None or r == env_sym:
-                continue
-            r_user = tc.plain_sympy(r.xreplace(self.user))
-            if r_user.is_number:
-                notes.append(f"dim {user_sym} was specialised to {r_user}: formulas hold only at {user_sym}={r_user}")
+        names = {str(env): str(user) for env, user in self.user.items()}
+        notes = [re.sub(r"\bs\d+\b", lambda m: names.get(m.group(), m.group()), n) for n in self.rec.notes]
+        for dim, value in self.region.pinned.items():
+            if value.is_number:
+                notes.append(f"PyTorch fixed dim {dim} at {value} while analysing: these formulas hold only at "
+                             f"{dim} == {value}; evaluate() at other sizes re-analyses there (exact, slower)")
             else:
-                notes.append(f"dim {user_sym} was found to equal {r_user}; formulas use {r_user}")
+                notes.append(f"dim {dim} was found to equal {value}: these formulas hold only where {dim} == {value}; "
+                             f"evaluate() elsewhere re-analyses")
         return notes
 
     # --- formulas -------------------------------------------------------------------------------

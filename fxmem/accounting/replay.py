@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ..kernels import OUT
-from ..records import FREE, STEP, Recording
+from ..records import FREE, STEP, Placed, Recording
 
 
 @dataclasses.dataclass
@@ -48,20 +48,26 @@ def walk(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any]
                 live = add(live, neg(size(i)))
         elif kind == STEP:
             step = rec.steps[i]
-            out = zero
+            placed = {p.storage for p in step.program if isinstance(p, Placed)}
+            out = total = zero
             for s in step.allocs:
-                out = add(out, size(s))
+                total = add(total, size(s))
+                if s not in placed:
+                    out = add(out, size(s))
             cur = live
             for p in step.program or [OUT]:
                 if p is OUT:
                     cur = add(cur, out)
+                    candidates.append((i, cur))
+                elif isinstance(p, Placed):
+                    cur = add(cur, size(p.storage))
                     candidates.append((i, cur))
                 else:
                     d = delta(p)
                     cur = add(cur, d)
                     if positive(d):
                         candidates.append((i, cur))
-            live = add(live, out)
+            live = add(live, total)
         else:
             after_node.append(live)
     if at_mark is None:  # the mark is the end

@@ -83,24 +83,46 @@ class Region:
 
     lower: dict[sympy.Symbol, int]
     guards: list[sympy.Expr]
+    # dims PyTorch fixed while analysing: ``{dim: value or expression in other dims}``. The
+    # formulas hold only there (a kernel read the size as a number, or the example size was 0/1).
+    pinned: dict[sympy.Symbol, sympy.Expr] = dataclasses.field(default_factory=dict)
+    upper: dict[sympy.Symbol, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._shifted: dict[sympy.Expr, Terms] = {}
         self._atoms: dict[sympy.Expr, sympy.Expr] = {}
 
+    def conditions(self) -> list[str]:
+        """The region as text, in the user's dims (``B == 1024``, ``N >= 2``, ``Mod(N, 2) == 0``)."""
+        out = [f"{s} == {v}" for s, v in self.pinned.items()]
+        out += [f"{s} >= {lo}" for s, lo in self.lower.items() if lo > 1 and s not in self.pinned]
+        out += [f"{s} <= {hi}" for s, hi in self.upper.items() if s not in self.pinned]
+        for text in map(_guard_text, self.guards):
+            if text not in out:  # a guard the range of its dim already says
+                out.append(text)
+        return out
+
     def violations(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
         """Reasons ``values`` lies outside the region ([] when inside)."""
         why = []
+        for s, v in self.pinned.items():
+            if s in values:
+                want = v.xreplace(values) if isinstance(v, sympy.Basic) else v
+                if not (getattr(want, "is_number", True) and want == values[s]):
+                    why.append(f"{s} == {v}")
         for s, lo in self.lower.items():
-            if s in values and values[s] < lo:
+            if s in values and values[s] < lo and s not in self.pinned:
                 why.append(f"{s} >= {lo}")
+        for s, hi in self.upper.items():
+            if s in values and values[s] > hi and s not in self.pinned:
+                why.append(f"{s} <= {hi}")
         for g in self.guards:
             try:
                 ok = bool(g.xreplace(values))
             except (TypeError, ValueError, ZeroDivisionError):  # undefined there (x % (N-1) at N=1): outside
                 ok = False
             if not ok:
-                why.append(str(g))
+                why.append(_guard_text(g))
         return why
 
     def _atom(self, atom: sympy.Expr) -> sympy.Expr:
@@ -125,6 +147,15 @@ class Region:
         """``t`` over non-negative offsets from the region's lower corner (see class docstring)."""
         monomials = list(t)
         return add_terms(*[self.shifted_monomial(m) for m in monomials], signs=[t[m] for m in monomials])
+
+
+def _guard_text(g: sympy.Expr) -> str:
+    """A guard as Python-like text (``Eq(a, b)`` reads ``a == b``)."""
+    if isinstance(g, sympy.Eq):
+        return f"{g.lhs} == {g.rhs}"
+    if isinstance(g, sympy.Ne):
+        return f"{g.lhs} != {g.rhs}"
+    return str(g)
 
 
 def _dominates(a_shift: Terms, b_shift: Terms) -> bool:

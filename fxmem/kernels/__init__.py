@@ -4,14 +4,18 @@ The simulation asks three questions of every aten call, and one of every torch f
 
 * :func:`hidden_program` - what scratch does the real kernel allocate around its outputs?
 * :func:`output_storage` - is a real output's storage larger than the fake one?
+* :func:`output_layout` - does the real kernel lay an output out otherwise (contiguous)?
 * :func:`engine_takes_over` - does the real engine write the result into an existing buffer?
 * :class:`RealPaths` - does a composite take another code path for real tensors?
+* :func:`symbolic_impl` - does the fake kernel read sizes as numbers (and so fix the user's dims)?
+* :func:`check_call` - would the real kernel accept the call at all (:mod:`~fxmem.kernels.accepts`)?
 
 Rules live in :mod:`~fxmem.kernels.scalars` (wrapped Python numbers, dtype casts),
 :mod:`~fxmem.kernels.cpu` (CPU kernels' scratch), :mod:`~fxmem.kernels.calibrate` (opaque
 oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine),
-:mod:`~fxmem.kernels.real_paths` (composites) and :mod:`~fxmem.kernels.fused` (fxmem's own fused
-operators, :mod:`fxmem.ops`). Users describe their own ops with
+:mod:`~fxmem.kernels.real_paths` (composites), :mod:`~fxmem.kernels.symbolic` (fake kernels that
+read sizes as numbers) and :mod:`~fxmem.kernels.fused` (fxmem's own fused operators, :mod:`fxmem.ops`).
+Users describe their own ops with
 :func:`register` or ``fxmem.analyze(..., kernels={op: fn})``.
 
 >>> [r.name for r in REGISTRY.rules(Kind.HIDDEN)][:2]          # doctest: +SKIP
@@ -21,12 +25,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import calibrate, cpu, engine, fused, real_paths, scalars  # noqa: F401 - registers the built-in rules
-from .real_paths import RealPaths
-from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, Rule, Unknown, register, unregister
+from .. import _torch_compat as tc
 
-__all__ = ["hidden_program", "output_storage", "engine_takes_over", "RealPaths", "register", "unregister",
-           "REGISTRY", "Rule", "Kind", "Call", "Keep", "Unknown", "OUT", "ANY", "CHECKED"]
+from . import calibrate, cpu, engine, fused, real_paths, scalars, symbolic  # noqa: F401 - registers the built-in rules
+from .accepts import KernelRefuses, check_call
+from .real_paths import RealPaths
+from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister
+
+__all__ = ["environment", "hidden_program", "output_layout", "output_storage", "engine_takes_over", "symbolic_impl",
+           "check_call", "KernelRefuses", "RealPaths", "register", "unregister", "REGISTRY", "Rule", "Kind", "Call", "Keep",
+           "Unknown", "OUT", "OutAt", "ANY", "CHECKED"]
 
 
 def hidden_program(call: Call, used: set | None = None) -> list:
@@ -60,3 +68,26 @@ def engine_takes_over(call: Call, table: Any, between_nodes: bool, node: str) ->
     """The argument whose buffer the real engine reuses for this call's output, or None."""
     found = REGISTRY.lookup(Kind.ENGINE, call.func, call.device)
     return found.fn(call, table, between_nodes, node) if found is not None else None
+
+
+def symbolic_impl(call_func: Any, device: str) -> Rule | None:
+    """The rule computing ``call_func`` on fake tensors with symbolic sizes kept, or None."""
+    return REGISTRY.lookup(Kind.SYMBOLIC, call_func, device)
+
+
+def environment(device: str = "cpu") -> dict:
+    """What about this process decides which kernels run and what they allocate: the intra-op
+    thread count (oneDNN and batch norm pick their paths and per-thread buffers by it), whether
+    oneDNN is used, and the CPU's vector width (oneDNN's blocked layouts pad channels to it).
+    Part of every analysis' key: a report made under another environment is re-made."""
+    import torch
+
+    return {"threads": torch.get_num_threads(),
+            "onednn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+            "cpu_capability": tc.cpu_capability()}
+
+
+def output_layout(call: Call) -> dict:
+    """Outputs whose real layout differs from the fake one: ``{output index: memory format}``."""
+    found = REGISTRY.lookup(Kind.OUTPUT_LAYOUT, call.func, call.device)
+    return found.fn(call) if found is not None else {}

@@ -35,7 +35,7 @@ import torch
 
 from .. import _torch_compat as tc
 from ..measure import allocator_events, cpu_memory_profile
-from .registry import OUT, Call, Unknown, hidden, require_args
+from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
 log = logging.getLogger(__name__)  # progress: a calibration runs real kernels for a few seconds
 
@@ -57,18 +57,26 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
         with cpu_memory_profile() as prof:  # quiet: a CNN is calibrated with dozens of sessions
             out = fn()
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        out_ptrs = {t.untyped_storage().data_ptr() for t in outs if t.numel()}
+        position: dict[int, int] = {}  # data pointer -> first output position with that storage
+        for k, t in enumerate(outs):
+            if t.numel():
+                position.setdefault(t.untyped_storage().data_ptr(), k)
         events = allocator_events(prof)
     # an output is the *last* block born at its address (a temporary may have lived there before)
-    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in out_ptrs}
+    last_birth = {addr: i for i, (addr, nbytes) in enumerate(events) if nbytes > 0 and addr in position}
     program: list = []
     born: dict[int, int] = {}
+    grouping = False  # the last event was an output birth: the next one joins OUT
     for i, (addr, nbytes) in enumerate(events):
+        if nbytes > 0 and last_birth.get(addr) == i:
+            if OUT not in program:
+                program.append(OUT)
+            elif not (grouping and program[-1] is OUT):  # born later than the first outputs, after scratch
+                program.append(OutAt(position[addr]))
+            grouping = True
+            continue
+        grouping = False
         if nbytes > 0:
-            if last_birth.get(addr) == i:
-                if OUT not in program:
-                    program.append(OUT)
-                continue
             born[addr] = nbytes
             program.append(nbytes)
         elif addr in born:  # frees of blocks born before this call are not ours
@@ -76,6 +84,10 @@ def run_and_read(fn: Callable[[], Any]) -> tuple[tuple, Any]:
     if OUT not in program:
         program.append(OUT)
     return tuple(program), out
+
+
+def _marker(p: Any) -> bool:
+    return p is OUT or p == OUT or isinstance(p, OutAt)
 
 
 # Column sets tried in order: when numel(out) is proportional to numel(in) for every shape of an
@@ -89,7 +101,7 @@ def fit(samples: Sequence[Sample]) -> list | None:
     Enough samples to determine the fit are solved exactly; every other sample must then be
     reproduced exactly.
     """
-    shapes = {tuple(p if p == OUT else (p > 0) for p in s.program) for s in samples}
+    shapes = {tuple(p if _marker(p) else (p > 0) for p in s.program) for s in samples}
     if len(shapes) != 1:
         return None  # the kernel changed its behaviour between shapes
     rows = [(s.in_numel, s.out_numel, 1) for s in samples]
@@ -100,8 +112,8 @@ def fit(samples: Sequence[Sample]) -> list | None:
         m = sympy.Matrix([[rows[i][c] for c in cols] for i in chosen])
         fitted: list = []
         for k, p in enumerate(samples[0].program):
-            if p == OUT:
-                fitted.append(OUT)
+            if _marker(p):
+                fitted.append(p)
                 continue
             sol = m.LUsolve(sympy.Matrix([abs(samples[i].program[k]) for i in chosen]))
             coef = [Fraction(0)] * 3
@@ -128,8 +140,8 @@ def symbolic_program(fitted: list, in_numel: sympy.Expr, out_numel: sympy.Expr) 
     """The fitted program with the op's own (symbolic) numels substituted."""
     out = []
     for item in fitted:
-        if item == OUT:
-            out.append(OUT)
+        if _marker(item):
+            out.append(item)
             continue
         sign, a, b, c = item
         q = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
@@ -141,19 +153,26 @@ def symbolic_program(fitted: list, in_numel: sympy.Expr, out_numel: sympy.Expr) 
 # sampling
 # ------------------------------------------------------------------------------------------------
 def layout_key(t: torch.Tensor) -> tuple:
-    """How ``t`` is laid out, independent of its sizes: dim order by stride, and broadcast dims."""
+    """How ``t`` is laid out, independent of its sizes: dim order by stride, broadcast dims, and
+    whether it has gaps (a slice of a larger tensor: kernels copy those where they would not copy a
+    dense permutation, so a stand-in must have gaps too)."""
     strides = [int(s) if isinstance(s, int) else s for s in t.stride()]
     zero = tuple(i for i, s in enumerate(strides) if s == 0)
     order = tuple(sorted(range(t.dim()), key=lambda i: (-strides[i] if strides[i] != 0 else 1, i)))
-    return order, zero
+    gapped = not zero and t.dim() > 0 and not tc.non_overlapping_and_dense(t)
+    return order, zero, gapped
 
 
 def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A real random tensor of ``shape`` laid out like the fake one ``layout`` describes."""
-    order, zero = layout
+    order, zero, gapped = layout
     base_shape = [1 if i in zero else d for i, d in enumerate(shape)]
-    dense = torch.randn([base_shape[i] for i in order], dtype=dtype) if dtype.is_floating_point else \
-        torch.zeros([base_shape[i] for i in order], dtype=dtype)
+    dense_shape = [base_shape[i] for i in order]
+    if gapped:  # one more element along the innermost dim, sliced off: a gap in every row
+        dense_shape[-1] += 1
+    dense = torch.randn(dense_shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(dense_shape, dtype=dtype)
+    if gapped:
+        dense = dense.narrow(len(order) - 1, 0, dense_shape[-1] - 1)
     inverse = [order.index(i) for i in range(len(order))]
     return dense.permute(inverse).expand(list(shape))
 
@@ -271,6 +290,35 @@ def _conv_batch(frozen: Frozen, shape: tuple) -> int:
     return 16 if (single_1x1 and batch >= 16) else 2
 
 
+ONEDNN_BATCH1_ELEMENTS = 20480  # ATen's use_mkldnn: a batch-1 input larger than this goes to oneDNN
+
+
+def _conv_minimum(frozen: Frozen, shape: tuple) -> list[int]:
+    """Smallest sample sizes, in the same oneDNN regime as the example sizes: ATen sends a batch-1
+    convolution (one group, a kernel of at most 3 on a side) to oneDNN only when its input has more
+    than 20480 elements - a comparison on the user's sizes, so it becomes a guard of the region."""
+    minimum = _spatial_minimum(_conv_key(frozen), shape, _conv_batch(frozen, shape))
+    kernel = _conv_key(frozen)[0]
+    if minimum[0] != 1 or frozen.get("groups", 1) != 1 or all(k > 3 for k in kernel) or len(shape) < 3:
+        return minimum
+    numel = 1
+    for d in shape:
+        numel = numel * d
+    if not bool(numel > ONEDNN_BATCH1_ELEMENTS):  # a guard either way
+        return minimum
+    free = [i for i in range(2, len(shape)) if not isinstance(shape[i], int)]
+    if not free:
+        return minimum
+    fixed = 1
+    for i, d in enumerate(minimum):
+        if i not in free:
+            fixed *= d
+    side = 1
+    while fixed * side ** len(free) <= ONEDNN_BATCH1_ELEMENTS:
+        side += 1
+    return [max(m, side) if i in free else m for i, m in enumerate(minimum)]
+
+
 def _conv_forward(frozen: Frozen, x: torch.Tensor) -> tuple:
     args = _real_args(frozen, skip=("input",))
     return (lambda: aten.convolution.default(input=x, **args)), lambda out: out.numel()
@@ -306,10 +354,9 @@ def _bn_minimum(frozen: Frozen, shape: tuple) -> list[int]:
 
 ADAPTERS: dict[Any, Adapter] = {
     aten.convolution.default: Adapter(
-        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_forward,
-        lambda call: call.outputs[0].numel()),
+        "input", _conv_minimum, _conv_forward, lambda call: call.outputs[0].numel()),
     aten.convolution_backward.default: Adapter(
-        "input", lambda f, s: _spatial_minimum(_conv_key(f), s, _conv_batch(f, s)), _conv_backward,
+        "input", _conv_minimum, _conv_backward,
         lambda call: call.arg("grad_output").numel(), grad="grad_output"),
     aten.native_batch_norm.default: Adapter("input", _bn_minimum, _bn_forward, lambda call: call.arg("input").numel()),
     aten.native_batch_norm_backward.default: Adapter(
@@ -356,8 +403,53 @@ def program_for_call(call: Call) -> list | None:
     # a failed fit is retried once uncached: oneDNN's first runs may still be settling its caches
     fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
     if fitted is None:
-        return None
+        return _other_regime(call, adapter, frozen, x, min_shape)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small
+
+
+def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, min_shape: tuple) -> list | None:
+    """The kernel behaved differently across the smallest sampled shapes (oneDNN and batch norm pick
+    paths by size and thread count). Fit from larger sizes on, guarded (the region then says
+    ``B >= 4``); or else run it once at the example sizes and pin the dims there (the region says
+    ``B == 97``, and every other size is re-analysed, exactly). None if neither is possible."""
+    free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
+    hint = [tc.size_hint(d) for d in x.shape]
+    items = tuple(frozen.items())
+    threads = torch.get_num_threads()
+    for shift in (1, 2):
+        shifted = tuple(m + shift if i in free else m for i, m in enumerate(min_shape))
+        if any(hint[i] < shifted[i] for i in free):
+            break  # the example sizes lie below this regime
+        fitted = _fit_cached(call.func, items, shifted, threads)
+        if fitted is not None:
+            for i in free:  # a guard: the formula holds from here on
+                bool(x.shape[i] >= shifted[i])
+            return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+    numel = 1
+    for d in hint:
+        numel *= d
+    if numel > EXACT_RUN_ELEMENTS:
+        return None
+    program = _program_at(call.func, items, tuple(hint), threads)
+    for i in free:  # pinned: exact at these sizes only
+        bool(x.shape[i] == hint[i])
+    return list(program)
+
+
+@functools.lru_cache(maxsize=512)
+def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tuple:
+    adapter = ADAPTERS[op]
+    frozen = dict(frozen_items)
+    _, _, dtype, layout = frozen[adapter.driver]
+    with tc.real_mode():
+        x = real_like(layout, list(shape), dtype)
+        run, _ = adapter.build(frozen, x)
+        program, out = run_and_read(run)
+        del out
+    return program
 
 
 @hidden(*ADAPTERS, device="cpu")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .registry import OUT, Call, Kind, Unknown, hidden, require_args, rule
+from .registry import ANY, OUT, Call, Kind, Unknown, hidden, require_args, rule
 
 aten = torch.ops.aten
 
@@ -75,11 +75,13 @@ def _sdpa_flash_cpu_backward(call: Call) -> list:
 # before or after the op's outputs are allocated. Gradients often arrive expanded (zero strides)
 # from a sum or mean; saved inputs are often transposed views.
 _CONTIGUOUS_OPERANDS = {
+    aten._softmax.default: (("self", "after"),),
+    aten._log_softmax.default: (("self", "after"),),
+    aten.embedding_dense_backward.default: (("indices", "after"), ("grad_output", "after")),
     aten._softmax_backward_data.default: (("grad_output", "after"),),
     aten._log_softmax_backward_data.default: (("grad_output", "after"),),
     aten.gelu_backward.default: (("grad_output", "after"),),
     aten.native_layer_norm.default: (("input", "before"),),
-    aten.native_layer_norm_backward.default: (("input", "before"), ("grad_out", "after")),
     # torch >= 2.14 makes group norm's operands contiguous inside the kernels (2.13 did it in the
     # group_norm composite, which fake tensors see as a clone, so the kernel gets them contiguous)
     aten.native_group_norm.default: (("input", "after"),),
@@ -99,7 +101,7 @@ def _nonzero(values: list) -> list:
 
 @hidden(*_CONTIGUOUS_OPERANDS, device="cpu")
 def _contiguous_copies(call: Call) -> list | None:
-    """Contiguous copies of strided operands (softmax/gelu/layer-norm/group-norm kernels)."""
+    """Contiguous copies of strided operands (softmax forward and backward, gelu, layer norm, group norm)."""
     before, after = [], []
     for name, when in _CONTIGUOUS_OPERANDS[call.func]:
         copy = copy_bytes(call.arg(name))
@@ -179,6 +181,26 @@ def _bmm_copies(call: Call) -> list | Unknown | None:
 
 
 # --- normalisation and losses --------------------------------------------------------------------
+require_args(aten.native_layer_norm_backward.default, "grad_out", "input", "output_mask")
+
+
+@hidden(aten.native_layer_norm_backward, device="cpu")
+def _layer_norm_backward_cpu(call: Call) -> list:
+    """A contiguous copy of a strided input (before the outputs), then in the kernel a contiguous copy
+    of a strided gradient and, when dgamma or dbeta is wanted, a (2, threads, N) buffer of per-thread
+    partial sums (LayerNormBackwardKernelImplInternal's two-pass reduction)."""
+    x, grad = call.arg("input"), call.arg("grad_out")
+    mask = call.arg("output_mask") or [True, True, True]
+    x_copy, dy_copy = copy_bytes(x), copy_bytes(grad)
+    buf = 0
+    if mask[1] or mask[2]:
+        n = call.outputs[-1].numel()  # dgamma/dbeta: normalized_shape's elements
+        buf = 2 * torch.get_num_threads() * n * x.element_size()
+    inner = _nonzero([dy_copy, buf])
+    before = _nonzero([x_copy])
+    return [*before, OUT, *inner, *[-c for c in reversed(inner)], *[-c for c in reversed(before)]]
+
+
 require_args(aten.native_group_norm_backward.default, "grad_out", "input")
 
 
@@ -233,3 +255,37 @@ def _pointwise_loss_storage(call: Call) -> dict:
         return {}
     x = call.arg("self")
     return {0: x.numel() * x.element_size()}
+
+
+_MASKED_BACKWARDS = tuple(op for op in (aten.native_batch_norm_backward.default,
+                                        getattr(getattr(aten, "batch_norm_backward", None), "default", None)) if op)
+for _op in _MASKED_BACKWARDS:
+    require_args(_op, "output_mask")
+
+
+@rule(Kind.OUTPUT_STORAGE, *_MASKED_BACKWARDS, device=ANY)
+def _masked_outputs(call: Call) -> dict:
+    """Batch norm's backward allocates only the gradients its output_mask asks for (an input that
+    needs no gradient gets none); its fake kernel allocates all three."""
+    mask = call.arg("output_mask") or [True, True, True]
+    return {i: 0 for i, wanted in enumerate(mask) if not wanted and i < len(call.outputs)}
+
+
+# --- complex to real --------------------------------------------------------------------------------
+@hidden(aten.abs.default, device="cpu")
+def _abs_complex_cpu(call: Call) -> list | None:
+    """abs of a complex tensor (unary_op_impl_with_complex_to_float): the real result first, then the
+    op runs complex to complex into a temporary of the input's size, copied out and freed."""
+    x = call.arg("self")
+    if not x.is_complex():
+        return None
+    tmp = x.numel() * x.element_size()
+    return [OUT, tmp, -tmp]
+
+
+@rule(Kind.OUTPUT_LAYOUT, aten.native_layer_norm_backward.default, device="cpu")
+def _layer_norm_backward_layout(call: Call) -> dict:
+    """grad_input is allocated like the contiguous copy of the input the kernel works on (the fake
+    kernel follows the strided input)."""
+    mask = call.arg("output_mask") or [True, True, True]
+    return {0: torch.contiguous_format} if mask[0] else {}

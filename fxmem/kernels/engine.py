@@ -25,21 +25,24 @@ aten = torch.ops.aten
 
 @rule(Kind.ENGINE, aten.add.Tensor, device=ANY)
 def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str) -> torch.Tensor | None:
-    """InputBuffer::accumulate adds two gradients for one input in place into one of them when it is a
-    plain dense tensor it holds the last reference to (can_accumulate_inplace); for subclass-like
-    (fake) tensors it always adds out of place."""
+    """InputBuffer::accumulate adds a second gradient for one input in place into the first one when
+    that is a plain dense tensor it holds the last reference to (can_accumulate_inplace(old_var));
+    never into the arriving one. For subclass-like (fake) tensors it always adds out of place."""
     outs, args = call.outputs, call.args
     if not between_nodes or call.phase != Phase.BACKWARD or len(outs) != 1 or len(args) < 2:
         return None
-    for old in (args[0], args[1]):
+    for old in (args[0],):  # old_var + var: only the gradient already in the buffer is reused
         if not isinstance(old, torch.Tensor) or old.shape != outs[0].shape or old.dtype != outs[0].dtype:
             continue
         index = table.lookup(old)
         if index is None:
             continue
         rec = table.storages[index]
+        # a view (a reshape backward's result) shares its storage with a base the engine still holds:
+        # its storage's use count is not 1, so the real engine adds out of place
         if (rec.step is not None and rec.phase == Phase.BACKWARD and not rec.saved_by and not rec.is_output
-                and rec.role != Role.GRADIENT and table.is_whole(old, index) and tc.non_overlapping_and_dense(old)):
+                and rec.role != Role.GRADIENT and not tc.is_view(old) and table.is_whole(old, index)
+                and tc.non_overlapping_and_dense(old)):
             return old
     return None
 

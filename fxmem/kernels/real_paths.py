@@ -76,6 +76,39 @@ def _pool_args(args: tuple, kwargs: dict) -> tuple:
     return tuple(vals)
 
 
+@rule(Kind.REAL_PATH, torch.Tensor.__getitem__, device=ANY)
+def _getitem(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """Indexing skips a full slice (``x[:, :1]`` slices dim 1 only) when it can see that the slice
+    ends at the dim's size; with a symbolic size it cannot, so the fake run would slice dim 0 too and
+    its backward would allocate one more gradient. The full slice, ended at the dim's own size, is
+    skipped as in the real run."""
+    if len(args) != 2 or kwargs:
+        return NotImplemented
+    x, index = args
+    entries = index if isinstance(index, tuple) else (index,)
+    if not any(_is_full(e) for e in entries):
+        return NotImplemented
+    if any(not (e is None or e is Ellipsis or isinstance(e, (int, slice)) and not isinstance(e, bool))
+           for e in entries):
+        return NotImplemented  # advanced indexing: leave it to PyTorch
+    consuming = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    rebuilt, dim = [], 0
+    for e in entries:
+        if e is Ellipsis:
+            rebuilt.append(e)
+            dim += x.dim() - consuming
+        elif e is None:
+            rebuilt.append(e)
+        else:
+            rebuilt.append(slice(None, x.shape[dim], None) if _is_full(e) and dim < x.dim() else e)
+            dim += 1
+    return func(x, tuple(rebuilt) if isinstance(index, tuple) else rebuilt[0])
+
+
+def _is_full(e: Any) -> bool:
+    return isinstance(e, slice) and e.start in (None, 0) and e.stop is None and e.step in (None, 1)
+
+
 def _gpu_choice(why: str) -> Callable:
     def note(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
         if not ctx.gpu:

@@ -14,7 +14,11 @@ Kinds of knowledge (:class:`Kind`):
   as a *program*: signed byte deltas in order, with :data:`OUT` where the outputs appear;
 * ``OUTPUT_STORAGE`` - outputs whose real storage is larger than the fake one;
 * ``ENGINE`` - the autograd engine reusing a buffer in place where fake tensors get a new one;
-* ``REAL_PATH`` - a composite that takes another code path for real tensors than for fake ones.
+* ``REAL_PATH`` - a composite that takes another code path for real tensors than for fake ones;
+* ``OUTPUT_LAYOUT`` - outputs the real kernel lays out otherwise than the fake one (contiguous where
+  the fake kernel follows a strided input): ``fn(call) -> {output index: torch.memory_format}``;
+* ``SYMBOLIC`` - the op computed on fake tensors without reading sizes as numbers, where its
+  fake kernel does (``int(size)`` fixes the user's dim for good: formulas would hold at one size).
 
 Users describe their own ops' allocations the same way (flop_counter's ``custom_mapping`` is the
 precedent), for one analysis (``fxmem.analyze(..., kernels={op: fn})``) or for the process
@@ -58,6 +62,15 @@ class _Out:
 
 
 OUT = _Out()
+
+
+@dataclasses.dataclass(frozen=True)
+class OutAt:
+    """Where one output (``index``: its position among the op's tensor outputs) appears in a program,
+    when the kernel allocates its outputs at different moments (convolution_backward allocates
+    grad_input before its scratch, grad_weight after it). Outputs without one appear at ``OUT``."""
+
+    index: int
 
 # The torch releases CI checks every built-in rule against (tests/test_kernels.py, both phases).
 CHECKED = ("2.13", "2.14")
@@ -121,6 +134,8 @@ class Kind(str, enum.Enum):
     OUTPUT_STORAGE = "output_storage"
     ENGINE = "engine"
     REAL_PATH = "real_path"
+    SYMBOLIC = "symbolic"
+    OUTPUT_LAYOUT = "output_layout"
 
 
 ANY = "any"  # device key of rules that hold on every device

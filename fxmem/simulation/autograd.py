@@ -11,7 +11,7 @@ node's backward, and where the engine is during ``backward()``.
   fx node.
 
 >>> autograd = Autograd(table, log)                     # doctest: +SKIP
->>> with tc.saved_tensor_hooks(autograd.saved): ...     # doctest: +SKIP
+>>> with tc.saved_tensor_hooks(recorder.saved): ...    # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class Autograd:
         self._keeps: dict[str, list[int]] = {}  # fx node -> hidden storages kept, not yet bound
         self._unbound: list[tuple[Any, str, list[int]]] = []  # (weakref to op output, node, kept)
         self._released: set[int] = set()
+        self._closed = False
 
     # --- saved tensors --------------------------------------------------------------------------
     @property
@@ -75,7 +76,7 @@ class Autograd:
             fn = getattr(t, "grad_fn", None) if t is not None else None
             if fn is None:
                 continue
-            fn.register_hook(lambda *_, indices=indices: self._release(indices))
+            fn.register_hook(_Release(self._release, indices))
             left = [i for i in self._keeps.get(node, []) if i not in indices]
             if left:
                 self._keeps[node] = left
@@ -87,7 +88,13 @@ class Autograd:
         """The backward of ``node`` ran: release what was kept for it (when no grad_fn was bound)."""
         self._release(self._keeps.pop(node, []))
 
+    def close(self) -> None:
+        """The run is over: releases after this (graphs collected later) are not part of it."""
+        self._closed = True
+
     def _release(self, indices: list[int]) -> None:
+        if self._closed:
+            return
         fresh = [i for i in indices if i not in self._released]
         self._released.update(fresh)
         self.log.freed(fresh)
@@ -136,3 +143,19 @@ def _autograd_nodes(t: torch.Tensor) -> list:
         found.append(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return found
+
+
+class _Release:
+    """A ``grad_fn`` hook that releases kept storages when the node's backward runs, or when the
+    node itself is destroyed: a graph nothing can reach any more (its output was detached, or only
+    ``argmax`` of it was kept) frees what it saved, as the real run does. Only the node holds the
+    hook, so the hook dies with it."""
+
+    def __init__(self, release: Any, indices: list[int]):
+        self.release, self.indices = release, indices
+
+    def __call__(self, *_: Any) -> None:
+        self.release(self.indices)
+
+    def __del__(self) -> None:
+        self.release(self.indices)

@@ -12,7 +12,13 @@ import re
 from typing import Callable, Mapping
 
 from .. import _torch_compat as tc
-from ..errors import FxMemError, ShapeError, UnsupportedOpError
+from ..errors import FxMemError, KernelError, ShapeError, UnsupportedOpError
+from ..kernels import KernelRefuses
+
+
+class NotModelled(RuntimeError):
+    """Something the simulation saw that fxmem does not model (raised inside a run, so that the
+    runner names the fx node or source line; :func:`failure` makes it an UnsupportedOpError)."""
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -37,6 +43,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if isinstance(exc, FxMemError):
         return exc
     text = rename(str(exc))
+    if isinstance(exc, NotModelled):
+        return UnsupportedOpError(f"{where}: {text}")
+    if isinstance(exc, KernelRefuses):
+        return KernelError(f"{where}: the model cannot run on these inputs: {text}.\n  what to do: check the "
+                           f"dtypes (and layouts) of the input specs and parameters reaching this op")
     if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS) or "fake impl" in text or "'Meta' backend" in text \
             or "meta kernel" in text.lower() or "register_fake" in text:
         op = getattr(exc, "func", None) or op

@@ -19,11 +19,13 @@ import torch
 
 from .. import _torch_compat as tc
 from .. import kernels
-from ..kernels import OUT, Call, Keep, Unknown
-from ..records import Role, SavedBy, Storage
+from ..kernels import OUT, Call, Keep, OutAt, Unknown
+from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
 from .events import EventLog
+from .failures import NotModelled
 from .storages import StorageTable
+from .values import KnownValues
 
 aten = torch.ops.aten
 # ops that never allocate and are too frequent to be worth a look
@@ -36,20 +38,52 @@ _COPIES = frozenset({aten.clone, aten._to_copy})
 
 
 class Recorder(tc.DispatchMode):
-    def __init__(self, table: StorageTable, log: EventLog, autograd: Autograd, device: str):
+    def __init__(self, table: StorageTable, log: EventLog, autograd: Autograd, device: str,
+                 values: KnownValues | None = None):
         super().__init__()
         self.table, self.log, self.autograd, self.device = table, log, autograd, device
+        self.values = values or KnownValues(log.note)  # tensors whose values the user stated
         self.used: set = set()  # kernel rules that shaped the numbers
         self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self._quiet = 0
         self._last_op: str | None = None
+        self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        known, value = self.values.read(func, args)
+        if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads
+            return value
+        symbolic = kernels.symbolic_impl(func, self.device)
+        if symbolic is not None:  # the fake kernel would read sizes as numbers (fixing the user's dims)
+            out = symbolic.fn(*args, **kwargs)
+            if not self._quiet:
+                self.used.add(symbolic)
+        else:
+            out = func(*args, **kwargs)
+        out = self._real_layout(func, args, kwargs, out)
+        self.values.follow(func, args, kwargs, out)
         if not self._quiet and tc.op_packet(func) not in _SKIP:
             self._record(func, args, kwargs, out)
         return out
+
+    def _real_layout(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Outputs laid out as the real kernel lays them out (an OUTPUT_LAYOUT rule): fresh fake
+        tensors in that memory format replace the fake kernel's."""
+        if not isinstance(out, (torch.Tensor, tuple, list)):
+            return out
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        wanted = kernels.output_layout(Call(func, args, kwargs, tuple(tensors), self.device))
+        if not wanted:
+            return out
+        k = -1
+        for i, t in enumerate(outs):
+            if isinstance(t, torch.Tensor):
+                k += 1
+                if k in wanted and not t.is_contiguous(memory_format=wanted[k]):
+                    outs[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=wanted[k])
+        return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -60,10 +94,23 @@ class Recorder(tc.DispatchMode):
         finally:
             self._quiet -= 1
 
-    def saved(self, t: torch.Tensor) -> None:
-        """The saved-tensor hook: autograd packed ``t``."""
+    def saved(self, t: torch.Tensor) -> torch.Tensor:
+        """The saved-tensor hook: autograd packs ``t``; what is kept is a detached alias (see
+        :func:`fxmem._torch_compat.saved_tensor_hooks`: keeping ``t`` would keep its graph alive)."""
         if not self._quiet:
             self.autograd.saved(t)
+        with self.quiet():
+            return t.detach()
+
+    def external(self, t: torch.Tensor, name: str) -> None:
+        """A real tensor library code allocated outside any aten op (see :mod:`.outside`)."""
+        table, log = self.table, self.log
+        if self._quiet or not table.counts(t) or table.lookup(t) is not None:
+            return
+        self.poll()
+        index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=log.next_step, op=name, phase=log.phase)
+        if index is not None:
+            log.step(name, [index], [])
 
     def poll(self) -> None:
         """Record every storage that died since the last poll."""
@@ -81,7 +128,15 @@ class Recorder(tc.DispatchMode):
         self.autograd.bind()
         name = tc.op_name(func)
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            if t.layout != torch.strided:
+                raise NotModelled(
+                    f"{name} makes a {t.layout} tensor; fxmem models strided (dense) tensors only (a sparse tensor "
+                    f"has several storages: indices and values, or crow/col indices and values), so it cannot "
+                    f"count this model's memory exactly")
         call = Call(func, args, kwargs, tuple(outs), self.device, torch.is_grad_enabled(), log.phase)
+        with self.quiet():  # the probe's own real runs (and its RNG bookkeeping) are not the model's
+            kernels.check_call(call, table.env, self._checked)  # a model that cannot run gets no numbers
         program = kernels.hidden_program(call, self.used)
         if not outs and not self.autograd.has_pending and not program:  # e.g. in-place _foreach ops
             return
@@ -101,7 +156,8 @@ class Recorder(tc.DispatchMode):
             return
         step = log.next_step
         new = []
-        for t in outs:
+        position: dict[int, int] = {}  # output position -> its new storage
+        for k, t in enumerate(outs):
             if table.counts(t) and table.lookup(t) is None:
                 index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=step, op=name, phase=log.phase)
                 if index is not None and table.storages[index].bytes == 0:
@@ -110,6 +166,7 @@ class Recorder(tc.DispatchMode):
                 if tc.op_packet(func) in _COPIES and arg_tensors:
                     table.storages[index].copy_of = table.lookup(arg_tensors[0])
                 new.append(index)
+                position[k] = index
         for i, nbytes in kernels.output_storage(call).items():
             index = table.lookup(outs[i])
             if index is not None and index in new:  # the real kernel's storage is larger than the fake's
@@ -125,9 +182,12 @@ class Recorder(tc.DispatchMode):
             new.append(index)
             kept.append(index)
         for unknown in [p for p in program if isinstance(p, Unknown)]:
-            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why})")
+            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
+                     f"{INEXACT}")
         self.autograd.keep(kept, outs[0] if outs else None)
-        program = [p for p in program if not isinstance(p, (Keep, Unknown))]
+        program = [p for p in program if not isinstance(p, (Keep, Unknown))
+                   and not (isinstance(p, OutAt) and p.index not in position)]  # not new: nothing placed
         if new or program:
-            log.step(name, new, [p if p is OUT else tc.size_expr(table.env, p) for p in program])
+            log.step(name, new, [p if p is OUT else Placed(position[p.index]) if isinstance(p, OutAt)
+                                 else tc.size_expr(table.env, p) for p in program])
         self._last_op = name

@@ -13,6 +13,7 @@ sees what is saved for backward; the result is a :class:`~fxmem.records.Recordin
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -24,7 +25,7 @@ from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
 from ..errors import DeviceError, FxMemError, ModelError, SpecError
 from ..hparams import Blueprint
-from ..kernels import REGISTRY, RealPaths
+from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step
@@ -35,6 +36,8 @@ from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
 from .storages import StorageTable
+from .outside import outside_dispatch
+from .values import tracing_checks
 
 # what the training step's phases are called in error messages
 _PHASE_TEXT = {Phase.LOSS: "the loss", Phase.BACKWARD: "backward()", Phase.STEP: "optimizer.step()"}
@@ -155,6 +158,10 @@ def simulate(
     with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
+        for spec, t in zip(specs, inputs):
+            if spec.fill is not None:  # the user stated the values: the real run's path follows them
+                recorder.values.set(t, spec.fill)
+        _refuse_sparse(model)
         source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
@@ -181,20 +188,33 @@ def simulate(
         grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
-        with grad_ctx, saved, optimizers, real_paths, recorder:
+        with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
+                recorder:
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
+                recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             else:
                 optimizer = _steady_state_optimizer(training, named_params, recorder)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model
-    facts = {"threads": torch.get_num_threads(), **({"autocast": str(autocast)} if autocast else {}), "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
+    recorder.autograd.close()
+    facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
+             "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
-    return Recording(table.storages, log.steps, log.nodes, log.events, log.notes, env, env_symbols, device,
+    return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env, env_symbols, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
                      facts)
+
+
+def _refuse_sparse(model: torch.nn.Module) -> None:
+    """Sparse parameters and buffers have several storages (indices, values); not modelled."""
+    for qual, t in [*model.named_parameters(), *model.named_buffers(), *tc.tensor_attributes(model)]:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise ModelError(f"'{qual}' is a {t.layout} tensor; fxmem models strided (dense) tensors only, and "
+                             f"counting it as dense would be wrong. Analyse a copy of the model with it dense "
+                             f"(.to_dense()) if that is what you want to know")
 
 
 def _under_autocast(run_forward: Any, device: str, dtype: torch.dtype) -> Any:

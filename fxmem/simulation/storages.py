@@ -16,8 +16,8 @@ import sympy
 import torch
 
 from .. import _torch_compat as tc
-from ..errors import UnsupportedOpError
 from ..records import Phase, Role, Storage
+from .failures import NotModelled
 
 
 class StorageTable:
@@ -57,8 +57,8 @@ class StorageTable:
         shape = tuple(tc.size_expr(self.env, d) for d in t.shape)
         for e in (nbytes, *shape):
             if tc.unbacked_symbols(e):
-                raise UnsupportedOpError(
-                    f"{op or role.value} at fx node '{node}' makes a tensor whose size depends on the data "
+                raise NotModelled(
+                    f"{op or role.value} makes a tensor whose size depends on the data "
                     f"(shape {self.rename(str(tuple(t.shape)))}); fxmem gives formulas in input sizes only. Give that size "
                     f"as an input (e.g. an index tensor of shape ('E',)) instead of computing it from values."
                 )

@@ -200,6 +200,14 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append(line)
     if report.device == "cuda":
         lines.append("  (bytes as requested; evaluate() rounds every block up to 512 B like the CUDA allocator)")
+    facts = report.facts
+    if "threads" in facts:
+        lines.append(f"assumed: {facts['threads']} intra-op thread(s), oneDNN {'on' if facts.get('onednn') else 'off'}, "
+                     f"CPU {facts.get('cpu_capability', '?')} (numbers at another setting are re-analysed)")
+    if facts.get("kernel_rules"):
+        lines.append("kernel rules used: " + ", ".join(facts["kernel_rules"]))
+    if not report.exact:
+        lines.append("  NOT EXACT: some numbers may differ from a real run (see the notes)")
     for note in fold_notes(report.notes):
         lines.append(f"  note: {note}")
     return "\n".join(lines)

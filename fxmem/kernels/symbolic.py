@@ -1,0 +1,56 @@
+"""Fake kernels that read sizes as numbers, and how to compute those ops with the sizes kept symbolic.
+
+A fake (meta) kernel written in C++ that calls ``self.sizes()`` turns every symbolic size of its
+input into a number, and PyTorch then fixes the user's dims at their example sizes for good:
+the formulas would hold at one size only (``Report.region`` says so, and ``evaluate`` elsewhere
+re-analyses). For the ops below fxmem computes the result on the fake tensors itself, with the
+same allocations as the real kernel (one output, in the layout the real kernel picks), so the
+dims stay free. ``tests/test_kernels.py`` checks each against real runs.
+
+A SYMBOLIC rule is ``fn(*args, **kwargs)`` called instead of the op on fake tensors (the
+recorder still records the call as the op itself).
+
+>>> symbolic_rule(torch.ops.aten.constant_pad_nd.default).why          # doctest: +SKIP
+'constant_pad_nd: ...'
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _torch_compat as tc
+from .registry import ANY, Kind, require_args, rule
+
+aten = torch.ops.aten
+require_args(aten.constant_pad_nd.default, "self", "pad", "value")
+
+
+@rule(Kind.SYMBOLIC, aten.constant_pad_nd.default, device=ANY)
+def _constant_pad_nd(x: torch.Tensor, pad: Any, value: Any = 0) -> torch.Tensor:
+    """constant_pad_nd (F.pad's constant mode): one output in the input's suggested memory format,
+    filled with the value, the (narrowed) input copied in; the fake kernel reads sizes as numbers."""
+    n = len(pad) // 2
+    shape = list(x.shape)
+    src, starts = x, []
+    for i in range(n):
+        dim = x.dim() - 1 - i
+        before, after = pad[2 * i], pad[2 * i + 1]
+        shape[dim] = shape[dim] + before + after
+        # negative padding crops the input (a view), positive padding offsets it in the output
+        lo = -before if _negative(before) else 0
+        hi = -after if _negative(after) else 0
+        if lo or hi:
+            src = src.narrow(dim, lo, src.shape[dim] - lo - hi)
+        starts.append((dim, before if not _negative(before) else 0))
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=tc.suggest_memory_format(x))
+    out.fill_(value)
+    dst = out
+    for dim, start in starts:
+        dst = dst.narrow(dim, start, src.shape[dim])
+    dst.copy_(src)
+    return out
+
+
+def _negative(p: Any) -> bool:
+    return bool(p < 0)

@@ -1,0 +1,167 @@
+"""Values that decide a path: what the simulation knows about tensor *values*, and library code
+that asks whether it is being traced.
+
+Real code sometimes branches on values: transformers skips building a ``(B, 1, L, L)`` attention
+mask when the given mask is all ones. On fake tensors such a decision cannot be made (they have no
+values), and libraries detect fake tensors and take their "traced" path instead. fxmem never lets
+that pass silently:
+
+* an input spec can state its value (``TensorSpec(..., fill=1)``); :class:`KnownValues` follows
+  that value through views, dtype casts, pointwise ops and ``all``/``any``/``amin``/``amax``, and
+  answers ``bool(t)`` / ``t.item()`` on such tensors as the real run would;
+* library checks that ask "is this tensor fake?" (:data:`TRACING_CHECKS`) are answered as for the
+  real tensor when its values are known, and otherwise noted in the report: which library function
+  asked, that the real run decides on the values, and how to state them.
+
+>>> values = KnownValues(note)                       # doctest: +SKIP
+>>> values.set(mask, 1); values.value_of(mask.bool().all())   # doctest: +SKIP
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import _torch_compat as tc
+from ..records import INEXACT
+
+aten = torch.ops.aten
+# ops whose result, from tensors that hold one value everywhere, again holds one value everywhere
+_REDUCTIONS = frozenset({aten.all, aten.any, aten.amin, aten.amax, aten.max, aten.min})
+_COPIES = frozenset({aten._to_copy, aten.clone, aten.contiguous, aten.lift_fresh, aten.lift_fresh_copy,
+                     aten.detach, aten.alias})
+# pointwise ops on values that are sizes (sum of an all-ones mask = its numel): computed on SymInts
+_SYMBOLIC = {aten.eq: operator.eq, aten.ne: operator.ne, aten.lt: operator.lt, aten.le: operator.le,
+             aten.gt: operator.gt, aten.ge: operator.ge, aten.mul: operator.mul, aten.add: operator.add,
+             aten.sub: operator.sub}
+_SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# ops that read a value out of a tensor into Python
+_READS = frozenset({aten._local_scalar_dense, aten.is_nonzero})
+
+# Library functions that ask whether a tensor is fake (to take a "traced" path that does not look at
+# values): (module, function). Checked only where the module is already imported.
+TRACING_CHECKS = (("transformers.utils.import_utils", "is_fake_tensor"),)
+
+
+class KnownValues:
+    """Fake tensors known to hold a single value everywhere (from ``TensorSpec(fill=...)``)."""
+
+    def __init__(self, note: Callable[[str], None]):
+        self.note = note
+        self._values: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, value)
+
+    def set(self, t: torch.Tensor, value: Any) -> None:
+        self._values[id(t)] = (weakref.ref(t), value)
+
+    def known(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        hit = self._values.get(id(t))
+        return hit is not None and hit[0]() is t
+
+    def value_of(self, t: torch.Tensor) -> Any:
+        return self._values[id(t)][1]
+
+    def read(self, func: Any, args: tuple) -> tuple[bool, Any]:
+        """``(True, value)`` when ``func`` reads a value out of a tensor whose value is known."""
+        if tc.op_packet(func) not in _READS or not args or not self.known(args[0]):
+            return False, None
+        value = self.value_of(args[0])
+        return True, bool(value) if tc.op_packet(func) is aten.is_nonzero else value
+
+    def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Give ``out`` a known value when it is a function of known values only."""
+        if not isinstance(out, torch.Tensor) or not self._values:
+            return
+        tensors = [a for a in tc.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not tensors or not all(self.known(t) for t in tensors):
+            return
+        packet = tc.op_packet(func)
+        if getattr(func, "is_view", False) or packet in _COPIES and packet not in (aten._to_copy,):
+            self.set(out, self.value_of(tensors[0]))
+            return
+        if packet is aten.sum and len(tensors) == 1:  # v summed over the reduced elements (a size)
+            t = tensors[0]
+            v = self.value_of(t)
+            self.set(out, (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel() if out.numel() != 1
+                                                                    else t.numel()))
+            return
+        operands = [self.value_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+        if packet in _SYMBOLIC and len(operands) == 2 and any(isinstance(v, _SYMBOLIC_NUMBERS) for v in operands):
+            self.set(out, _SYMBOLIC[packet](*operands))  # a size compared or combined: keep it symbolic
+            return
+        if not (packet in _REDUCTIONS or packet is aten._to_copy or torch.Tag.pointwise in getattr(func, "tags", ())):
+            return
+        # the op on one-element real stand-ins of the same rank and dtype gives the value
+        def stand_in(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return torch.full([1] * a.dim(), self.value_of(a), dtype=a.dtype)
+            return a
+        try:
+            with tc.real_mode():
+                real = func(*[_map(stand_in, a) for a in args], **{k: _map(stand_in, v) for k, v in kwargs.items()})
+                value = real.reshape(-1)[0].item() if isinstance(real, torch.Tensor) and real.numel() else None
+        except Exception:  # noqa: BLE001 - not computable on stand-ins: the value is simply not known
+            return
+        if value is not None:
+            self.set(out, value)
+
+
+def _map(fn: Callable, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    return fn(value)
+
+
+@contextlib.contextmanager
+def tracing_checks(values: KnownValues) -> Iterator[None]:
+    """While a model is simulated, library checks of :data:`TRACING_CHECKS` see through fake tensors
+    whose values are known, and are noted where they are not."""
+    patched = []
+    for module_name, name in TRACING_CHECKS:
+        module = sys.modules.get(module_name)
+        original = getattr(module, name, None) if module is not None else None
+        if original is None:
+            continue
+
+        def check(x: Any, *a: Any, _original: Callable = original, _name: str = f"{module_name}.{name}") -> Any:
+            fake = _original(x, *a)
+            if not fake or not isinstance(x, torch.Tensor):
+                return fake
+            caller = _caller()
+            if values.known(x):
+                values.note(f"{caller} asked whether a tensor is traced ({_name}); its values are known "
+                            f"(all {values.value_of(x)!r}), so it was answered as for the real tensor and the "
+                            f"real run's path taken")
+                return False
+            values.note(f"{caller} asked whether a tensor {tuple(x.shape)} is traced ({_name}) and took its "
+                        f"traced path, so {INEXACT}: a real run may decide on the tensor's values (transformers skips "
+                        f"building an attention mask when the mask is all ones). If your inputs hold one value, "
+                        f"state it: fxmem.TensorSpec(..., fill=1)")
+            return fake
+
+        setattr(module, name, check)
+        patched.append((module, name, original))
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
+
+
+def _caller() -> str:
+    """The library function (and line) that called the tracing check, skipping the check helpers."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name in ("is_tracing", "check", "is_fake_tensor"):
+        frame = frame.f_back
+    if frame is None:
+        return "library code"
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+
+
+__all__ = ["KnownValues", "TRACING_CHECKS", "tracing_checks"]

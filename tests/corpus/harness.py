@@ -1,0 +1,64 @@
+"""Put fxmem's prediction next to a real run for one model: forward and a training step, at given
+sizes. The rows are what ``benchmarks/exactness.py`` tabulates and what the corpus test asserts.
+
+>>> rows = compare(model, specs, [dict(B=1, L=7)], mode="eager")      # doctest: +SKIP
+>>> rows[0].predicted == rows[0].measured                              # doctest: +SKIP
+True
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+import fxmem
+from fxmem.inputs import random_inputs
+from fxmem.measure import measure
+from fxmem.training import default_loss, train_step
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    mode: str  # graph | eager
+    what: str  # forward | train
+    sizes: dict
+    predicted: Any  # (peak above start, retained) bytes, or the refusal
+    measured: Any
+    says_inexact: bool = False  # the report's notes say its numbers may not be exact
+
+    @property
+    def exact(self) -> bool:
+        return self.predicted == self.measured
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes: list, *, mode: str = "graph",
+            makers: dict | None = None, optimizer: Callable = adamw, train: bool = True) -> list[Row]:
+    """Analyse (forward, and a training step with ``optimizer``) and measure real runs at ``sizes``."""
+    rows = []
+    model = build().train()
+    forward = fxmem.analyze(model, *specs, mode=mode)
+    step = fxmem.analyze(model, *specs, mode=mode, optimizer=optimizer) if train else None
+    for dims in sizes:
+        xs = random_inputs(forward.specs, dims, makers=makers)
+        real = forward.graph_module if mode == "graph" else model
+        ev = forward.evaluate(**dims)
+        m = measure(lambda: real(*xs))
+        rows.append(Row(name, mode, "forward", dims, (ev["peak_above_resident"], ev["retained"]),
+                        (m.peak_above_start, m.retained), not forward.exact))
+        if step is None:
+            continue
+        real = copy.deepcopy(step.graph_module if mode == "graph" else model)
+        opt = optimizer(real.parameters())
+        train_step(real, xs, opt, default_loss)  # the optimizer's state, as in a steady state
+        m = measure(lambda: train_step(real, xs, opt, default_loss))
+        ev = step.evaluate(**dims)
+        rows.append(Row(name, mode, "train", dims, (ev["train_peak"] - ev["train_resident"], ev["train_retained"]),
+                        (m.peak_above_start, m.retained), not step.exact))
+    return rows

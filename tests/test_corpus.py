@@ -1,0 +1,50 @@
+"""Third-party models (transformers, PyTorch Geometric) built from configs with random weights,
+forward and an AdamW training step, exact against the allocator at two held-out sizes including
+batch 1. Entries whose package is not installed skip (torchvision and timm need a CUDA build of
+torch from the registry; not part of this suite yet)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxmem
+from corpus.harness import compare
+from corpus.models import CORPUS
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_corpus_model_is_exact(name):
+    entry = CORPUS[name]
+    if not entry.available():
+        pytest.skip(f"{entry.requires} is not installed")
+    if name == "llama-sdpa-mask":
+        pytest.skip("its mask's values decide the path: see test_a_path_decided_by_values_is_flagged_or_followed")
+    rows = compare(name, entry.build, entry.specs, entry.sizes, mode=entry.mode, makers=entry.makers)
+    assert {dims.get("B", dims.get("N")) for dims in entry.sizes} & {1}, "a held-out size of 1"
+    bad = [r for r in rows if not r.exact]
+    assert not bad, "\n".join(f"{r.what} at {r.sizes}: predicted {r.predicted}, measured {r.measured}" for r in bad)
+
+
+def test_a_path_decided_by_values_is_flagged_or_followed():
+    """transformers skips building an attention mask when the mask is all ones; on fake tensors it
+    cannot look. Without the values the report says its numbers may not be exact (and names the
+    library function); with TensorSpec(fill=1) it follows the real path, exactly."""
+    pytest.importorskip("transformers")
+    unknown = CORPUS["llama-sdpa-mask"]
+    report = fxmem.analyze(unknown.build(), *unknown.specs, mode="eager")
+    assert not report.exact
+    assert any("_ignore_causal_mask_sdpa" in n and "fill=1" in n for n in report.notes)
+    assert "(B, L)" in " ".join(report.notes)  # the user's dim names, not PyTorch's symbols
+    known = CORPUS["llama-sdpa-mask-filled"]
+    rows = compare("filled", known.build, known.specs, known.sizes, mode="eager", makers=known.makers, train=False)
+    assert all(r.exact for r in rows)
+    report = fxmem.analyze(known.build(), *known.specs, mode="eager")
+    assert report.exact and any("answered as for the real tensor" in n for n in report.notes)
+
+
+def test_pyg_default_self_loops_are_refused_naming_the_line():
+    """GCNConv's default add_self_loops removes existing loops first: an edge count that depends on
+    the edge list's values. fxmem refuses, naming the line, instead of guessing."""
+    gnn = pytest.importorskip("torch_geometric.nn")
+    with pytest.raises(fxmem.UnsupportedOpError, match=r"depends on the data.*|.*\.py:\d+"):
+        fxmem.analyze(gnn.GCNConv(16, 32), ("N", 16), fxmem.TensorSpec((2, "E"), dtype=torch.int64), mode="eager")

@@ -28,8 +28,11 @@ from typing import Any, Callable, Iterator
 
 # What the profiler's native library (kineto) prints to stderr on every start and stop, whatever
 # KINETO_LOG_LEVEL says: ``USDT:<date> <time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start``.
-# A model with oneDNN convolutions is calibrated with dozens of profiler sessions.
-_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] ")
+# A model with oneDNN convolutions is calibrated with dozens of profiler sessions. A CUDA build of
+# torch on a machine without a GPU adds, on the first session, ``ERROR:... DeviceProperties.cpp:56]
+# gpuGetDeviceCount failed with code 35``: kineto looking for GPUs it was not asked to trace.
+_PROFILER_CHATTER = re.compile(r"^((USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] "
+                               r"|ERROR:\S+ \S+ \d+:\d+ DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed)")
 
 
 @dataclasses.dataclass

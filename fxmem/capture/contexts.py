@@ -1,9 +1,11 @@
 """Global modes that ``torch.fx`` symbolic tracing runs through but does not record.
 
 ``with torch.autocast(...)``, ``with torch.no_grad()``, ``torch.inference_mode()``,
-``sdpa_kernel(...)`` and ``torch.use_deterministic_algorithms`` inside ``forward`` are executed
-while fx traces, and leave no trace in the graph: the graph's matmul then runs in float32 instead
-of bfloat16, or saves tensors for backward that the real forward never saves. Analysing such a
+``sdpa_kernel(...)``, ``torch.use_deterministic_algorithms`` and saved-tensor hooks
+(``torch.utils.checkpoint``, ``save_on_cpu``) inside ``forward`` are executed while fx traces, and
+leave no trace in the graph: the graph's matmul then runs in float32 instead of bfloat16, or saves
+tensors for backward that the real forward never saves (a checkpointed block at B=48: the graph
+would keep 49,344 B for backward, the model keeps 5,248 B). Analysing such a
 graph would give the numbers of a different program, silently. So the tracer watches these modes
 and stops at the first operation traced under a mode other than the one tracing began in, naming
 the line; the caller then captures another way (or the user analyses with ``mode="eager"``).
@@ -22,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .. import _torch_compat as tc
 from ..errors import TraceError
 from .source import is_user_file
 
@@ -49,6 +52,8 @@ MODES: tuple[tuple[str, Callable[[], object]], ...] = (
     ("autocast on cuda (torch.autocast)", _autocast("cuda")),
     ("the attention backends (torch.nn.attention.sdpa_kernel)", _sdpa_backends),
     ("deterministic algorithms (torch.use_deterministic_algorithms)", torch.are_deterministic_algorithms_enabled),
+    ("the saved-tensor hooks (torch.utils.checkpoint, save_on_cpu, saved_tensors_hooks)",
+     tc.saved_tensor_hooks_in_effect),
 )
 
 

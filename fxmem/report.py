@@ -145,8 +145,8 @@ class Report:
 
     def regions(self) -> list[tuple[list[str], "Report"]]:
         """Every analysis made so far, as ``(region, report)``: this one first, then one per region
-        ``evaluate`` had to re-analyse (each holds exactly in its region; regions do not overlap
-        where PyTorch takes different code paths). Formulas for every size are these pieces.
+        ``evaluate`` had to re-analyse, each exact in its region: together, piecewise formulas
+        for every size evaluated so far.
 
         >>> r = fxmem.analyze(model, ("B", 3, "H", "W")); r.evaluate(B=1, H=32, W=32)  # doctest: +SKIP
         >>> [(region, str(report.peak)) for region, report in r.regions()]               # doctest: +SKIP

@@ -110,3 +110,10 @@ def test_small_batches_are_analysed_once_per_region_and_exact():
         assert not any("floor" in c for c in region) and len(region) == len(set(region))
     small = [piece for region, piece in report.regions() if "B >= 2" in region and piece is not report]
     assert small and small[0]._holds_at(dict(B=5, H=22, W=20))
+
+
+def test_llama_guards_read_as_one_range():
+    """Llama-7B's guards at L=101 (SDPA's block sizes, the rotary table's 4096 rows)."""
+    L = dim_symbol("L")
+    text = _agrees({B: 2, L: 32}, {}, [L < 768, L < 192, sympy.Le(0, 4096 - L)], [B, L], range(1, 800))
+    assert text == ["B >= 2", "L >= 32", "L <= 191"]

@@ -47,6 +47,7 @@ def readable(lower: Mapping[sympy.Symbol, int], upper: Mapping[sympy.Symbol, int
         if c is None and g in kept:
             continue
         kept.append(c if c is not None else g)
+    tried: set = set()  # (guard, the bounds of its dims) already found not implied
     changed = True
     while changed:  # a tighter bound can make another guard implied: repeat until nothing moves
         changed = False
@@ -54,8 +55,11 @@ def readable(lower: Mapping[sympy.Symbol, int], upper: Mapping[sympy.Symbol, int
             if not isinstance(item, tuple):
                 continue
             expr, rel = item
-            verdict = _implied(expr, rel, lo, hi)
-            if verdict:
+            key = (item, tuple((s, lo.get(s), hi.get(s)) for s in sorted(expr.free_symbols, key=str)))
+            if key in tried:
+                continue
+            tried.add(key)
+            if _implied(expr, rel, lo, hi):
                 kept.remove(item)
                 changed = True
                 continue

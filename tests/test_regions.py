@@ -110,6 +110,9 @@ def test_small_batches_are_analysed_once_per_region_and_exact():
         assert not any("floor" in c for c in region) and len(region) == len(set(region))
     small = [piece for region, piece in report.regions() if "B >= 2" in region and piece is not report]
     assert small and small[0]._holds_at(dict(B=5, H=22, W=20))
+    # the reused analysis gives what an analysis made at those very sizes gives, number for number
+    fresh = fxmem.analyze(model, ("B", 3, "H", "W"), hints=dict(B=5, H=22, W=20))
+    assert dict(report.evaluate(B=5, H=22, W=20)) == dict(fresh.evaluate(B=5, H=22, W=20))
 
 
 def test_llama_guards_read_as_one_range():

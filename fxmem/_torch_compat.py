@@ -492,7 +492,7 @@ def lower_bound(expr: sympy.Expr, ranges: dict) -> int | None:
         quiet.setLevel(level)
     try:
         return int(sympy.floor(low))
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, AttributeError):  # -oo (torch's int_oo): no bound
         return None
 
 

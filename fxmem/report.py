@@ -126,10 +126,37 @@ class Report:
         return report, report._evaluations[key]
 
     def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":
+        """The analysis whose formulas hold at ``values``: one already made for a region that
+        contains them (each region is analysed once), else a new one made at ``values``."""
         key = (environment_key, tuple(sorted(values.items())))
         if key not in self._regions:
-            self._regions[key] = self._reanalyze(values)
+            for (env_key, _), report in self._regions.items():
+                if env_key == environment_key and report._holds_at(values):
+                    self._regions[key] = report
+                    break
+            else:
+                self._regions[key] = self._reanalyze(values)
         return self._regions[key]
+
+    def _holds_at(self, values: Mapping[str, int]) -> bool:
+        """Whether this analysis' formulas hold at ``values`` (the dims lie in its region)."""
+        return set(values) == set(self.symbols) and not self._plan.region.violations(
+            {self.symbols[k]: v for k, v in values.items()})
+
+    def regions(self) -> list[tuple[list[str], "Report"]]:
+        """Every analysis made so far, as ``(region, report)``: this one first, then one per region
+        ``evaluate`` had to re-analyse, each exact in its region: together, piecewise formulas
+        for every size evaluated so far.
+
+        >>> r = fxmem.analyze(model, ("B", 3, "H", "W")); r.evaluate(B=1, H=32, W=32)  # doctest: +SKIP
+        >>> [(region, str(report.peak)) for region, report in r.regions()]               # doctest: +SKIP
+        """
+        seen, out = {id(self)}, [(self.region, self)]
+        for report in self._regions.values():
+            if id(report) not in seen:
+                seen.add(id(report))
+                out.append((report.region, report))
+        return out
 
     def at(self, expr: sympy.Expr | str | int, **dims: int) -> int:
         """Value of any formula of this report (a storage's ``bytes``, a node's ``live_after``, or a

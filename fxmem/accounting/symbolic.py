@@ -18,6 +18,7 @@ import sympy
 
 from .. import _torch_compat as tc
 from ..specs import dim_symbol
+from .conditions import readable
 
 Terms = dict  # dict[sympy.Expr (monomial, 1 for the constant), int]
 
@@ -91,16 +92,17 @@ class Region:
     def __post_init__(self) -> None:
         self._shifted: dict[sympy.Expr, Terms] = {}
         self._atoms: dict[sympy.Expr, sympy.Expr] = {}
+        self._text: list[str] | None = None
 
     def conditions(self) -> list[str]:
-        """The region as text, in the user's dims (``B == 1024``, ``N >= 2``, ``Mod(N, 2) == 0``)."""
-        out = [f"{s} == {v}" for s, v in self.pinned.items()]
-        out += [f"{s} >= {lo}" for s, lo in self.lower.items() if lo > 1 and s not in self.pinned]
-        out += [f"{s} <= {hi}" for s, hi in self.upper.items() if s not in self.pinned]
-        for text in map(_guard_text, self.guards):
-            if text not in out:  # a guard the range of its dim already says
-                out.append(text)
-        return out
+        """The region as text, in the user's dims (``B == 1024``, ``N >= 2``, ``N even``), each
+        condition once and none implied by the others (see :mod:`.conditions`)."""
+        if self._text is None:  # proofs over the guards: once
+            out = [f"{s} == {v}" for s, v in self.pinned.items()]
+            lower = {s: lo for s, lo in self.lower.items() if s not in self.pinned}
+            upper = {s: hi for s, hi in self.upper.items() if s not in self.pinned}
+            self._text = out + [text for text in readable(lower, upper, self.guards) if text not in out]
+        return list(self._text)
 
     def violations(self, values: Mapping[sympy.Symbol, int]) -> list[str]:
         """Reasons ``values`` lies outside the region ([] when inside)."""

@@ -20,6 +20,7 @@ import torch
 from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
 from .accounting.symbolic import evaluate
+from .capture import Capture
 from .errors import SpecError
 from .kernels import environment
 from .records import INEXACT
@@ -53,7 +54,7 @@ class Report:
 
     def __init__(self, plan: MemoryPlan, *, model_name: str, specs: list, device: str, grad: bool,
                  dtype: torch.dtype, hints: dict, graph_module: torch.fx.GraphModule | None, mode: str,
-                 reanalyze: Callable[[dict], "Report"]):
+                 reanalyze: Callable[[dict], "Report"], capture: Capture | None = None):
         self._plan = plan
         self.model_name = model_name
         self.specs = specs
@@ -61,6 +62,8 @@ class Report:
         self.grad = grad
         self.dtype = dtype
         self.mode = mode
+        # which code the numbers are of, and why (eager mode where torch.fx cannot trace the model)
+        self.capture: Capture = capture or Capture(mode, "the original forward" if mode == "eager" else "a graph")
         self.hints = dict(hints)
         self.graph_module = graph_module
         self._reanalyze = reanalyze
@@ -261,7 +264,7 @@ class Report:
     def to_dict(self) -> dict:
         """Everything, JSON-serialisable (formulas as strings)."""
         return {
-            "model": self.model_name, "mode": self.mode, "device": self.device, "grad": self.grad,
+            "model": self.model_name, "mode": self.mode, "capture": self.capture.text, "device": self.device, "grad": self.grad,
             "dtype": str(self.dtype).replace("torch.", ""),
             "inputs": [{"arg": s.arg, "shape": [str(d) for d in s.dims], "dtype": str(s.dtype).replace("torch.", "")}
                        for s in self.specs],

@@ -29,7 +29,7 @@ import torch.fx
 from .. import _torch_compat as tc
 from ..analyze import analyze
 from ..capture import forward_parameters
-from ..errors import FxMemError, ModelError, ShapeError, SpecError
+from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
 from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
@@ -120,7 +120,16 @@ def optimize(
     settings = _check_settings(settings)
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
-    traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    try:
+        traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    except TraceError as exc:
+        # a rewrite is a change to an fx graph: without one there is nothing to rewrite, say so plainly
+        head, _, _ = str(exc).partition("\n  what to do")
+        raise TraceError(f"fxmem.optimize rewrites the model's torch.fx graph, and fx cannot capture it: {head}\n  "
+                         f"what to do: fxmem.analyze(model, ...) still gives its memory (it falls back to the "
+                         f"original forward by itself); to rewrite, make the failing code traceable (mark the module "
+                         f"that contains it as a leaf with leaf_modules=[...]), or optimize the submodules fx can "
+                         f"trace") from exc
     gm = traced.graph_module
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     try:

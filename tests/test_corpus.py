@@ -31,14 +31,14 @@ def test_a_path_decided_by_values_is_flagged_or_followed():
     library function); with TensorSpec(fill=1) it follows the real path, exactly."""
     pytest.importorskip("transformers")
     unknown = CORPUS["llama-sdpa-mask"]
-    report = fxmem.analyze(unknown.build(), *unknown.specs, mode="eager")
+    report = fxmem.analyze(unknown.build(), *unknown.specs)
     assert not report.exact
     assert any("_ignore_causal_mask_sdpa" in n and "fill=1" in n for n in report.notes)
     assert "(B, L)" in " ".join(report.notes)  # the user's dim names, not PyTorch's symbols
     known = CORPUS["llama-sdpa-mask-filled"]
-    rows = compare("filled", known.build, known.specs, known.sizes, mode="eager", makers=known.makers, train=False)
+    rows = compare("filled", known.build, known.specs, known.sizes, makers=known.makers, train=False)
     assert all(r.exact for r in rows)
-    report = fxmem.analyze(known.build(), *known.specs, mode="eager")
+    report = fxmem.analyze(known.build(), *known.specs)
     assert report.exact and any("answered as for the real tensor" in n for n in report.notes)
 
 

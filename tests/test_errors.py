@@ -128,9 +128,12 @@ def test_untraceable_model_points_at_the_line():
             return -x
 
     with pytest.raises(fxmem.TraceError) as err:
-        fxmem.analyze(Branchy(), ("B", 3))
+        fxmem.analyze(Branchy(), ("B", 3), mode="graph")
     msg = str(err.value)
-    assert "test_errors.py:" in msg and "if x.sum() > 0" in msg and "what to do" in msg
+    assert "test_errors.py:" in msg and "if x.sum() > 0" in msg and "what to do" in msg and "mode='eager'" in msg
+    # the default falls back to the original forward, where the branch on a value is refused, naming the line
+    with pytest.raises(fxmem.UnsupportedOpError, match=r"test_errors.py:\d+: if x.sum\(\) > 0"):
+        fxmem.analyze(Branchy(), ("B", 3))
 
 
 @pytest.mark.skipif(torch.backends.cuda.is_built(), reason="checks the CPU-only build's refusal")

@@ -1,7 +1,7 @@
 """Put fxmem's prediction next to a real run for one model: forward and a training step, at given
 sizes. The rows are what ``benchmarks/exactness.py`` tabulates and what the corpus test asserts.
 
->>> rows = compare(model, specs, [dict(B=1, L=7)], mode="eager")      # doctest: +SKIP
+>>> rows = compare(model, specs, [dict(B=1, L=7)])      # doctest: +SKIP
 >>> rows[0].predicted == rows[0].measured                              # doctest: +SKIP
 True
 """
@@ -38,13 +38,15 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes: list, *, mode: str = "graph",
+def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes: list, *, mode: str = "auto",
             makers: dict | None = None, optimizer: Callable = adamw, train: bool = True) -> list[Row]:
     """Analyse (forward, and a training step with ``optimizer``) and measure real runs at ``sizes``."""
     rows = []
     model = build().train()
     forward = fxmem.analyze(model, *specs, mode=mode)
     step = fxmem.analyze(model, *specs, mode=mode, optimizer=optimizer) if train else None
+    mode = forward.mode  # the capture the analysis used (auto: graph where fx traces, else eager)
+    assert step is None or step.mode == mode
     for dims in sizes:
         xs = random_inputs(forward.specs, dims, makers=makers)
         real = forward.graph_module if mode == "graph" else model

@@ -2,7 +2,8 @@
 for CI: Hugging Face transformers, PyTorch Geometric layers, timm and torchvision.
 
 Each entry of :data:`CORPUS` is a :class:`Entry`: how to build the model, its input specs, the
-mode fxmem analyses it in (``"eager"`` where torch.fx cannot trace the library's code), input
+mode fxmem analyses it in (the default ``"auto"``: graph where torch.fx traces the library's code,
+else the original forward, and the report says which), input
 makers for inputs whose values matter (token ids, edge lists), and two held-out sizes including
 batch 1. ``requires`` names the package; an entry whose package is missing is skipped.
 
@@ -28,9 +29,8 @@ class Entry:
     specs: tuple
     sizes: list
     requires: str
-    mode: str = "eager"
+    mode: str = "auto"
     makers: dict = dataclasses.field(default_factory=dict)
-    why_eager: str = "torch.fx cannot trace the library's forward (see issue #12)"
 
     def available(self) -> bool:
         return importlib.util.find_spec(self.requires) is not None

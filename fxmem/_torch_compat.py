@@ -593,3 +593,24 @@ def skip_parameter_init() -> Iterator[None]:
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+def dynamo_example_value(node: Any) -> Any:
+    """What TorchDynamo traced a placeholder of its graph with: a FakeTensor whose sizes are
+    SymInts (or ints where Dynamo specialised), or a SymInt; None if the graph does not say."""
+    return node.meta.get("example_value")
+
+
+def dynamo_input_sizes(value: Any) -> list[sympy.Expr] | None:
+    """The sizes of a Dynamo example tensor as sympy expressions over Dynamo's own symbols."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [raw_expr(d) for d in value.shape]
+
+
+def dynamo_wrapped_number(node: Any, real: Any) -> bool:
+    """Whether a Dynamo graph input is a Python float Dynamo wrapped into a 0-d float64 tensor
+    (``specialize_float=False``; it makes the tensor at each call and reads it with ``.item()``),
+    not a tensor the caller passed (those carry their ``__dict__`` as ``tensor_dict``)."""
+    return (isinstance(real, torch.Tensor) and real.dim() == 0 and real.dtype == torch.float64
+            and "tensor_dict" not in node.meta)

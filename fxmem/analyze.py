@@ -152,9 +152,12 @@ def analyze(
                 raise
             capture = fallback(exc)
             return run(at)
-        plan = MemoryPlan(rec, dict(at))
+        # a size the data decides has no example value: any positive one orders the Max's candidates
+        # (the formulas hold for every value); evaluate() asks the user for it
+        data = {name: int(at.get(name, d.example)) for name, d in rec.data_dims.items()}
+        plan = MemoryPlan(rec, {**dict(at), **data})
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
-                      hints=dict(at), graph_module=rec.graph_module, mode=capture.run_mode, reanalyze=run,
+                      hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode, reanalyze=run,
                       capture=capture)
 
     special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
@@ -174,4 +177,5 @@ def analyze(
                            f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
                            f"re-analyses at those sizes")
     return report
+
 

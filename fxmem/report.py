@@ -84,6 +84,11 @@ class Report:
         self.facts: dict = dict(plan.rec.facts)
         self.storages = plan.storages
         self.nodes = plan.nodes
+        # sizes the data decides (x[mask], nonzero): dims evaluate() needs, with what each counts
+        data = plan.rec.data_dims
+        self.data_dims: dict[str, str] = {
+            name: d.describe(lambda _, d=d: str(plan.to_user(d.upper))) for name, d in data.items()}
+        self._data_bounds = {name: plan.to_user(d.upper) for name, d in data.items() if d.upper is not None}
 
     # --- numbers --------------------------------------------------------------------------------
     @property
@@ -114,8 +119,22 @@ class Report:
         if dims is None and not check:
             report, values = self, dict(self.hints)
         else:
-            values = check_dims(dict(dims or {}), self.symbols)
+            missing = [d for d in self.data_dims if d not in (dims or {})]
+            if missing:
+                raise SpecError(f"evaluate(): give the value of {', '.join(missing)}, a size the data decides - "
+                                + "; ".join(self.data_dims[d] for d in missing))
+            given = dict(dims or {})
+            counts = {k: given.pop(k) for k in self.data_dims}  # may be 0: a mask that selects nothing
+            for name, v in counts.items():
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise SpecError(f"evaluate(): {name}={v!r} must be a whole number >= 0: {self.data_dims[name]}")
+            values = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
             check_input_sizes(self.specs, values, self.symbols)
+            for name, upper in self._data_bounds.items():
+                bound = sympy.sympify(upper).xreplace({self.symbols[k]: sympy.Integer(v) for k, v in values.items()})
+                if bound.is_number and values[name] > bound:
+                    raise SpecError(f"evaluate(): {name}={values[name]} is more than it can be at these sizes "
+                                    f"({name} <= {upper} = {bound}): {self.data_dims[name]}")
             report = self
             if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
                 report = self._reanalysed(values)

@@ -19,7 +19,7 @@ def test_corpus_model_is_exact(name):
         pytest.skip(f"{entry.requires} is not installed")
     if name == "llama-sdpa-mask":
         pytest.skip("its mask's values decide the path: see test_a_path_decided_by_values_is_flagged_or_followed")
-    rows = compare(name, entry.build, entry.specs, entry.sizes, mode=entry.mode, makers=entry.makers)
+    rows = compare(name, entry.build, entry.specs, entry.sizes, mode=entry.mode, makers=entry.makers, data=entry.data)
     assert {dims.get("B", dims.get("N")) for dims in entry.sizes} & {1}, "a held-out size of 1"
     bad = [r for r in rows if not r.exact]
     assert not bad, "\n".join(f"{r.what} at {r.sizes}: predicted {r.predicted}, measured {r.measured}" for r in bad)
@@ -42,9 +42,15 @@ def test_a_path_decided_by_values_is_flagged_or_followed():
     assert report.exact and any("answered as for the real tensor" in n for n in report.notes)
 
 
-def test_pyg_default_self_loops_are_refused_naming_the_line():
-    """GCNConv's default add_self_loops removes existing loops first: an edge count that depends on
-    the edge list's values. fxmem refuses, naming the line, instead of guessing."""
+def test_pyg_default_self_loops_make_a_named_dim():
+    """GCNConv's default add_self_loops removes existing loops first: the number of edges kept depends
+    on the edge list's values. It becomes the dim K1, bounded by E, made at PyG's line; evaluate()
+    asks for it (the corpus rows check the numbers against real runs)."""
     gnn = pytest.importorskip("torch_geometric.nn")
-    with pytest.raises(fxmem.UnsupportedOpError, match=r"depends on the data.*|.*\.py:\d+"):
-        fxmem.analyze(gnn.GCNConv(16, 32), ("N", 16), fxmem.TensorSpec((2, "E"), dtype=torch.int64), mode="eager")
+    report = fxmem.analyze(gnn.GCNConv(16, 32), ("N", 16), fxmem.TensorSpec((2, "E"), dtype=torch.int64))
+    assert set(report.symbols) == {"N", "E", "K1"} and "K1" in str(report.peak)
+    assert "torch_geometric/utils/loop.py:" in report.data_dims["K1"] and "K1 <= E" in report.data_dims["K1"]
+    with pytest.raises(fxmem.SpecError, match=r"give the value of K1.*loop.py"):
+        report.evaluate(N=5, E=9)
+    with pytest.raises(fxmem.SpecError, match=r"K1=10 is more than.*K1 <= E"):
+        report.evaluate(N=5, E=9, K1=10)

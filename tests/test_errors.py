@@ -106,13 +106,22 @@ def test_op_without_fake_kernel_is_named():
         fxmem.analyze(UsesOpaque(), ("B", 4))
 
 
-def test_data_dependent_size_is_refused():
+def test_data_dependent_size_is_a_named_dim_and_a_branch_on_values_is_refused():
     class Masked(nn.Module):
         def forward(self, x):
             return x[x > 0]
 
-    with pytest.raises(fxmem.UnsupportedOpError, match="size depends on the data"):
-        fxmem.analyze(Masked(), ("B", 4))
+    report = fxmem.analyze(Masked(), ("B", 4))
+    assert "K1" in report.symbols and "K1 <= 4*B" in report.data_dims["K1"]  # the user's dims, never u0
+    with pytest.raises(fxmem.SpecError, match="give the value of K1"):
+        report.evaluate(B=3)
+
+    class OnValues(nn.Module):
+        def forward(self, x):
+            return x * 2 if bool((x > 0).any()) else x
+
+    with pytest.raises(fxmem.UnsupportedOpError, match=r"test_errors.py:\d+: .*decides on tensor values"):
+        fxmem.analyze(OnValues(), ("B", 4))
 
 
 def test_not_a_module():

@@ -7,10 +7,10 @@ where each piece of it came from in the user's source.
 ('input',)
 """
 from .choice import Capture, fallback
-from .source import (Parameters, SourceLine, forward_parameters, is_user_file, model_files, module_path, raised_at,
+from .source import (Parameters, SourceLine, forward_parameters, is_user_file, model_files, module_path, raised_at, running_line,
                      short_path, source_line, statement_of, statement_text)
 from .trace import check_leaf_modules, helper_modules, private_copy, trace
 
 __all__ = ["trace", "Capture", "fallback", "forward_parameters", "Parameters", "private_copy", "check_leaf_modules",
            "helper_modules", "SourceLine", "source_line", "module_path",
-           "is_user_file", "model_files", "raised_at", "short_path", "statement_of", "statement_text"]
+           "is_user_file", "model_files", "raised_at", "running_line", "short_path", "statement_of", "statement_text"]

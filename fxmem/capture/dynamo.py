@@ -133,10 +133,14 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 continue
             for sym in sorted(expr.free_symbols, key=str):
                 if sym not in name_of:
-                    wanted = given[d] if given and isinstance(given[d], str) and expr == sym else f"{label}_{d}"
-                    name_of[sym] = wanted if wanted not in name_of.values() else f"{label}_{d}"
-            dims.append(str(expr.xreplace({s: sympy.Symbol(name_of[s]) for s in expr.free_symbols})))
-            if expr.is_Symbol:
+                    # the user's name, or the user's number (the graph holds for every size, so also there)
+                    wanted = given[d] if given and expr == sym else f"{label}_{d}"
+                    clash = isinstance(wanted, str) and wanted in name_of.values()
+                    name_of[sym] = f"{label}_{d}" if clash else wanted
+            value = expr.xreplace({s: sympy.Integer(v) if isinstance(v, int) else sympy.Symbol(v)
+                                   for s, v in name_of.items() if s in expr.free_symbols})
+            dims.append(int(value) if value.is_number else str(value))
+            if expr.is_Symbol and isinstance(name_of[expr], str):
                 hints[name_of[expr]] = int(size)
         node = graph.placeholder(_identifier(label, taken))
         env[n] = node

@@ -78,7 +78,8 @@ def in_library(filename: str) -> bool:
 
 
 def _own_or_torch(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIRS) or "<" in filename
+    # torch's own folder, not torch_geometric's or torchvision's next to it
+    return filename.startswith(_TORCH_DIR + os.sep) or filename.startswith(_OWN_DIRS) or "<" in filename
 
 
 def raised_at(exc: BaseException, files: frozenset = frozenset()) -> str | None:
@@ -101,6 +102,31 @@ def raised_at(exc: BaseException, files: frozenset = frozenset()) -> str | None:
     if users and users[-1] is not last:
         text += f" (called from {users[-1].filename}:{users[-1].lineno}: {(users[-1].line or '').strip()})"
     return text
+
+
+_RUNNERS = ("graph_runner.py", "line_runner.py", "simulate.py")  # fxmem's frames that call the model
+
+
+def running_line() -> str | None:
+    """``file:line: code`` of the model code running the current torch call, read off the Python
+    stack from inside fxmem's dispatch mode: the innermost frame outside torch and fxmem, if it is
+    below fxmem's runner (None in graph mode, where the runner calls torch directly)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_OWN_DIRS) and os.path.basename(name) in _RUNNERS:
+            return None  # reached fxmem's runner: no model code between (graph mode)
+        if not (_own_or_torch(name)):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    name, line = frame.f_code.co_filename, frame.f_lineno
+    import linecache
+
+    return f"{short_path(name)}:{line}: {linecache.getline(name, line).strip()}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,3 +54,29 @@ def test_pyg_default_self_loops_make_a_named_dim():
         report.evaluate(N=5, E=9)
     with pytest.raises(fxmem.SpecError, match=r"K1=10 is more than.*K1 <= E"):
         report.evaluate(N=5, E=9, K1=10)
+
+
+def test_hugging_face_models_as_users_call_them_work_in_the_default_mode():
+    """transformers wraps forward (functools.wraps), which torch.fx cannot trace ("co_varnames is too
+    small"): the default mode analyses the original forward, says why, and is exact; mode="graph"
+    refuses with advice that can help (mode='eager'), not leaf modules."""
+    transformers = pytest.importorskip("transformers")
+    from fxmem.measure import measure
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+    with pytest.raises(fxmem.TraceError) as err:
+        fxmem.analyze(model, ids, mode="graph")
+    assert "modeling_gpt2.py:" in str(err.value) and "mode='eager'" in str(err.value)
+    assert "leaf_modules" not in str(err.value)
+    report = fxmem.analyze(model, ids)
+    assert report.mode == "eager" and "modeling_gpt2.py:" in report.capture.reason
+    assert "capture: eager mode" in report.summary()
+    for dims in (dict(B=1, L=7), dict(B=3, L=12)):
+        x = torch.randint(0, 100, (dims["B"], dims["L"]))
+        m = measure(lambda: model(x))
+        ev = report.evaluate(**dims)
+        assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained), dims

@@ -42,6 +42,8 @@ class DynamoGraph:
     specs: list
     hints: dict
     notes: list
+    specialised: list = dataclasses.field(default_factory=list)  # the user's dims Dynamo fixed to a number
+    guards: list = dataclasses.field(default_factory=list)  # where the graph holds (Dynamo's size guards)
 
 
 _PART = re.compile(r"_(modules|parameters|buffers)_")
@@ -85,10 +87,18 @@ def _install(root: torch.nn.Module, path: str, value: torch.Tensor) -> str:
 
 
 def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                names: Mapping[str, Sequence[Any]] | None = None) -> DynamoGraph:
+                names: Mapping[str, Sequence[Any]] | None = None, model: torch.nn.Module | None = None,
+                order: Sequence[str] | None = None, inline_numbers: bool = False) -> DynamoGraph:
     """The Dynamo graph ``gm`` (with the inputs it was compiled for) as a GraphModule of tensor
-    inputs only; ``names``: input name -> dims (names or ints), e.g. ``{"x": ("B", "N", 6)}``."""
+    inputs only; ``names``: input name -> dims (names or ints), e.g. ``{"x": ("B", "N", 6)}``.
+    ``model``: the module compiled, whose parameters and buffers keep their own names (else they
+    are read off Dynamo's input names); ``order``: the forward's arguments, the new graph's inputs
+    in that order (one the graph does not use is an input nobody reads); ``inline_numbers``: the
+    Python numbers Dynamo passes as tensors become constants (for a rewrite of the model, not for
+    the memory of the compiled call, which makes those tensors)."""
     names = dict(names or {})
+    qualified = {} if model is None else {id(t): q for q, t in [*model.named_parameters(remove_duplicate=False),
+                                                                *model.named_buffers(remove_duplicate=False)]}
     in_order = list(names.values())  # forward(*args) reaches Dynamo as args_0, args_1, ...: by position
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
@@ -98,19 +108,20 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     graph = torch.fx.Graph()
     env: dict = {}
     taken: set = set()
-    specs, hints, notes, sizes = [], {}, [], {}
+    specs, hints, notes, specialised = [], {}, [], []
     name_of: dict = {}  # Dynamo's symbol -> the user's dim name
     tensors: list[tuple[torch.fx.Node, list]] = []  # tensor inputs of the new graph, Dynamo's sizes
     symint_inputs, own, numbers = [], [], []
+    inputs: dict = {}  # forward argument -> (Dynamo's placeholder, its sizes, its spec)
     for n, real in zip(placeholders, example_inputs):
         value = tc.dynamo_example_value(n)
         label = _input_name(str(n.target))
         if tc.dynamo_wrapped_number(n, real):
             numbers.append((n, real))
             continue
-        if isinstance(real, torch.Tensor) and (isinstance(real, torch.nn.Parameter) or "." in label
-                                               or "_buffers_" in str(n.target)):
-            own.append((n, label, real))  # the model's own tensor: an attribute of the root
+        if isinstance(real, torch.Tensor) and (id(real) in qualified or isinstance(real, torch.nn.Parameter)
+                                               or "." in label or "_buffers_" in str(n.target)):
+            own.append((n, qualified.get(id(real), label), real))  # the model's own: an attribute of the root
             continue
         if not isinstance(real, torch.Tensor):
             symint_inputs.append((n, value, real))
@@ -126,6 +137,7 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         for d, (expr, size) in enumerate(zip(exprs, real.shape)):
             if expr.is_number:
                 if given and isinstance(given[d], str):
+                    specialised.append(f"{given[d]} (= {int(expr)})")
                     notes.append(f"TorchDynamo compiled this graph for {label}.size({d}) == {int(expr)} only (static "
                                  f"shapes; its guards recompile at other sizes): {given[d]} is that number here. "
                                  f"torch.compile(..., dynamic=True) keeps it a dim")
@@ -142,10 +154,17 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             dims.append(int(value) if value.is_number else str(value))
             if expr.is_Symbol and isinstance(name_of[expr], str):
                 hints[name_of[expr]] = int(size)
+        inputs[label] = (n, exprs, TensorSpec(tuple(dims), dtype=real.dtype, requires_grad=real.requires_grad))
+    if order is not None and set(inputs) - set(order):
+        raise TraceError(f"TorchDynamo's graph takes {sorted(set(inputs) - set(order))} as input(s), which are not "
+                         f"arguments of forward ({', '.join(order)}); fxmem cannot tell what they are")
+    for label in (order if order is not None else list(inputs)):
         node = graph.placeholder(_identifier(label, taken))
-        env[n] = node
-        tensors.append((node, exprs))
-        specs.append(TensorSpec(tuple(dims), dtype=real.dtype, requires_grad=real.requires_grad))
+        if label in inputs:
+            n, exprs, spec = inputs[label]
+            env[n] = node
+            tensors.append((node, exprs))
+            specs.append(spec)
     for n, label, real in own:
         env[n] = graph.get_attr(_install(root, label, real))
     for n, value, real in symint_inputs:  # a size: read it off a tensor input that has it
@@ -157,19 +176,26 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                              f"has it as a dim, so fxmem cannot name it; compile with dynamic=False or analyse "
                              f"the model with fxmem.analyze")
         env[n] = graph.call_method("size", found)
-    kept = []
-    for n, real in numbers:  # made by the compiled call from a Python number, alive until the graph returns
+    kept, constant = [], {}
+    for n, real in numbers:
+        if inline_numbers:  # a rewrite of the model: the number, as fx tracing would bake it in
+            constant.update({u: real.item() for u in n.users if u.op == "call_method" and u.target == "item"})
+            if all(u in constant for u in n.users):
+                continue
+        # made by the compiled call from a Python number, alive until the graph returns
         env[n] = graph.call_function(torch.tensor, (real.item(),), {"dtype": real.dtype})
         kept.append(env[n])
-    if numbers:
+    if numbers and not inline_numbers:
         shown = ", ".join(f"{_input_name(str(n.target))} = {real.item()!r}" for n, real in numbers[:4])
         notes.append(f"TorchDynamo passes {len(numbers)} Python number(s) ({shown}{', ...' if len(numbers) > 4 else ''}) "
                      f"to the graph as 0-d float64 tensors it makes at each call (counted: 8 bytes each while the "
                      f"graph runs); the analysis uses their values at the call that compiled the graph")
     for n in gm.graph.nodes:
-        if n.op == "output" and kept:  # what the caller holds while the graph runs: freed after it returns
+        if n.op == "output" and kept and not inline_numbers:  # held by the caller until the graph returns
             graph.call_function(len, (kept,))
-        if n.op != "placeholder":
+        if n in constant:
+            env[n] = constant[n]
+        elif n.op != "placeholder":
             env[n] = graph.node_copy(n, lambda a: env[a])
     for name, sub in gm.named_children():  # submodules Dynamo kept as calls (rare with inlining)
         root.add_module(name, sub)
@@ -177,7 +203,13 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         if node.op == "get_attr" and not _has(root, str(node.target)) and _has(gm, str(node.target)):
             _install(root, str(node.target), _get(gm, str(node.target)))
     module = torch.fx.GraphModule(root, graph, "CompiledGraph")
-    return DynamoGraph(module, specs, hints, notes)
+    dims_of = {s: sympy.Symbol(v) if isinstance(v, str) else sympy.Integer(v) for s, v in name_of.items()}
+    guards = [str(g.xreplace(dims_of)) for g in tc.dynamo_shape_guards([tc.dynamo_example_value(n)
+                                                                          for n in placeholders])]
+    if guards:
+        notes.append(f"TorchDynamo compiled this graph where {', '.join(guards)} (its guards; at other sizes the "
+                     f"compiled model runs another graph)")
+    return DynamoGraph(module, specs, hints, notes, specialised, guards)
 
 
 def _has(module: torch.nn.Module, path: str) -> bool:
@@ -192,3 +224,114 @@ def _get(module: Any, path: str) -> Any:
     for part in path.split("."):
         module = getattr(module, part)
     return module
+
+
+def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) -> torch.fx.GraphModule:
+    """The one graph TorchDynamo captures from ``model`` (``fullgraph=True``, every size dynamic),
+    as a GraphModule taking the forward's arguments ``order``, returning what ``forward`` returns,
+    and sharing ``model``'s parameters and buffers.
+
+    The capture runs a private copy of the model once, for real, on small random inputs on the
+    model's device (the meta device for a model built there): each dim gets its own size, none 0
+    or 1, so Dynamo neither merges dims nor fixes them. The graph's flat outputs are then put back
+    in the structure ``forward`` returned. Raises :class:`TraceError` with Dynamo's reason when it
+    cannot capture one graph (a graph break, Python that decides on tensor values), fixes one of
+    the user's dims to a number, or the model returns what a graph cannot (a class).
+
+    >>> gm = capture(layer, specs, ["x", "edge_index"])      # doctest: +SKIP
+    """
+    from ..inputs import random_inputs
+    from .trace import private_copy
+
+    names = {s.arg: tuple(int(d) if d.is_number else str(d) for d in s.dims) for s in specs}
+    constants = {int(d) for s in specs for d in s.dims if d.is_number}
+    dims = sorted({str(x) for s in specs for d in s.dims for x in d.free_symbols})
+    sizes, k = {}, 7
+    for name in dims:  # distinct, and none equal to a fixed size: Dynamo would take them for one
+        while k in constants or k in sizes.values():
+            k += 1
+        sizes[name] = k
+        k += 1
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    inputs = random_inputs(specs, sizes, device=str(device))
+    twin = private_copy(model)  # its Python state is its own; its tensors are the model's
+    found: list = []
+    returned: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        found.append(from_dynamo(gm, example_inputs, names, twin, order, inline_numbers=True))
+
+        def run(*args: Any) -> Any:
+            returned.append(gm.forward(*args))
+            return returned[-1]
+        return run
+
+    try:
+        with torch.no_grad():
+            out = torch.compile(twin, backend=backend, dynamic=True, fullgraph=True)(*inputs)
+    except Exception as exc:  # Dynamo's refusal: no graph to rewrite
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TraceError(f"TorchDynamo cannot capture {type(model).__name__} as one graph: "
+                         f"{type(exc).__name__}: {text}") from exc
+    if len(found) != 1 or not returned:
+        raise TraceError(f"TorchDynamo captured {len(found)} graphs of {type(model).__name__}, not one")
+    graph = found[0]
+    if graph.specialised:
+        raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
+                         f"{type(model).__name__}, so it holds at that size only")
+    if graph.guards:  # a branch on sizes: the graph is one of several, a rewrite must hold at every size
+        raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
+                         f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
+    _restore_output(graph.module, out, returned[0], type(model).__name__)
+    _share_tensors(graph.module, model)
+    return graph.module
+
+
+def _restore_output(gm: torch.fx.GraphModule, out: Any, flat: Sequence[Any], name: str) -> None:
+    """Make ``gm`` return ``out``'s structure (the compiled call's result) instead of Dynamo's flat
+    tuple ``flat`` of graph outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    leaves, spec = tc.tree_flatten(out)
+    mapped = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            k = next((k for k, t in enumerate(flat) if t is leaf), None)
+            if k is None:
+                raise TraceError(f"the graph TorchDynamo captured of {name} does not compute one of its outputs "
+                                 f"({type(leaf).__name__} {tuple(leaf.shape)}); fxmem cannot rebuild what it returns")
+            mapped.append(nodes[k])
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            mapped.append(leaf)
+        else:
+            raise TraceError(f"{name} returns a {type(leaf).__name__}, which a graph cannot return")
+    rebuilt = tc.tree_unflatten(mapped, spec)
+    if not _plain(rebuilt):
+        raise TraceError(f"{name} returns a {type(rebuilt).__name__}; fxmem rebuilds tensors, tuples, lists and "
+                         f"dicts of them only")
+    output.args = (rebuilt,)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(_plain(v) for v in value.values())
+    return isinstance(value, torch.fx.Node) or value is None or isinstance(value, (bool, int, float, str))
+
+
+def _share_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Put ``model``'s own parameters and buffers where the meta copy's are (same qualified names)."""
+    real = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    for qual, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if qual not in real:
+            raise TraceError(f"the captured graph reads '{qual}', which is not a parameter or buffer of the model")
+        *path, leaf = qual.split(".")
+        owner = gm.get_submodule(".".join(path)) if path else gm
+        value = real[qual]
+        if isinstance(value, torch.nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)

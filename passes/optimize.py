@@ -32,7 +32,7 @@ from ..capture import forward_parameters
 from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
-from ..capture.dynamo import capture
+from ..capture.whole_graph import capture
 from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
 from .base import Finding, Pass, Probe
 from .modes import in_mode, trace_modes

@@ -195,6 +195,13 @@ class Report:
         """
         if train and not self.training:
             raise SpecError("max_size(train=True) needs a training step: analyse with optimizer=...")
+        if dim in self.data_dims:
+            raise SpecError(f"max_size({dim!r}): {dim} is decided by the data, not chosen; search over an input dim "
+                            f"and give {dim} (or how it grows with that dim is yours to say): {self.data_dims[dim]}")
+        if self.data_dims:
+            raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
+                            f"that grow with the input; evaluate() at the values you expect instead - "
+                            + "; ".join(self.data_dims.values()))
         return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
 
     # --- views ----------------------------------------------------------------------------------

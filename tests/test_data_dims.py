@@ -96,6 +96,8 @@ def test_evaluate_asks_for_the_dim_and_checks_its_bound():
     with pytest.raises(fxmem.SpecError, match="K1=-1 must be a whole number >= 0"):
         report.evaluate(N=10, K1=-1)
     assert report.evaluate(N=10, K1=0)["peak"] < report.evaluate(N=10, K1=10)["peak"]  # nothing kept: fine
+    with pytest.raises(fxmem.SpecError, match="depends on K1"):
+        report.max_size("N", budget="1MiB")
 
 
 def test_a_data_dependent_op_whose_kernel_is_not_checked_is_refused():

@@ -71,7 +71,7 @@ def _identifier(name: str, taken: set) -> str:
 
 def _install(root: torch.nn.Module, path: str, value: torch.Tensor) -> str:
     """Put ``value`` at dotted ``path`` under ``root`` (a parameter, else a buffer); the path used."""
-    *mods, leaf = [p if p.isidentifier() else f"_{p}" for p in path.split(".")]
+    *mods, leaf = path.split(".")  # "h.0.ln_1.weight": numbered children as nn.Sequential has them
     module = root
     for name in mods:
         if not isinstance(getattr(module, name, None), torch.nn.Module):

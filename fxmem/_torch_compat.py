@@ -424,6 +424,19 @@ def saved_tensor_hooks(pack: Any) -> Iterator[None]:
         yield
 
 
+def saved_tensor_hooks_in_effect() -> Any:
+    """The innermost ``saved_tensors_hooks`` pair in effect (None when there is none): what
+    ``torch.utils.checkpoint`` (non-reentrant) and ``save_on_cpu`` install around their code.
+    Returns the string ``"unknown"`` on a torch that cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return "unknown"
+    try:
+        return top(False)
+    except TypeError:  # releases whose function takes no argument
+        return top()
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch's sympy functions -> plain sympy. Looked up by class name, because the set of classes
 # (and their modules) moved between torch releases.

@@ -28,6 +28,7 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..errors import TraceError
+from .contexts import ModeWatch
 from .source import in_library, is_user_file, model_files, raised_at, short_path
 
 
@@ -50,6 +51,12 @@ class _Tracer(torch.fx.Tracer):
         self.proxy_buffer_attributes = True  # buffer updates in forward are recorded, not run
         self._extra_leaves = tuple(leaf_modules)
         self._called = called
+        self._modes = ModeWatch()  # autocast / no_grad inside forward are not recorded: refuse them
+
+    def create_proxy(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> Any:
+        if kind in ("call_function", "call_method", "call_module"):
+            self._modes.check(type(self.root).__name__)
+        return super().create_proxy(kind, target, *args, **kwargs)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if m is self.root:  # called through __call__ for its hooks: trace into it
@@ -96,6 +103,8 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
     tracer = _Tracer(leaf_modules, called=bool(hooks.get("forward")))
     try:
         graph = tracer.trace(twin, concrete_args=dict(concrete_args) if concrete_args else None)
+    except TraceError:
+        raise
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)

@@ -656,3 +656,11 @@ def dynamo_shape_guards(values: Sequence[Any]) -> list[sympy.Expr]:
         if expr is not sympy.true and expr != sympy.true:
             out.append(expr)
     return out
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an fx node's target is a higher-order operator (checkpoint, cond, wrap, ...), which
+    runs a subgraph of its own."""
+    from torch._ops import HigherOrderOperator
+
+    return isinstance(target, HigherOrderOperator)

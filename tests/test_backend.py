@@ -143,3 +143,32 @@ def test_hugging_face_gpt2_compiled_with_the_backend_matches_real_runs():
         m = measure(lambda: compiled(ids))
         ev = report.evaluate(**dims)
         assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained), dims
+
+
+def test_activation_checkpointing_in_a_compiled_model_matches_real_runs():
+    """Dynamo keeps torch.utils.checkpoint as a higher-order op; the graph runs it, so nothing inside
+    is saved for backward and backward recomputes it: forward and SGD step exact on real runs."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda t: self.a(t).relu().exp(), x, use_reentrant=False))
+
+    torch._dynamo.reset()
+    b = fxmem.backend(names={"x": ("B", 8)}, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    compiled = torch.compile(Checkpointed(), backend=b, dynamic=True)
+    compiled(torch.randn(5, 8))
+    report = b.report
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for n in (7, 30):
+        xs = [torch.randn(n, 8)]
+        m = measure(lambda: compiled(*xs))
+        ev = report.evaluate(B=n)
+        assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained)
+        train_step(compiled, xs, opt, default_loss)
+        m = measure(lambda: train_step(compiled, xs, opt, default_loss))
+        assert (ev["train_peak"] - ev["train_resident"], ev["train_retained"]) == (m.peak_above_start, m.retained)

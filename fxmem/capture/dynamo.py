@@ -46,6 +46,9 @@ class DynamoGraph:
     guards: list = dataclasses.field(default_factory=list)  # where the graph holds (Dynamo's size guards)
 
 
+# higher-order operators whose graphs fxmem runs as Dynamo made them, checked against real runs
+# (tests/test_backend.py: torch.utils.checkpoint, forward and a training step)
+CHECKED_HOPS = ("tag_activation_checkpoint",)
 _PART = re.compile(r"_(modules|parameters|buffers)_")
 
 
@@ -97,6 +100,11 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     Python numbers Dynamo passes as tensors become constants (for a rewrite of the model, not for
     the memory of the compiled call, which makes those tensors)."""
     names = dict(names or {})
+    for n in gm.graph.nodes:  # subgraphs run by an operator: checked against real runs for checkpoint only
+        if n.op == "call_function" and tc.is_higher_order_op(n.target) and str(n.target) not in CHECKED_HOPS:
+            raise TraceError(f"the graph TorchDynamo captured calls {n.target}, whose subgraph fxmem has not been "
+                             f"checked to analyse inside a graph; fxmem.analyze(model, ...) analyses the model's "
+                             f"own forward")
     qualified = {} if model is None else {id(t): q for q, t in [*model.named_parameters(remove_duplicate=False),
                                                                 *model.named_buffers(remove_duplicate=False)]}
     in_order = list(names.values())  # forward(*args) reaches Dynamo as args_0, args_1, ...: by position

@@ -38,7 +38,8 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
             continue
         t = time.perf_counter()
         try:
-            found = compare(name, entry.build, entry.specs, entry.sizes, mode=entry.mode, makers=entry.makers)
+            found = compare(name, entry.build, entry.specs, entry.sizes, mode=entry.mode, makers=entry.makers,
+                            data=entry.data)
         except Exception as exc:  # noqa: BLE001 - a refusal is a result
             rows.append({"model": name, "mode": entry.mode, "what": "-", "sizes": {}, "predicted": None,
                          "measured": None, "difference": None, "status": f"refused: {exc}"[:300]})

@@ -35,10 +35,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
     "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
+    "backend": ".backend",
 }
 
 __all__ = [
-    "analyze", "optimize", "validate", "precisions", "Report", "TensorSpec", "format_bytes", "kernels",
+    "analyze", "optimize", "validate", "precisions", "backend", "Report", "TensorSpec", "format_bytes", "kernels",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import sympy
 import torch
@@ -231,6 +231,15 @@ def storage_nbytes(t: torch.Tensor) -> Any:
 def tree_leaves(tree: Any) -> list:
     """The leaves of a nested structure of tuples, lists, dicts (and registered containers)."""
     return _pytree.tree_leaves(tree)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, structure)`` of a nested structure; :func:`tree_unflatten` puts it back."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    return _pytree.tree_unflatten(leaves, spec)
 
 
 def torch_release() -> str:
@@ -606,3 +615,52 @@ def skip_parameter_init() -> Iterator[None]:
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+def dynamo_example_value(node: Any) -> Any:
+    """What TorchDynamo traced a placeholder of its graph with: a FakeTensor whose sizes are
+    SymInts (or ints where Dynamo specialised), or a SymInt; None if the graph does not say."""
+    return node.meta.get("example_value")
+
+
+def dynamo_input_sizes(value: Any) -> list[sympy.Expr] | None:
+    """The sizes of a Dynamo example tensor as sympy expressions over Dynamo's own symbols."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [raw_expr(d) for d in value.shape]
+
+
+def dynamo_wrapped_number(node: Any, real: Any) -> bool:
+    """Whether a Dynamo graph input is a Python float Dynamo wrapped into a 0-d float64 tensor
+    (``specialize_float=False``; it makes the tensor at each call and reads it with ``.item()``),
+    not a tensor the caller passed (those carry their ``__dict__`` as ``tensor_dict``)."""
+    return (isinstance(real, torch.Tensor) and real.dim() == 0 and real.dtype == torch.float64
+            and "tensor_dict" not in node.meta)
+
+
+def dynamo_shape_guards(values: Sequence[Any]) -> list[sympy.Expr]:
+    """The size guards TorchDynamo's graph holds under (``s77 <= 10`` after a branch on a size),
+    with the sizes it fixed put in (``Eq(s27, 16)`` becomes true and is left out)."""
+    env = None
+    for v in values:
+        sizes = list(v.shape) if isinstance(v, torch.Tensor) else [v]
+        env = next((d.node.shape_env for d in sizes if isinstance(d, torch.SymInt)), None)
+        if env is not None:
+            break
+    if env is None:
+        return []
+    fixed = replacements(env)
+    out = []
+    for g in env.guards:
+        expr = g.expr.xreplace(fixed)
+        if expr is not sympy.true and expr != sympy.true:
+            out.append(expr)
+    return out
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an fx node's target is a higher-order operator (checkpoint, cond, wrap, ...), which
+    runs a subgraph of its own."""
+    from torch._ops import HigherOrderOperator
+
+    return isinstance(target, HigherOrderOperator)

@@ -14,14 +14,15 @@ import torch
 
 from .accounting import MemoryPlan
 from .capture import check_leaf_modules, forward_parameters, trace
-from .errors import FxMemError, ModelError, SpecError
+from .capture import Capture, fallback
+from .errors import FxMemError, ModelError, SpecError, TraceError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .training import OptimizerFactory, Training
 
-MODES = ("graph", "eager")
+MODES = ("auto", "graph", "eager")
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
@@ -35,7 +36,7 @@ def analyze(
     leaf_modules: Sequence[type] = (),
     optimizer: OptimizerFactory | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
-    mode: str = "graph",
+    mode: str = "auto",
     hparams: Mapping[str, Any] | None = None,
     init: Mapping[str, Any] | None = None,
     kernels: Mapping[Any, Callable] | None = None,
@@ -59,7 +60,9 @@ def analyze(
         optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
             steady-state training step with this optimizer (``train_peak``, ``grads``, ...).
         loss: ``loss(output) -> scalar`` for the training step (default: ``output.sum()``).
-        mode: ``"graph"`` - the fx-traced module, which frees each value after its last use;
+        mode: ``"auto"`` (default) - graph mode where ``torch.fx`` can trace the model, else eager
+            mode, the reason in ``report.capture``; ``"graph"`` - the fx-traced module, which frees
+            each value after its last use (a :class:`TraceError` where fx cannot trace);
             ``"eager"`` - the original ``forward``, whose locals live until it returns (no tracing,
             so it also works where fx cannot trace); ``report.by_line()`` then has every line.
         hparams: ``{"dim": "H*D", "num_heads": "H"}`` - build ``model`` (a class or factory) with
@@ -73,7 +76,8 @@ def analyze(
             the half-precision tensors autograd keeps, are counted exactly. Weights keep their dtype.
     """
     if mode not in MODES:
-        raise SpecError(f"mode={mode!r}: use 'graph' (the traced module) or 'eager' (the original forward)")
+        raise SpecError(f"mode={mode!r}: use 'auto' (graph where torch.fx can trace the model, else eager), "
+                        f"'graph' (the traced module) or 'eager' (the original forward)")
     if not isinstance(dtype, torch.dtype):
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
@@ -124,17 +128,37 @@ def analyze(
         symbols.setdefault(k, v)
     chosen = choose_hints(symbols, hints)
     check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
-    if isinstance(target, torch.nn.Module) and mode == "graph":
+    capture = Capture(mode, "the original forward" if mode == "eager" else "the GraphModule as given"
+                      if isinstance(example, torch.fx.GraphModule) else "torch.fx symbolic trace")
+    if isinstance(target, torch.nn.Module) and mode != "eager":
         log.info("tracing %s with torch.fx", name)
-        target = trace(example, leaf_modules, omitted)
+        try:
+            target = trace(example, leaf_modules, omitted)
+        except TraceError as exc:
+            if mode == "graph":
+                raise
+            capture = fallback(exc)
+        capture = Capture("graph", capture.how) if capture.mode == "auto" else capture
 
     def run(at: Mapping[str, int]) -> Report:
+        nonlocal capture
         log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
-        rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
-                       leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted, autocast=autocast)
-        plan = MemoryPlan(rec, dict(at))
+        try:
+            rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
+                           mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
+                           autocast=autocast)
+        except TraceError as exc:  # a model built from hparams is traced inside the simulation
+            if capture.mode != "auto":
+                raise
+            capture = fallback(exc)
+            return run(at)
+        # a size the data decides has no example value: any positive one orders the Max's candidates
+        # (the formulas hold for every value); evaluate() asks the user for it
+        data = {name: int(at.get(name, d.example)) for name, d in rec.data_dims.items()}
+        plan = MemoryPlan(rec, {**dict(at), **data})
         return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
-                      hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
+                      hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode, reanalyze=run,
+                      capture=capture)
 
     special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
     if not special:
@@ -153,4 +177,5 @@ def analyze(
                            f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
                            f"re-analyses at those sizes")
     return report
+
 

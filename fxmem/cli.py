@@ -160,9 +160,10 @@ def _common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype of the model's floating parameters and buffers and of inputs without one "
                         "(default float32); the model is converted, as model.to(dtype) would")
-    a.add_argument("--mode", default="graph", choices=["graph", "eager"],
-                   help="graph: the traced module, which frees each value after its last use (default); "
-                        "eager: the original forward, line by line (locals live until it returns)")
+    a.add_argument("--mode", default="auto", choices=["auto", "graph", "eager"],
+                   help="graph: the traced module, which frees each value after its last use; "
+                        "eager: the original forward, line by line (locals live until it returns); "
+                        "auto (default): graph where torch.fx can trace the model, else eager (the summary says why)")
     a.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="also analyse one steady-state training step with this optimizer (lr=1e-3)")
     a.add_argument("--eval", action="store_true", help="put the model in eval mode first (dropout off, ...)")

@@ -199,6 +199,7 @@ class Recording:
     training: bool = False
     graph_module: Any = None  # the GraphModule that ran (graph mode)
     facts: dict = dataclasses.field(default_factory=dict)  # what else decided the numbers (threads ...)
+    data_dims: dict = dataclasses.field(default_factory=dict)  # dim name -> DataDim (sizes values decide)
 
     @property
     def forward_events(self) -> list:

@@ -20,6 +20,7 @@ import torch
 from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
 from .accounting.symbolic import evaluate
+from .capture import Capture
 from .errors import SpecError
 from .kernels import environment
 from .records import INEXACT
@@ -53,7 +54,7 @@ class Report:
 
     def __init__(self, plan: MemoryPlan, *, model_name: str, specs: list, device: str, grad: bool,
                  dtype: torch.dtype, hints: dict, graph_module: torch.fx.GraphModule | None, mode: str,
-                 reanalyze: Callable[[dict], "Report"]):
+                 reanalyze: Callable[[dict], "Report"], capture: Capture | None = None):
         self._plan = plan
         self.model_name = model_name
         self.specs = specs
@@ -61,6 +62,8 @@ class Report:
         self.grad = grad
         self.dtype = dtype
         self.mode = mode
+        # which code the numbers are of, and why (eager mode where torch.fx cannot trace the model)
+        self.capture: Capture = capture or Capture(mode, "the original forward" if mode == "eager" else "a graph")
         self.hints = dict(hints)
         self.graph_module = graph_module
         self._reanalyze = reanalyze
@@ -81,6 +84,11 @@ class Report:
         self.facts: dict = dict(plan.rec.facts)
         self.storages = plan.storages
         self.nodes = plan.nodes
+        # sizes the data decides (x[mask], nonzero): dims evaluate() needs, with what each counts
+        data = plan.rec.data_dims
+        self.data_dims: dict[str, str] = {
+            name: d.describe(lambda _, d=d: str(plan.to_user(d.upper))) for name, d in data.items()}
+        self._data_bounds = {name: plan.to_user(d.upper) for name, d in data.items() if d.upper is not None}
 
     # --- numbers --------------------------------------------------------------------------------
     @property
@@ -111,8 +119,22 @@ class Report:
         if dims is None and not check:
             report, values = self, dict(self.hints)
         else:
-            values = check_dims(dict(dims or {}), self.symbols)
+            missing = [d for d in self.data_dims if d not in (dims or {})]
+            if missing:
+                raise SpecError(f"evaluate(): give the value of {', '.join(missing)}, a size the data decides - "
+                                + "; ".join(self.data_dims[d] for d in missing))
+            given = dict(dims or {})
+            counts = {k: given.pop(k) for k in self.data_dims}  # may be 0: a mask that selects nothing
+            for name, v in counts.items():
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise SpecError(f"evaluate(): {name}={v!r} must be a whole number >= 0: {self.data_dims[name]}")
+            values = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
             check_input_sizes(self.specs, values, self.symbols)
+            for name, upper in self._data_bounds.items():
+                bound = sympy.sympify(upper).xreplace({self.symbols[k]: sympy.Integer(v) for k, v in values.items()})
+                if bound.is_number and values[name] > bound:
+                    raise SpecError(f"evaluate(): {name}={values[name]} is more than it can be at these sizes "
+                                    f"({name} <= {upper} = {bound}): {self.data_dims[name]}")
             report = self
             if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
                 report = self._reanalysed(values)
@@ -200,6 +222,13 @@ class Report:
         """
         if train and not self.training:
             raise SpecError("max_size(train=True) needs a training step: analyse with optimizer=...")
+        if dim in self.data_dims:
+            raise SpecError(f"max_size({dim!r}): {dim} is decided by the data, not chosen; search over an input dim "
+                            f"and give {dim} (or how it grows with that dim is yours to say): {self.data_dims[dim]}")
+        if self.data_dims:
+            raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
+                            f"that grow with the input; evaluate() at the values you expect instead - "
+                            + "; ".join(self.data_dims.values()))
         return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
 
     # --- views ----------------------------------------------------------------------------------
@@ -288,7 +317,7 @@ class Report:
     def to_dict(self) -> dict:
         """Everything, JSON-serialisable (formulas as strings)."""
         return {
-            "model": self.model_name, "mode": self.mode, "device": self.device, "grad": self.grad,
+            "model": self.model_name, "mode": self.mode, "capture": self.capture.text, "device": self.device, "grad": self.grad,
             "dtype": str(self.dtype).replace("torch.", ""),
             "inputs": [{"arg": s.arg, "shape": [str(d) for d in s.dims], "dtype": str(s.dtype).replace("torch.", "")}
                        for s in self.specs],

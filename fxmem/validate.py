@@ -102,7 +102,7 @@ def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
 def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int], device: str = "cuda",
              optimized: torch.nn.Module | None = None, optimizer: Callable | None = None,
              loss: Callable[[Any], torch.Tensor] | None = None, inputs: list | None = None,
-             tolerance: float = 0.01, mode: str = "graph", **analyze_kw: Any) -> Validation:
+             tolerance: float = 0.01, mode: str = "auto", **analyze_kw: Any) -> Validation:
     """Predict with fxmem and measure for real on ``device``; see the module docstring.
 
     ``optimizer`` (default: plain SGD) is the training step's optimizer; ``inputs`` overrides the
@@ -125,7 +125,7 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode, **analyze_kw)
     predicted = report.evaluate(**dims)
     real = copy.deepcopy(model).to(device)
-    module = trace(real) if mode == "graph" else real
+    module = trace(real) if report.mode == "graph" else real  # the code the prediction is of (report.capture)
     xs = inputs if inputs is not None else random_inputs(report.specs, dims, device=device)
     xs = [x.to(device) for x in xs]
     rows = []

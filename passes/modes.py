@@ -23,12 +23,13 @@ import copy
 import dataclasses
 import inspect
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
 from ..capture import private_copy, trace
+from ..errors import TraceError
 
 FLAG = "training"  # the attribute every nn.Module has, read by the merged graph at run time
 
@@ -50,25 +51,39 @@ class Traced:
 
     graph_module: torch.fx.GraphModule
     reason: str | None = None
+    capture: str | None = None  # None: torch.fx traced it; else what captured it and why
 
 
 def trace_modes(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
-                concrete_args: dict | None = None) -> Traced:
+                concrete_args: dict | None = None,
+                fallback: Callable[[torch.nn.Module], torch.fx.GraphModule] | None = None) -> Traced:
     """Trace ``model`` in train and in eval mode; one graph that follows the flag, when it can be.
-    ``concrete_args``: arguments without an input, traced with their defaults."""
+    ``concrete_args``: arguments without an input, traced with their defaults. ``fallback``: how
+    to capture a mode's copy where torch.fx cannot (TorchDynamo); ``Traced.capture`` says which ran."""
     if isinstance(model, torch.fx.GraphModule):  # already a graph: it reads the flag or it does not
         return Traced(model)
-    train = trace(in_mode(model, True), leaf_modules, concrete_args)
-    evals = trace(in_mode(model, False), leaf_modules, concrete_args)
+    capture = None
+    try:
+        train = trace(in_mode(model, True), leaf_modules, concrete_args)
+        evals = trace(in_mode(model, False), leaf_modules, concrete_args)
+    except TraceError as exc:
+        if fallback is None:
+            raise
+        try:
+            train, evals = fallback(in_mode(model, True)), fallback(in_mode(model, False))
+        except TraceError as second:
+            head = str(exc).partition("\n  what to do")[0]  # fx's advice is not the whole story now
+            raise TraceError(f"{head}\n  {second}") from second
+        capture = f"the graph TorchDynamo (torch.compile) captures, because {str(exc).splitlines()[0]}"
     merged = _merge(train, evals)
     if merged is not None:
         merged.train(model.training)
-        return Traced(merged)
+        return Traced(merged, capture=capture)
     where = _first_difference(train, evals)
     return Traced(_dispatch(model, train, evals),
                   f"the model computes other things in train and in eval mode ({where}), not just other "
                   f"values of self.training; such graphs are left as they are (the result runs the train-mode "
-                  f"or the eval-mode trace, as the module's flag says)")
+                  f"or the eval-mode trace, as the module's flag says)", capture)
 
 
 # --- one graph with a symbolic flag ----------------------------------------------------------------

@@ -29,9 +29,10 @@ import torch.fx
 from .. import _torch_compat as tc
 from ..analyze import analyze
 from ..capture import forward_parameters
-from ..errors import FxMemError, ModelError, ShapeError, SpecError
+from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
+from ..capture.whole_graph import capture
 from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
 from .base import Finding, Pass, Probe
 from .modes import in_mode, trace_modes
@@ -120,7 +121,17 @@ def optimize(
     settings = _check_settings(settings)
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
-    traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]})
+    try:
+        traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]},
+                             fallback=lambda m: capture(m, specs, params.names[:len(specs)]))
+    except TraceError as exc:
+        # a rewrite is a change to a graph: without one there is nothing to rewrite, say so plainly
+        head, _, _ = str(exc).partition("\n  what to do")
+        raise TraceError(f"fxmem.optimize rewrites a graph of the model, and neither torch.fx nor TorchDynamo can "
+                         f"capture one: {head}\n  what to do: fxmem.analyze(model, ...) still gives its memory (it "
+                         f"falls back to the original forward by itself); to rewrite, make the failing code "
+                         f"traceable (mark the module that contains it as a leaf with leaf_modules=[...]), or "
+                         f"optimize the submodules that can be captured") from exc
     gm = traced.graph_module
     kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
     try:
@@ -130,6 +141,8 @@ def optimize(
         raise
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     state = _Search(gm, model, input_specs, kw, verify_inputs)
+    if traced.capture:
+        gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
         _share_modules(gm, model)
         gm.meta["fxmem"] = [{"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason}]
@@ -144,6 +157,8 @@ def optimize(
         for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
             state.try_group(group)
     state.best.meta["fxmem"] = state.log
+    if traced.capture:  # what the rewritten graph is a graph of
+        state.best.meta["fxmem_capture"] = traced.capture
     return state.best
 
 

@@ -164,7 +164,7 @@ API = [
      fxmem.SpecError, ["no argument 'oops'"]),
     ("init missing argument", lambda: fxmem.analyze(nn.Linear, ("B", 6), init={"in_features": 6}), fxmem.ModelError,
      ["Linear(...) failed", "out_features", "init="]),
-    ("backward hook on the model", lambda: fxmem.analyze(_with_backward_hook(), ("B", 6)), fxmem.TraceError,
+    ("backward hook on the model", lambda: fxmem.analyze(_with_backward_hook(), ("B", 6), mode="graph"), fxmem.TraceError,
      ["backward hooks", "mode='eager'"]),
     # --- optimize and validate
     ("optimize a function", lambda: fxmem.optimize(lambda x: x, ("B", 6)), fxmem.ModelError, ["torch.nn.Module"]),

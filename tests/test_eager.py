@@ -50,10 +50,14 @@ def test_eager_works_where_fx_cannot_trace():
                 x = x[:, :16]
             return self.lin(x).relu()
 
-    with pytest.raises(fxmem.TraceError):
-        fxmem.analyze(SizeBranch(), ("B", "N", 4))
+    with pytest.raises(fxmem.TraceError, match="mode='eager'"):
+        fxmem.analyze(SizeBranch(), ("B", "N", 4), mode="graph")
     report = check_eager(SizeBranch(), (("B", "N", 4),), [dict(B=3, N=20), dict(B=2, N=9)])
     assert any("N" in g for g in report.region)  # the branch taken is a condition of the formulas
+    # the default mode falls back to the original forward by itself, and says so and why
+    auto = fxmem.analyze(SizeBranch(), ("B", "N", 4))
+    assert auto.mode == "eager" and auto.capture.reason and "test_eager.py:" in auto.capture.reason
+    assert auto.peak == report.peak and "capture: eager mode" in auto.summary()
 
 
 def test_eager_keeps_locals_alive_until_return():

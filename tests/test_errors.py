@@ -106,13 +106,22 @@ def test_op_without_fake_kernel_is_named():
         fxmem.analyze(UsesOpaque(), ("B", 4))
 
 
-def test_data_dependent_size_is_refused():
+def test_data_dependent_size_is_a_named_dim_and_a_branch_on_values_is_refused():
     class Masked(nn.Module):
         def forward(self, x):
             return x[x > 0]
 
-    with pytest.raises(fxmem.UnsupportedOpError, match="size depends on the data"):
-        fxmem.analyze(Masked(), ("B", 4))
+    report = fxmem.analyze(Masked(), ("B", 4))
+    assert "K1" in report.symbols and "K1 <= 4*B" in report.data_dims["K1"]  # the user's dims, never u0
+    with pytest.raises(fxmem.SpecError, match="give the value of K1"):
+        report.evaluate(B=3)
+
+    class OnValues(nn.Module):
+        def forward(self, x):
+            return x * 2 if bool((x > 0).any()) else x
+
+    with pytest.raises(fxmem.UnsupportedOpError, match=r"test_errors.py:\d+: .*decides on tensor values"):
+        fxmem.analyze(OnValues(), ("B", 4))
 
 
 def test_not_a_module():
@@ -128,9 +137,12 @@ def test_untraceable_model_points_at_the_line():
             return -x
 
     with pytest.raises(fxmem.TraceError) as err:
-        fxmem.analyze(Branchy(), ("B", 3))
+        fxmem.analyze(Branchy(), ("B", 3), mode="graph")
     msg = str(err.value)
-    assert "test_errors.py:" in msg and "if x.sum() > 0" in msg and "what to do" in msg
+    assert "test_errors.py:" in msg and "if x.sum() > 0" in msg and "what to do" in msg and "mode='eager'" in msg
+    # the default falls back to the original forward, where the branch on a value is refused, naming the line
+    with pytest.raises(fxmem.UnsupportedOpError, match=r"test_errors.py:\d+: if x.sum\(\) > 0"):
+        fxmem.analyze(Branchy(), ("B", 3))
 
 
 @pytest.mark.skipif(torch.backends.cuda.is_built(), reason="checks the CPU-only build's refusal")

@@ -64,6 +64,71 @@ def model_files(model: torch.nn.Module) -> frozenset:
     return frozenset(files)
 
 
+def short_path(filename: str) -> str:
+    """An installed package's file as its import path (``timm/layers/patch_embed.py``), others as given."""
+    for base in sorted(_LIBRARY_DIRS, key=len, reverse=True):
+        if filename.startswith(base.rstrip(os.sep) + os.sep):
+            return filename[len(base.rstrip(os.sep)) + 1:]
+    return filename
+
+
+def in_library(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed package or the standard library (not torch, not fxmem)."""
+    return filename.startswith(_LIBRARY_DIRS) and not _own_or_torch(filename)
+
+
+def _own_or_torch(filename: str) -> bool:
+    # torch's own folder, not torch_geometric's or torchvision's next to it
+    return filename.startswith(_TORCH_DIR + os.sep) or filename.startswith(_OWN_DIRS) or "<" in filename
+
+
+def raised_at(exc: BaseException, files: frozenset = frozenset()) -> str | None:
+    """Where ``exc`` was raised in code that is not torch's or fxmem's: ``file:line: code`` of the
+    innermost such frame (a library's file by its import path, ``timm/layers/patch_embed.py:127``),
+    followed by ``(called from file:line)``, the innermost user frame, when that is another frame.
+    None when every frame is torch's or fxmem's.
+
+    >>> raised_at(ValueError("no traceback")) is None
+    True
+    """
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _own_or_torch(f.filename)]
+    if not frames:
+        return None
+    last = frames[-1]
+    text = f"{short_path(last.filename)}:{last.lineno}: {(last.line or '').strip()}"
+    users = [f for f in frames if is_user_file(f.filename, files) and not f.filename.startswith(_LIBRARY_DIRS)]
+    if users and users[-1] is not last:
+        text += f" (called from {users[-1].filename}:{users[-1].lineno}: {(users[-1].line or '').strip()})"
+    return text
+
+
+_RUNNERS = ("graph_runner.py", "line_runner.py", "simulate.py")  # fxmem's frames that call the model
+
+
+def running_line() -> str | None:
+    """``file:line: code`` of the model code running the current torch call, read off the Python
+    stack from inside fxmem's dispatch mode: the innermost frame outside torch and fxmem, if it is
+    below fxmem's runner (None in graph mode, where the runner calls torch directly)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_OWN_DIRS) and os.path.basename(name) in _RUNNERS:
+            return None  # reached fxmem's runner: no model code between (graph mode)
+        if not (_own_or_torch(name)):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    name, line = frame.f_code.co_filename, frame.f_lineno
+    import linecache
+
+    return f"{short_path(name)}:{line}: {linecache.getline(name, line).strip()}"
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceLine:
     """Where a node came from in the user's code."""

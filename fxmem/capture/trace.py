@@ -29,7 +29,7 @@ import torch.fx
 from .. import _torch_compat as tc
 from ..errors import TraceError
 from .contexts import ModeWatch
-from .source import is_user_file
+from .source import in_library, is_user_file, model_files, raised_at, short_path
 
 
 def helper_modules() -> tuple[ModuleType, ...]:
@@ -125,18 +125,38 @@ def private_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else "(unknown line)"
-    reason = f"{type(exc).__name__}: {exc}"
+    at = raised_at(exc, model_files(model))
+    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+    library = any(in_library(f) for f in frames) and not any(is_user_file(f) for f in frames)
+    where = at or f"{type(model).__name__}.forward ({_defined_at(model)})"
+    reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
     text = str(exc)
-    if "control flow" in text or "bool" in text.lower() and "proxy" in text.lower():
+    eager = ("or analyse the original forward with mode='eager' (the default mode='auto' falls back to it by "
+             "itself)")
+    if at is None or library or " (called from " in at:
+        # fx fails on the root forward (a wrapped forward) or inside a library: no leaf or wrap of the
+        # user's can help
+        advice = f"fx symbolic tracing cannot follow this code; analyse the original forward with mode='eager' " \
+                 f"(the default mode='auto' falls back to it by itself), or capture with torch.compile and " \
+                 f"fxmem.backend(...)"
+    elif "control flow" in text or "bool" in text.lower() and "proxy" in text.lower():
         advice = ("Python control flow depends on a tensor's value or size. Make the branch a leaf module "
-                  "(analyze(..., leaf_modules=[MyBlock])), wrap the helper with torch.fx.wrap, or rewrite it "
-                  "with tensor ops (torch.where).")
+                  f"(analyze(..., leaf_modules=[MyBlock])), rewrite it with tensor ops (torch.where), {eager}.")
     elif "cannot be interpreted as an integer" in text or "iterated" in text or "int()" in text:
         advice = ("a size is used as a Python int (range(N), int(N), a loop over a tensor). fx keeps sizes "
-                  "symbolic; use tensor ops, or mark the enclosing module as a leaf (leaf_modules=[...]).")
+                  f"symbolic; use tensor ops, mark the enclosing module as a leaf (leaf_modules=[...]), {eager}.")
     else:
         advice = ("fx symbolic tracing cannot follow this code. Mark the module that contains it as a leaf "
-                  "(analyze(..., leaf_modules=[...])) or wrap the function with torch.fx.wrap.")
+                  f"(analyze(..., leaf_modules=[...])), wrap the function with torch.fx.wrap, {eager}.")
     return TraceError(f"cannot trace {type(model).__name__} at {where}\n  {reason}\n  what to do: {advice}")
+
+
+def _defined_at(model: torch.nn.Module) -> str:
+    """``file:line`` where the model's ``forward`` is defined (its wrapper's target, unwrapped)."""
+    import inspect
+
+    try:
+        fn = inspect.unwrap(type(model).forward)
+        return f"{short_path(inspect.getsourcefile(fn) or '?')}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return "unknown line"

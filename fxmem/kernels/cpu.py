@@ -289,3 +289,22 @@ def _layer_norm_backward_layout(call: Call) -> dict:
     kernel follows the strided input)."""
     mask = call.arg("output_mask") or [True, True, True]
     return {0: torch.contiguous_format} if mask[0] else {}
+
+
+# --- boolean-mask indexing (x[mask]) ------------------------------------------------------------
+require_args(aten.index.Tensor, "self", "indices")
+
+
+@hidden(aten.index.Tensor, device="cpu")
+def _index_bool_mask_cpu(call: Call) -> list:
+    """``x[mask]``: the kernel turns the mask into int64 indices (``mask.nonzero()``, K x mask.dim())
+    before it allocates the output, and frees them after (K: the output's size where the mask sits)."""
+    indices = list(call.arg("indices") or [])
+    masks = [k for k, i in enumerate(indices) if i is not None and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return []
+    if len(masks) > 1 or any(i is not None for k, i in enumerate(indices) if k != masks[0]):
+        return [OUT, Unknown("aten.index", "a boolean mask mixed with other indices: int64 index buffers not modelled")]
+    mask = indices[masks[0]]
+    nbytes = 8 * call.outputs[0].shape[masks[0]] * mask.dim()
+    return [nbytes, OUT, -nbytes]

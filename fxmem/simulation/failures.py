@@ -56,8 +56,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "
             f"Register one with torch.library.register_fake (it only computes output shapes).")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
+        # sizes the data decides are dims (K1, ...); what is left is a Python decision on values
         return UnsupportedOpError(
-            f"{where}: the result depends on tensor values ({type(exc).__name__}: {first_line(text)}). fxmem gives "
-            f"formulas in input sizes; replace value-dependent code (.item(), nonzero, boolean masks) by size-only ops.")
+            f"{where}: the code decides on tensor values here ({type(exc).__name__}: "
+            f"{re.sub(r'[(]unhinted.*', '', _SYMBOL.sub('<value>', first_line(text))).strip()}), which fake "
+            f"tensors do not have; fxmem gives formulas in sizes. If the input's values are known, state them "
+            f"(TensorSpec(..., fill=...)); otherwise analyse each branch as a model of its own.")
     return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(text)}\n"
                       f"  what to do: {advice}.")

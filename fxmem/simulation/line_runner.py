@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import traceback
 from typing import Any
 
 import torch
 
-from ..capture import SourceLine, is_user_file, statement_of, statement_text
+from ..capture import SourceLine, is_user_file, raised_at, statement_of, statement_text
 from ..errors import FxMemError
 from ..records import Node
 from .failures import failure
@@ -113,7 +112,7 @@ class LineRunner:
         except FxMemError:
             raise
         except Exception as exc:
-            raise _line_error(exc, self.recorder.rename) from exc
+            raise _line_error(exc, self.recorder.rename, self.model_files) from exc
         finally:
             sys.settrace(previous)
             self._stack.clear()
@@ -125,7 +124,6 @@ class LineRunner:
         return out
 
 
-def _line_error(exc: BaseException, rename: Any) -> FxMemError:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else "(unknown line)"
+def _line_error(exc: BaseException, rename: Any, files: frozenset = frozenset()) -> FxMemError:
+    where = raised_at(exc, files) or "(inside torch, called from the model's forward)"
     return failure(exc, where, advice="check the input specs against what this line expects", rename=rename)

@@ -19,6 +19,7 @@ import torch
 
 from .. import _torch_compat as tc
 from .. import kernels
+from ..capture import running_line
 from ..kernels import OUT, Call, Keep, OutAt, Unknown
 from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
@@ -62,6 +63,9 @@ class Recorder(tc.DispatchMode):
         else:
             out = func(*args, **kwargs)
         out = self._real_layout(func, args, kwargs, out)
+        if self.table.data_dims is not None:  # a size only the values decide becomes a named dim
+            self.table.data_dims.found(func, args, out, lambda: running_line() or f"fx node '{self.log.node}'",
+                                       self.table.env)
         self.values.follow(func, args, kwargs, out)
         if not self._quiet and tc.op_packet(func) not in _SKIP:
             self._record(func, args, kwargs, out)

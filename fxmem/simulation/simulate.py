@@ -30,6 +30,7 @@ from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step
 from .autograd import Autograd
+from .data_dims import DataDims
 from .events import EventLog
 from .failures import failure, renamer
 from .graph_runner import GraphRunner
@@ -152,8 +153,11 @@ def simulate(
                 warnings.filterwarnings("ignore", message="Raw Sym")
                 model = trace(model, leaf_modules, concrete_args)
     table, log = StorageTable(env, device), EventLog()
+    table.data_dims = DataDims(set(symbols), device)
+    names = {str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)}
     recorder = Recorder(table, log, Autograd(table, log), device)
-    recorder.rename = rename
+    # torch's symbols in messages as the user's dims, and as the names of sizes the data decides
+    recorder.rename = lambda text: renamer({**names, **{str(s): d for d, s in table.data_dims.named().items()}})(text)
     table.rename = recorder.rename
     with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
@@ -203,9 +207,13 @@ def simulate(
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
-    return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env, env_symbols, device,
+    data = {d.name: d for d in table.data_dims.dims.values()}
+    for d in data.values():
+        log.note(d.describe(recorder.rename))
+    return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env,
+                     {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
-                     facts)
+                     facts, data)
 
 
 def _refuse_sparse(model: torch.nn.Module) -> None:

@@ -30,6 +30,7 @@ class StorageTable:
         self._live: dict[int, tuple[Any, int]] = {}  # allocated by the run: key -> (weakref, index)
         self._resident: dict[int, tuple[Any, int]] = {}  # there before the run: never polled
         self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
+        self.data_dims: Any = None  # the run's sizes that depend on values, named (a DataDims)
 
     def counts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in the memory being predicted (the analysed device)."""
@@ -56,7 +57,8 @@ class StorageTable:
         nbytes = tc.size_expr(self.env, tc.storage_nbytes(t))
         shape = tuple(tc.size_expr(self.env, d) for d in t.shape)
         for e in (nbytes, *shape):
-            if tc.unbacked_symbols(e):
+            unbacked = tc.unbacked_symbols(e)
+            if unbacked and not (self.data_dims is not None and self.data_dims.knows(unbacked)):
                 raise NotModelled(
                     f"{op or role.value} makes a tensor whose size depends on the data "
                     f"(shape {self.rename(str(tuple(t.shape)))}); fxmem gives formulas in input sizes only. Give that size "

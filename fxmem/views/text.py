@@ -191,6 +191,8 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
             f"{'training (autograd records)' if report.grad else 'inference (no grad)'}")
     inputs = ", ".join(f"{s.arg}{s.text}" for s in report.specs)
     lines = [head, f"inputs: {inputs}"]
+    if report.capture.reason:  # not the mode asked for: say which code the numbers are of, and why
+        lines.append(f"capture: {report.capture.text}")
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
     for k in FORMULA_KEYS + (TRAIN_KEYS if report.training else ()):

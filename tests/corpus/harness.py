@@ -1,7 +1,7 @@
 """Put fxmem's prediction next to a real run for one model: forward and a training step, at given
 sizes. The rows are what ``benchmarks/exactness.py`` tabulates and what the corpus test asserts.
 
->>> rows = compare(model, specs, [dict(B=1, L=7)], mode="eager")      # doctest: +SKIP
+>>> rows = compare(model, specs, [dict(B=1, L=7)])      # doctest: +SKIP
 >>> rows[0].predicted == rows[0].measured                              # doctest: +SKIP
 True
 """
@@ -38,17 +38,22 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes: list, *, mode: str = "graph",
-            makers: dict | None = None, optimizer: Callable = adamw, train: bool = True) -> list[Row]:
-    """Analyse (forward, and a training step with ``optimizer``) and measure real runs at ``sizes``."""
+def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes: list, *, mode: str = "auto",
+            makers: dict | None = None, optimizer: Callable = adamw, train: bool = True,
+            data: Callable[[list], dict] | None = None) -> list[Row]:
+    """Analyse (forward, and a training step with ``optimizer``) and measure real runs at ``sizes``;
+    ``data(inputs)`` gives the values of the sizes the data decides (``{"K1": ...}``) for those inputs."""
     rows = []
     model = build().train()
     forward = fxmem.analyze(model, *specs, mode=mode)
     step = fxmem.analyze(model, *specs, mode=mode, optimizer=optimizer) if train else None
+    mode = forward.mode  # the capture the analysis used (auto: graph where fx traces, else eager)
+    assert step is None or step.mode == mode
     for dims in sizes:
         xs = random_inputs(forward.specs, dims, makers=makers)
         real = forward.graph_module if mode == "graph" else model
-        ev = forward.evaluate(**dims)
+        values = {**dims, **(data(xs) if data else {})}
+        ev = forward.evaluate(**values)
         m = measure(lambda: real(*xs))
         rows.append(Row(name, mode, "forward", dims, (ev["peak_above_resident"], ev["retained"]),
                         (m.peak_above_start, m.retained), not forward.exact))
@@ -58,7 +63,7 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         opt = optimizer(real.parameters())
         train_step(real, xs, opt, default_loss)  # the optimizer's state, as in a steady state
         m = measure(lambda: train_step(real, xs, opt, default_loss))
-        ev = step.evaluate(**dims)
+        ev = step.evaluate(**values)
         rows.append(Row(name, mode, "train", dims, (ev["train_peak"] - ev["train_resident"], ev["train_retained"]),
                         (m.peak_above_start, m.retained), not step.exact))
     return rows

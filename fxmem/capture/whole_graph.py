@@ -1,0 +1,132 @@
+"""One graph of a model, captured by TorchDynamo where ``torch.fx`` cannot trace it, as a
+GraphModule with the model's call signature, its outputs and its parameters: what
+``fxmem.optimize`` rewrites (``torch.zeros(x.size(0), F)`` in GNN code, wrapped ``forward``s).
+
+The capture asks for what a rewrite needs: one graph (``fullgraph=True``), valid at every size
+(every size dynamic, no size guards), computing what ``forward`` returns. Anything less is a
+:class:`TraceError` with Dynamo's reason.
+
+>>> gm = capture(layer, specs, ["x", "edge_index"])            # doctest: +SKIP
+>>> torch.equal(gm(x, edge_index), layer(x, edge_index))       # doctest: +SKIP
+True
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as tc
+from ..errors import TraceError
+from ..inputs import random_inputs
+from .dynamo import from_dynamo
+from .trace import private_copy
+
+
+def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) -> torch.fx.GraphModule:
+    """The one graph TorchDynamo captures from ``model`` (``fullgraph=True``, every size dynamic),
+    as a GraphModule taking the forward's arguments ``order``, returning what ``forward`` returns,
+    and sharing ``model``'s parameters and buffers.
+
+    The capture runs a private copy of the model once, for real, on small random inputs on the
+    model's device (the meta device for a model built there): each dim gets its own size, none 0
+    or 1, so Dynamo neither merges dims nor fixes them. The graph's flat outputs are then put back
+    in the structure ``forward`` returned. Raises :class:`TraceError` with Dynamo's reason when it
+    cannot capture one graph (a graph break, Python that decides on tensor values), fixes one of
+    the user's dims to a number, or the model returns what a graph cannot (a class).
+
+    >>> gm = capture(layer, specs, ["x", "edge_index"])      # doctest: +SKIP
+    """
+    names = {s.arg: tuple(int(d) if d.is_number else str(d) for d in s.dims) for s in specs}
+    constants = {int(d) for s in specs for d in s.dims if d.is_number}
+    dims = sorted({str(x) for s in specs for d in s.dims for x in d.free_symbols})
+    sizes, k = {}, 7
+    for name in dims:  # distinct, and none equal to a fixed size: Dynamo would take them for one
+        while k in constants or k in sizes.values():
+            k += 1
+        sizes[name] = k
+        k += 1
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    inputs = random_inputs(specs, sizes, device=str(device))
+    twin = private_copy(model)  # its Python state is its own; its tensors are the model's
+    found: list = []
+    returned: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        found.append(from_dynamo(gm, example_inputs, names, twin, order, inline_numbers=True))
+
+        def run(*args: Any) -> Any:
+            returned.append(gm.forward(*args))
+            return returned[-1]
+        return run
+
+    try:
+        with torch.no_grad():
+            out = torch.compile(twin, backend=backend, dynamic=True, fullgraph=True)(*inputs)
+    except Exception as exc:  # Dynamo's refusal: no graph to rewrite
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TraceError(f"TorchDynamo cannot capture {type(model).__name__} as one graph: "
+                         f"{type(exc).__name__}: {text}") from exc
+    if len(found) != 1 or not returned:
+        raise TraceError(f"TorchDynamo captured {len(found)} graphs of {type(model).__name__}, not one")
+    graph = found[0]
+    if graph.specialised:
+        raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
+                         f"{type(model).__name__}, so it holds at that size only")
+    if graph.guards:  # a branch on sizes: the graph is one of several, a rewrite must hold at every size
+        raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
+                         f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
+    _restore_output(graph.module, out, returned[0], type(model).__name__)
+    _share_tensors(graph.module, model)
+    return graph.module
+
+
+def _restore_output(gm: torch.fx.GraphModule, out: Any, flat: Sequence[Any], name: str) -> None:
+    """Make ``gm`` return ``out``'s structure (the compiled call's result) instead of Dynamo's flat
+    tuple ``flat`` of graph outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    leaves, spec = tc.tree_flatten(out)
+    mapped = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            k = next((k for k, t in enumerate(flat) if t is leaf), None)
+            if k is None:
+                raise TraceError(f"the graph TorchDynamo captured of {name} does not compute one of its outputs "
+                                 f"({type(leaf).__name__} {tuple(leaf.shape)}); fxmem cannot rebuild what it returns")
+            mapped.append(nodes[k])
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            mapped.append(leaf)
+        else:
+            raise TraceError(f"{name} returns a {type(leaf).__name__}, which a graph cannot return")
+    rebuilt = tc.tree_unflatten(mapped, spec)
+    if not _plain(rebuilt):
+        raise TraceError(f"{name} returns a {type(rebuilt).__name__}; fxmem rebuilds tensors, tuples, lists and "
+                         f"dicts of them only")
+    output.args = (rebuilt,)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(_plain(v) for v in value.values())
+    return isinstance(value, torch.fx.Node) or value is None or isinstance(value, (bool, int, float, str))
+
+
+def _share_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Put ``model``'s own parameters and buffers where the meta copy's are (same qualified names)."""
+    real = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    for qual, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if qual not in real:
+            raise TraceError(f"the captured graph reads '{qual}', which is not a parameter or buffer of the model")
+        *path, leaf = qual.split(".")
+        owner = gm.get_submodule(".".join(path)) if path else gm
+        value = real[qual]
+        if isinstance(value, torch.nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)

@@ -1,0 +1,98 @@
+"""Sizes that depend on tensor values, as dims the user can name.
+
+``x[mask]``, ``nonzero``, ``masked_select`` (and PyG's default self-loop handling, which keeps the
+edges that are not loops) make tensors whose size only the data decides. PyTorch gives such a size
+an *unbacked* symbol (``u0``); fxmem makes it a dim of the formulas - ``K1`` for the first, ``K2``
+... - with what it counts, where it is made, and its bound where one is known (the number of
+elements of the mask: ``K1 <= E``). ``Report.evaluate`` then needs a value for it, as for any
+other dim. Nothing is guessed: the formulas hold for every value of the dim.
+
+>>> dims = DataDims(taken={"N", "E"}, device="cpu")        # doctest: +SKIP
+>>> dims.found(aten.index.Tensor, args, out, "loop.py:88")  # doctest: +SKIP
+>>> dims.named()                                            # doctest: +SKIP
+{'K1': u0}
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import sympy
+import torch
+
+from .. import _torch_compat as tc
+from .failures import NotModelled
+
+# ops whose data-dependent output size fxmem names, and whose real kernels' allocations are
+# checked against real runs (tests/test_data_dims.py); others are refused rather than guessed
+NAMED = ("aten.nonzero", "aten.index.Tensor")
+
+
+@dataclasses.dataclass
+class DataDim:
+    """One size the data decides: its ``name``, ShapeEnv ``symbol``, the ``op`` and ``where`` that made
+    it, and ``upper`` (an expression over ShapeEnv symbols, or None when unknown)."""
+
+    name: str
+    symbol: sympy.Symbol
+    op: str
+    where: str
+    upper: Any = None
+    example: int = 101  # a value to order candidates by (half the bound at the example sizes)
+
+    def describe(self, rename: Any = str) -> str:
+        bound = f"; 0 <= {self.name} <= {rename(str(self.upper))}" if self.upper is not None else ""
+        return (f"{self.name}: a size that depends on tensor values (made by {self.op} at {self.where}{bound}); "
+                f"evaluate() needs its value, e.g. the number of elements the mask selects")
+
+
+class DataDims:
+    """The unbacked size symbols of one run, named in the order they appear."""
+
+    def __init__(self, taken: set, device: str = "cpu"):
+        self._taken = set(taken)
+        self.device = device
+        self.dims: dict[sympy.Symbol, DataDim] = {}
+
+    def _next_name(self) -> str:
+        k = 1
+        while f"K{k}" in self._taken:
+            k += 1
+        self._taken.add(f"K{k}")
+        return f"K{k}"
+
+    def found(self, func: Any, args: tuple, out: Any, where: Any, env: Any) -> None:
+        """Name the new unbacked symbols in ``out``'s sizes (bounded by the numel of a boolean
+        argument, or of the input of ``nonzero``, when there is one); ``where()`` says where."""
+        new = []
+        for t in tc.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for d in t.shape:
+                    for s in tc.unbacked_symbols(tc.raw_expr(d)):
+                        if s not in self.dims and s not in new:
+                            new.append(s)
+        if not new:
+            return
+        if self.device != "cpu":
+            raise NotModelled(
+                f"{tc.op_name(func)} makes a tensor whose size depends on the data; fxmem names such sizes on "
+                f"device='cpu' only (the scratch of the CUDA kernels behind them is not checked). Analyse on "
+                f"device='cpu', or give that size as an input")
+        if not tc.op_name(func).startswith(NAMED):
+            raise NotModelled(
+                f"{tc.op_name(func)} makes a tensor whose size depends on the data; fxmem names such sizes for "
+                f"nonzero and boolean-mask indexing (x[mask]), whose real kernels it has checked, not for this op. "
+                f"Write it with x[mask] or nonzero, or give that size as an input")
+        inputs = [a for a in tc.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        masks = [a for a in inputs if a.dtype == torch.bool]
+        counted = masks[0] if masks else (inputs[0] if inputs and "nonzero" in tc.op_name(func) else None)
+        upper = tc.size_expr(env, counted.numel()) if counted is not None else None
+        example = max(1, tc.size_hint(counted.numel()) // 2) if counted is not None else 101
+        for s in new:
+            self.dims[s] = DataDim(self._next_name(), s, tc.op_name(func), where(), upper, example)
+
+    def knows(self, symbols: set) -> bool:
+        return all(s in self.dims for s in symbols)
+
+    def named(self) -> dict[str, sympy.Symbol]:
+        return {d.name: d.symbol for d in self.dims.values()}

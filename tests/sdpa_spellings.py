@@ -198,6 +198,24 @@ class CastsAround(Heads):
         return self.merge(score.softmax(dim=-1).to(q.dtype).matmul(v), x)
 
 
+class TwoLayersOneMask(nn.Module):
+    """Two attention layers reading one causal mask, built once: both must go for the mask to go."""
+
+    SPECS = (("B", "L", C),)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Heads(), Heads()
+
+    def forward(self, x):
+        L = x.shape[1]
+        holes = torch.triu(x.new_ones(L, L, dtype=torch.bool), diagonal=1)
+        for layer in (self.first, self.second):
+            q, k, v = layer.split(x)
+            x = x + layer.merge((q @ k.transpose(-2, -1) * D ** -0.5).masked_fill(holes, -math.inf).softmax(-1) @ v, x)
+        return x
+
+
 SPELLINGS = [DivAfter, ScaleOnQuery, ScaleOnBoth, KeyLaidOut, Bmm, Einsum, SeedRearrange, AdditiveMask,
              PaddingMask, CausalTriu, CausalBuffer, CausalWhere, CausalAdditive, CastsAround]
 CAUSAL = [CausalTriu, CausalBuffer, CausalWhere, CausalAdditive]
@@ -274,6 +292,22 @@ class SoftmaxInFloat32(CastsAround):
         q, k, v = self.split(x)
         score = torch.matmul(q, k.permute(0, 1, 3, 2)) + mask
         return self.merge(score.float().softmax(dim=-1).type_as(q).matmul(v), x)
+
+
+class SharedKeys(nn.Module):
+    """Multi-query attention: one k and v head broadcast over the query heads."""
+
+    SPECS = (("B", "L", C),)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(C, C), nn.Linear(C, 2 * D)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q = self.q(x).view(B, L, H, D).transpose(1, 2)
+        k, v = self.kv(x).unsqueeze(1).split(D, dim=-1)  # [B, 1, L, D]
+        return (torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1) @ v).transpose(1, 2).reshape(B, L, C)
 
 
 class DropoutAlwaysOn(Heads):

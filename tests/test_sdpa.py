@@ -110,6 +110,16 @@ def test_seed_attention_at_the_seeds_configuration():
     check_training_against_real_run(opt, specs, [{"B": 4, "L": 33}], sgd, num_threads=1)  # trains the model
 
 
+def test_layers_sharing_a_causal_mask_are_rewritten_together():
+    torch.manual_seed(0)
+    model = S.TwoLayersOneMask()
+    opt = fxmem.optimize(model, *model.SPECS)
+    assert [r["status"] for r in sdpa_entries(opt)] == ["applied", "applied"]
+    assert opt.code.count("is_causal = True") == 2 and "triu" not in opt.code  # the mask is no longer built
+    assert_same_in_every_mode(model, opt, [torch.randn(2, 7, S.C)])
+    check_against_real_run(opt, model.SPECS, [{"B": 2, "L": 41}])
+
+
 # --- dropout ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls,p", [(S.Bmm, 0.3), (S.PaddingMask, 0.2), (S.SeedRearrange, 0.1)],
@@ -139,6 +149,7 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     (S.LearnedTemperature, ["scaled by temperature", "not by a positive number"]),
     (S.FiniteFillPadding, ["filled in with -1e+09, not -inf", "uniform weights"]),
     (S.DropoutAlwaysOn, ["always on", "training=True"]),
+    (S.SharedKeys, ["different batch axes", "broadcast"]),
     (S.SoftmaxInFloat32, ["cast to a dtype written in the code", ".float()"]),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_lookalike_is_declined(cls, words):

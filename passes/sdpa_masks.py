@@ -246,8 +246,9 @@ def fold_chain(x: torch.fx.Node, probes: Sequence[Probe]) -> Chain | str | None:
                         f"a mask SDPA reads the same way")
             if torch.promote_types(m.dtype, env[at].dtype) != scores_dtype:
                 return f"adding the mask {mask.name} ({m.dtype}) changes the scores' dtype ({scores_dtype})"
-            if fill is not None and fill[1] != -math.inf:
-                return "a mask is added after another one is filled in with a finite value"
+            if fill is not None:
+                return (f"the scores are masked twice (by {mask.name} after another mask is filled in): SDPA "
+                        f"takes one mask")
             added.append([mask, []])
         else:
             _, cond, value, masked, at = step

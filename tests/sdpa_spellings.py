@@ -310,6 +310,18 @@ class SharedKeys(nn.Module):
         return (torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1) @ v).transpose(1, 2).reshape(B, L, C)
 
 
+class CausalThenAdded(CausalWhere):
+    """inductor 19 (HF GPT-2 with a padding mask): where(causal, w, finfo.min) + attn_mask - two masks."""
+
+    SPECS = (("B", "L", C), ("B", 1, 1, "L"))
+
+    def forward(self, x, mask):
+        q, k, v = self.split(x)
+        L = x.shape[1]
+        w = torch.where(self.causal[:L, :L], q @ k.transpose(-2, -1) * D ** -0.5, torch.finfo(torch.float32).min)
+        return self.merge((w + mask).softmax(-1) @ v, x)
+
+
 class DropoutAlwaysOn(Heads):
     """F.dropout(w, 0.1) with its default training=True: on in eval mode too."""
 

@@ -150,6 +150,7 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     (S.FiniteFillPadding, ["filled in with -1e+09, not -inf", "uniform weights"]),
     (S.DropoutAlwaysOn, ["always on", "training=True"]),
     (S.SharedKeys, ["different batch axes", "broadcast"]),
+    (S.CausalThenAdded, ["masked twice", "SDPA takes one mask"]),
     (S.SoftmaxInFloat32, ["cast to a dtype written in the code", ".float()"]),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_lookalike_is_declined(cls, words):

@@ -132,7 +132,8 @@ def main() -> None:
     rows = []
     for at in SIZES:
         rows += run_size(models, reports, at, int(args.budget_gib * 2**30), args.repeats)
-    command = f"python benchmarks/sdpa.py --repeats {args.repeats} --threads {args.threads} --budget-gib {args.budget_gib:g}"
+    command = (f"python benchmarks/sdpa.py --repeats {args.repeats} --threads {args.threads} "
+               f"--budget-gib {args.budget_gib:g}")
     meta = {"machine": machine_name("cpu"), "torch": torch.__version__, "threads": args.threads,
             "repeats": args.repeats, "command": command, "rewrites": rules}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

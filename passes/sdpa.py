@@ -10,16 +10,20 @@ inductor's ``fuse_attention.py`` list, ``tests/sdpa_spellings.py``): the two pro
 ``matmul``/``@``/``bmm`` or ``einsum`` with the axes in any order; ``k`` arrives transposed
 (``transpose``, ``permute``, ``.mT``) or already laid out ``[.., D, S]``; the scale multiplies or
 divides the scores, ``q`` or ``k`` (numbers, ``d ** -0.5`` from a size, a 0-dim constant tensor);
-no-op casts (``.float()`` on float32, ``type_as``) are passed. Which axis is which is read from the
+casts to another tensor's dtype (``type_as(q)``, ``.to(q.dtype)``) are passed. Which axis is which is read from the
 products (:mod:`.sdpa_parts`); the masks from the scores' chain (:mod:`.sdpa_masks`). Then SDPA,
 run at each probe on the parts so laid out, must reproduce the value of the product it replaces.
 
 Declined, with the reason: a softmax over another axis than the keys the product sums; scores or
 weights read by another node (the weights returned, the scores logged); a mask that broadcasts the
-scores to a larger shape or promotes their dtype; a scale that is a tensor (a learned temperature)
-or a negative number; masks filled in with a finite value other than on a causal triangle (a row
-with every key masked: the original gives uniform weights, SDPA does not); dropout written with
-``training=True``.
+scores to a larger shape or promotes their dtype; two masks; a scale that is a tensor (a learned
+temperature) or a negative number, or applied to the weights after the softmax; masks filled in
+with a finite value other than on a causal triangle (a row with every key masked: the original
+gives uniform weights, SDPA does not); dropout written with ``training=True``; casts to a dtype
+written in the code (``.float()`` before the softmax: a no-op for float32, a rounding for
+float64); q, k, v with different batch axes (k and v shared by the heads). Where CPU flash
+attention does not apply (v's head size other than q's, not 4-d) SDPA runs its math path, which
+builds the scores too: the optimizer then finds no memory saved and keeps the original.
 
 Dropout: SDPA's dropout draws its own random mask, so with p > 0 it cannot give the numbers the
 model's ``dropout`` gives. Where dropout follows the module's flag (``nn.Dropout``,
@@ -42,7 +46,7 @@ from .base import Finding, Probe
 from .data_movement import method_name, op_name
 from .fused_attention import _dropout, _fallback, _original, _softmax_dim
 from .sdpa_masks import MaskPlan, fold_chain
-from .sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast
+from .sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 
 RULE = "sdpa"
 SETTINGS: dict = {}
@@ -63,6 +67,7 @@ class SdpaPlan:
     training: Any  # None (no dropout), False, or the node holding the flag
     dropout_module: str | None  # an nn.Dropout's path: it reads its own flag
     fallback: tuple  # (nodes of the original attention, in graph order; the nodes they read)
+    flash: bool  # CPU flash attention applies (4-d, one head size); else SDPA's math path
 
 
 def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
@@ -122,6 +127,10 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> Sd
         if cast(n, env) == "fixed" and _softmax_dim(_passed_cast(n.args[0], env), modules) is not None:
             return fixed_cast(n, env)
     dim = _softmax_dim(softmax, modules)
+    if dim is None and drop is None and peel_scale(softmax, probes) is not None \
+            and _softmax_dim(_passed_cast(peel_scale(softmax, probes)[0], env), modules) is not None:
+        return (f"the attention weights are scaled after the softmax (node {softmax.name}), so they do not add up "
+                f"to 1: SDPA's scale multiplies the scores, before the softmax")
     if dim is None or not isinstance(softmax.args[0], torch.fx.Node):
         return None  # not attention weights
     chain = fold_chain(softmax.args[0], probes)
@@ -150,8 +159,11 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> Sd
                 f"another random mask, so the rewrite could not give the same numbers")
     if drop is None or p == 0 or training is False:
         training = None if drop is None or p == 0 else False
+    heads = {env[n].shape[order[-1] if order is not None else -1]
+             for n, order in ((layout.query, layout.query_order), (values, layout.value_order))}
+    flash = len(heads) == 1 and env[softmax].dim() + layout.lift == 4  # CPU flash attention's conditions
     plan = SdpaPlan(node, layout.query, layout.key, values, layout, chain.scale + layout.scale, chain.mask,
-                    p, training, module, _original(node, _reads(layout, values, chain.mask)))
+                    p, training, module, _original(node, _reads(layout, values, chain.mask)), flash)
     bad = _check(plan, probes)
     return bad if bad is not None else plan
 
@@ -241,7 +253,9 @@ def _describe(plan: SdpaPlan) -> str:
     mask = f", {mask}" if mask == "causal" else f" {mask}" if mask else ""
     text = (f"softmax(q @ kᵀ · scale{mask}) @ v with q from {plan.query.name}, "
             f"k from {plan.key.name}, v from {plan.value.name}: F.scaled_dot_product_attention"
-            f"{' (is_causal=True)' if plan.mask.causal else ''}, no L x S scores or weights kept")
+            f"{' (is_causal=True)' if plan.mask.causal else ''}, "
+            + ("no L x S scores or weights kept" if plan.flash else
+               "on CPU its math path (v's head size other than q's, or not 4-d), which builds the scores too"))
     if plan.dropout_p > 0 and plan.training is not False:
         text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: SDPA's "
                  f"dropout draws another random mask")

@@ -322,6 +322,14 @@ class CausalThenAdded(CausalWhere):
         return self.merge((w + mask).softmax(-1) @ v, x)
 
 
+class ScaleAfterSoftmax(Heads):
+    """The scale applied to the weights, after the softmax: they no longer add up to 1."""
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        return self.merge(((q @ k.transpose(-2, -1)).softmax(-1) * D ** -0.5) @ v, x)
+
+
 class DropoutAlwaysOn(Heads):
     """F.dropout(w, 0.1) with its default training=True: on in eval mode too."""
 

@@ -129,7 +129,8 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     model = cls(dropout=p)
     opt = fxmem.optimize(model, *cls.SPECS)
     (entry,) = sdpa_entries(opt)
-    assert entry["status"] == "applied" and f"while dropout (p={p:g}) is on (train mode) the original" in entry["reason"]
+    assert entry["status"] == "applied"
+    assert f"while dropout (p={p:g}) is on (train mode) the original" in entry["reason"]
     assert entry["train_peak_after"] == entry["train_peak_before"]  # train mode: the original nodes run
     inference = check_against_real_run(opt.eval(), cls.SPECS, [{"B": 3, "L": 37}], grad=False)
     assert quadratic_float_activations(inference) == []
@@ -151,6 +152,7 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     (S.DropoutAlwaysOn, ["always on", "training=True"]),
     (S.SharedKeys, ["different batch axes", "broadcast"]),
     (S.CausalThenAdded, ["masked twice", "SDPA takes one mask"]),
+    (S.ScaleAfterSoftmax, ["scaled after the softmax", "do not add up to 1"]),
     (S.SoftmaxInFloat32, ["cast to a dtype written in the code", ".float()"]),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_lookalike_is_declined(cls, words):

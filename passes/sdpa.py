@@ -256,6 +256,8 @@ def _describe(plan: SdpaPlan) -> str:
             f"{' (is_causal=True)' if plan.mask.causal else ''}, "
             + ("no L x S scores or weights kept" if plan.flash else
                "on CPU its math path (v's head size other than q's, or not 4-d), which builds the scores too"))
+    if plan.mask.keep is not None:
+        text += "; a query whose keys are all masked gets zeros from SDPA where the original gives NaN"
     if plan.dropout_p > 0 and plan.training is not False:
         text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: SDPA's "
                  f"dropout draws another random mask")

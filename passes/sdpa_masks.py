@@ -13,8 +13,9 @@ cast that keeps the dtype. Folded from the product outwards, they become SDPA's 
   is not built at all. A finite fill value counts as -inf when it is <= -1e4 (exp underflows to
   exactly 0 next to a row's unmasked maximum whenever the scores stay above it by more than 104 in
   float32, 745 in float64; every causal row keeps its diagonal);
-* a bool ``attn_mask`` for a mask filled in with -inf (True: kept). A finite fill elsewhere is
-  declined: a row with every key masked gets uniform weights from the original, not from SDPA;
+* a bool ``attn_mask`` for a mask filled in with -inf (True: kept). The same numbers except for a
+  query whose keys are all masked: the original's softmax gives NaN there, SDPA zeros. A finite
+  fill elsewhere is declined: there such a query gets uniform weights from the original;
 * a float ``attn_mask``: the added masks, times the scale factors that come after them.
 
 Declined: masks that broadcast the scores to a larger shape or promote their dtype, bool tensors

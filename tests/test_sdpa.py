@@ -164,3 +164,18 @@ def test_lookalike_is_declined(cls, words):
     for w in words:
         assert w in entry["reason"], entry["reason"]
     assert opt.code == trace_modes(model).graph_module.code
+
+
+def test_a_query_with_every_key_masked_gets_zeros_as_the_record_says():
+    """The one place the rewrite differs, and says so: a -inf fill over every key of a query gives
+    NaN weights in the original and zeros from SDPA (other queries: the same numbers)."""
+    torch.manual_seed(0)
+    model = S.PaddingMask()
+    opt = fxmem.optimize(model, *model.SPECS)
+    (entry,) = sdpa_entries(opt)
+    assert "a query whose keys are all masked gets zeros from SDPA where the original gives NaN" in entry["reason"]
+    x, mask = torch.randn(2, 6, S.C), torch.ones(2, 6)
+    mask[0] = 0  # every key of the first sequence is padding
+    want, got = model(x, mask), opt(x, mask)
+    assert torch.isnan(want[0]).all() and torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got[1], want[1])

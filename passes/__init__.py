@@ -15,7 +15,9 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   is declined), :mod:`.gathered_pairs` (pairs of rows picked by an edge list);
 * the fused-attention rule: :mod:`.fused_attention` (the rule), :mod:`.attention_layout` (the
   model's tensors laid out for the kernel, :mod:`fxmem.ops.attention`);
-* the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`).
+* the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`);
+* the SDPA rule: :mod:`.sdpa` (the rule), :mod:`.sdpa_parts` (q, k, v and their layouts),
+  :mod:`.sdpa_masks` (scale and masks, causal ones included).
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """

@@ -3,11 +3,11 @@
 looks at the graph the passes before it made.
 
 >>> [p.name for p in PASSES]
-['pair-linear', 'fused-attention', 'fused-message-passing']
+['pair-linear', 'fused-attention', 'fused-message-passing', 'sdpa']
 """
 from __future__ import annotations
 
-from . import fused_attention, message_passing, pair_linear
+from . import fused_attention, message_passing, pair_linear, sdpa
 from .base import Pass
 
 PASSES: tuple[Pass, ...] = (
@@ -17,4 +17,6 @@ PASSES: tuple[Pass, ...] = (
     Pass(fused_attention.RULE, fused_attention.find, fused_attention.rewrite, fused_attention.SETTINGS),
     # zeros.index_add_(0, dst, x[src] * w) -> a CSR product A @ x (seed 003: fused message passing)
     Pass(message_passing.RULE, message_passing.find, message_passing.rewrite, message_passing.SETTINGS),
+    # softmax(q @ k^T * scale [+ mask]) [dropout] @ v -> F.scaled_dot_product_attention (seed 002)
+    Pass(sdpa.RULE, sdpa.find, sdpa.rewrite, sdpa.SETTINGS),
 )

@@ -100,6 +100,34 @@ def test_sdpa_matches_real_run(variant, grad):
                            grad=grad)
 
 
+class SDPAMath(nn.Module):
+    """SDPA where CPU flash attention does not apply - v's head size other than q's, or 5-d operands -
+    so it runs its math path (whose softmax is aten._safe_softmax)."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.qk, self.v = nn.Linear(32, 64), nn.Linear(32, 16 if variant == "value-width" else 32)
+
+    def forward(self, x):
+        B, L, C = x.shape
+        q, k = self.qk(x).view(B, L, 2, 4, 8).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(B, L, 4, -1).transpose(1, 2)
+        if self.variant == "five-d":
+            q, k, v = (t.unflatten(1, (2, 2)) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, scale=0.3)
+
+
+@pytest.mark.parametrize("variant", ["value-width", "five-d"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_sdpa_math_path_matches_real_run(variant, grad):
+    check_against_real_run(SDPAMath(variant), (("B", "L", 32),), [dict(B=2, L=9), dict(B=3, L=40), dict(B=1, L=17)],
+                           grad=grad)
+    if grad:
+        check_training_against_real_run(SDPAMath(variant), (("B", "L", 32),), [dict(B=2, L=21)],
+                                        lambda p: torch.optim.SGD(p, lr=0.1), num_threads=1)
+
+
 def test_batchnorm_eval_and_train_match_real_run():
     for mode in ("train", "eval"):
         model = nn.Sequential(nn.BatchNorm2d(5), nn.Conv2d(5, 4, 1), nn.BatchNorm2d(4))

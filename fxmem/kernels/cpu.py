@@ -70,6 +70,25 @@ def _sdpa_flash_cpu_backward(call: Call) -> list:
     return [OUT, copy, buf, reduced, dsum, -dsum, -reduced, -buf, -copy]
 
 
+# --- SDPA's math path: softmax that gives 0, not NaN, for rows with every key masked -----------------
+# F.scaled_dot_product_attention falls back to its math path on CPU where flash attention does not
+# apply (value head size other than q's, not 4-d); its softmax is aten._safe_softmax (torch >= 2.5).
+if hasattr(aten, "_safe_softmax"):
+    require_args(aten._safe_softmax.default, "self", "dim")
+
+    @hidden(aten._safe_softmax, device="cpu")
+    def _safe_softmax_cpu(call: Call) -> list:
+        """softmax(self), then ``isneginf(self)`` (bool, one byte per element), ``all`` over dim
+        (bool, one per row) and a 0-d zero of the output's dtype; ``where`` writes into the output."""
+        x, out = call.arg("self"), call.outputs[0]
+        dim = call.arg("dim") % max(x.dim(), 1)
+        rows = 1
+        for d, size in enumerate(x.shape):
+            rows = rows * (size if d != dim else 1)
+        zero = out.element_size()
+        return [OUT, x.numel(), rows, zero, -zero, -rows, -x.numel()]
+
+
 # --- contiguous copies inside kernels ------------------------------------------------------------
 # Kernels that work on a contiguous copy of some operands (``x.expect_contiguous()`` inside), made
 # before or after the op's outputs are allocated. Gradients often arrive expanded (zero strides)

@@ -1,0 +1,181 @@
+"""The SDPA pass (``passes/sdpa.py``): naive dot-product attention -> F.scaled_dot_product_attention.
+
+* every spelling (``sdpa_spellings.py``: inductor's list, seed 002's rearrange, causal masks from
+  triu/tril, buffers and additive -inf) is rewritten: same outputs, gradients and buffers as the
+  original in train/eval mode with and without grad (``equivalence.py``, independent of the pass's
+  own check), at sizes the pass never saw, with real padding in the masks;
+* fxmem's analysis of the rewritten model equals the CPU allocator on real runs (forward, no_grad,
+  training step), and it keeps no L x L float tensor where the original kept several;
+* dropout with p > 0 that follows the flag: SDPA in eval mode, the original nodes in train mode;
+* each look-alike is declined with its reason, and the graph is left as it was.
+"""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+import fxmem
+import sdpa_spellings as S
+from conftest import check_against_real_run, check_training_against_real_run, load_example
+from equivalence import assert_same_in_every_mode
+from fxmem.passes.modes import trace_modes
+
+seed = load_example("seed_attention")
+
+
+def sdpa_entries(opt: torch.fx.GraphModule) -> list[dict]:
+    return [r for r in opt.meta["fxmem"] if r["rule"] == "sdpa"]
+
+
+def inputs(cls, sizes: dict, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k, spec in enumerate(cls.SPECS):
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec)
+        if k and getattr(cls, "MASK", False):  # padding: 0/1, the first two keys always kept
+            mask = (torch.rand(shape, generator=gen) > 0.4).float()
+            mask[..., :2] = 1
+            out.append(mask)
+        else:
+            out.append(torch.randn(shape, generator=gen))
+    return out
+
+
+def quadratic_float_activations(report: fxmem.Report, dim: str = "L") -> list:
+    """Float storages the run makes whose size grows with L**2 (inputs excluded)."""
+    found = []
+    for s in report.storages:
+        n = next((x for x in s.bytes.free_symbols if x.name == dim), None)
+        if n is not None and s.kind in ("activation", "gradient") and s.dtype.is_floating_point \
+                and sympy.Poly(sympy.expand(s.bytes), n).degree() >= 2:
+            found.append(s)
+    return found
+
+
+# --- every spelling becomes SDPA -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", S.SPELLINGS, ids=lambda c: c.__name__)
+def test_spelling_becomes_sdpa_and_computes_the_same(cls):
+    torch.manual_seed(0)
+    model = cls()
+    opt = fxmem.optimize(model, *cls.SPECS)
+    (entry,) = sdpa_entries(opt)
+    assert entry["status"] == "applied", entry["reason"]
+    assert "scaled_dot_product_attention" in opt.code
+    assert ("is_causal = True" in opt.code) == (cls in S.CAUSAL)
+    for at in ({"B": 2, "L": 7}, {"B": 3, "L": 11}):
+        assert_same_in_every_mode(model, opt, inputs(cls, at))
+
+
+@pytest.mark.parametrize("cls", [S.DivAfter, S.Bmm, S.Einsum, S.SeedRearrange, S.AdditiveMask, S.PaddingMask,
+                                 S.CausalBuffer, S.CausalAdditive], ids=lambda c: c.__name__)
+def test_rewritten_model_is_predicted_exactly_and_keeps_no_quadratic_tensor(cls):
+    torch.manual_seed(0)
+    model = cls()
+    opt = fxmem.optimize(model, *cls.SPECS)
+    assert sdpa_entries(opt)[0]["status"] == "applied"
+    sizes = [{"B": 3, "L": 37}, {"B": 2, "L": 300}]
+    report = check_against_real_run(opt, cls.SPECS, sizes)
+    check_against_real_run(opt, cls.SPECS, sizes[:1], grad=False)
+    assert quadratic_float_activations(report) == []
+    assert len(quadratic_float_activations(fxmem.analyze(model, *cls.SPECS))) >= 2  # scores and weights
+    train = check_training_against_real_run(opt, cls.SPECS, [{"B": 2, "L": 45}], lambda p: torch.optim.Adam(p),
+                                            num_threads=1)
+    assert quadratic_float_activations(train) == []
+
+
+def test_seed_attention_at_the_seeds_configuration():
+    """Seed 002's module as written (math mode): SDPA, fxmem exact on it. At the seed's own sizes
+    (B=64, L=32, C=512, H=8) the L x L tensors are as large as the B x L x C ones: the forward and
+    inference peaks fall, but the training step's peak is the linear layers' backward, to which SDPA
+    adds the logsumexp it keeps - so with hints at the seed's sizes optimize keeps the original."""
+    torch.manual_seed(0)
+    model = seed.Attention(dim=512, num_heads=8)
+    specs = (("B", "L", 512),)
+    opt = fxmem.optimize(model, *specs)
+    (entry,) = sdpa_entries(opt)
+    assert entry["status"] == "applied", entry["reason"]
+    sgd = (lambda p: torch.optim.SGD(p, lr=0.1))
+    before, after = fxmem.analyze(model, *specs, optimizer=sgd), fxmem.analyze(opt, *specs, optimizer=sgd)
+    at = dict(B=64, L=32)
+    b, a = before.evaluate(**at), after.evaluate(**at)
+    assert a["peak"] < b["peak"] and a["train_peak"] > b["train_peak"]
+    long = dict(B=4, L=2048)
+    assert after.evaluate(**long)["train_peak"] * 8 < before.evaluate(**long)["train_peak"]
+    assert_same_in_every_mode(model, opt, [torch.randn(2, 9, 512)])
+    at_seed = fxmem.optimize(model, *specs, hints=at)
+    (entry,) = sdpa_entries(at_seed)
+    assert entry["status"] == "declined" and "no memory saved" in entry["reason"]
+    check_training_against_real_run(opt, specs, [{"B": 4, "L": 33}], sgd, num_threads=1)  # trains the model
+
+
+def test_layers_sharing_a_causal_mask_are_rewritten_together():
+    torch.manual_seed(0)
+    model = S.TwoLayersOneMask()
+    opt = fxmem.optimize(model, *model.SPECS)
+    assert [r["status"] for r in sdpa_entries(opt)] == ["applied", "applied"]
+    assert opt.code.count("is_causal = True") == 2 and "triu" not in opt.code  # the mask is no longer built
+    assert_same_in_every_mode(model, opt, [torch.randn(2, 7, S.C)])
+    check_against_real_run(opt, model.SPECS, [{"B": 2, "L": 41}])
+
+
+# --- dropout ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,p", [(S.Bmm, 0.3), (S.PaddingMask, 0.2), (S.SeedRearrange, 0.1)],
+                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
+def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
+    torch.manual_seed(0)
+    model = cls(dropout=p)
+    opt = fxmem.optimize(model, *cls.SPECS)
+    (entry,) = sdpa_entries(opt)
+    assert entry["status"] == "applied"
+    assert f"while dropout (p={p:g}) is on (train mode) the original" in entry["reason"]
+    assert entry["train_peak_after"] == entry["train_peak_before"]  # train mode: the original nodes run
+    inference = check_against_real_run(opt.eval(), cls.SPECS, [{"B": 3, "L": 37}], grad=False)
+    assert quadratic_float_activations(inference) == []
+    check_against_real_run(opt.train(), cls.SPECS, [{"B": 3, "L": 37}])
+    # the model's keys (fx keeps the -inf of torch.full((), -inf) as a tensor constant the original nodes read)
+    assert set(model.state_dict()) <= set(opt.state_dict())
+    assert_same_in_every_mode(model, opt, inputs(cls, {"B": 2, "L": 6}))
+
+
+# --- look-alikes ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,words", [
+    (S.SoftmaxOverQueries, ["softmax runs over dim -2", "not over the keys"]),
+    (S.WeightsReturned, ["attention weights (node softmax) are also read by output"]),
+    (S.ScoresUsedElsewhere, ["scores (node matmul) are also read by mean"]),
+    (S.MaskWidensScores, ["not broadcastable to the scores", "makes them larger"]),
+    (S.LearnedTemperature, ["scaled by temperature", "not by a positive number"]),
+    (S.FiniteFillPadding, ["filled in with -1e+09, not -inf", "uniform weights"]),
+    (S.DropoutAlwaysOn, ["always on", "training=True"]),
+    (S.SharedKeys, ["different batch axes", "broadcast"]),
+    (S.CausalThenAdded, ["masked twice", "SDPA takes one mask"]),
+    (S.ScaleAfterSoftmax, ["scaled after the softmax", "do not add up to 1"]),
+    (S.SoftmaxInFloat32, ["cast to a dtype written in the code", ".float()"]),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_lookalike_is_declined(cls, words):
+    torch.manual_seed(0)
+    model = cls()
+    opt = fxmem.optimize(model, *cls.SPECS)
+    (entry,) = sdpa_entries(opt)
+    assert entry["status"] == "declined"
+    for w in words:
+        assert w in entry["reason"], entry["reason"]
+    assert opt.code == trace_modes(model).graph_module.code
+
+
+def test_a_query_with_every_key_masked_gets_zeros_as_the_record_says():
+    """The one place the rewrite differs, and says so: a -inf fill over every key of a query gives
+    NaN weights in the original and zeros from SDPA (other queries: the same numbers)."""
+    torch.manual_seed(0)
+    model = S.PaddingMask()
+    opt = fxmem.optimize(model, *model.SPECS)
+    (entry,) = sdpa_entries(opt)
+    assert "a query whose keys are all masked gets zeros from SDPA where the original gives NaN" in entry["reason"]
+    x, mask = torch.randn(2, 6, S.C), torch.ones(2, 6)
+    mask[0] = 0  # every key of the first sequence is padding
+    want, got = model(x, mask), opt(x, mask)
+    assert torch.isnan(want[0]).all() and torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got[1], want[1])

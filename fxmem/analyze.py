@@ -133,8 +133,12 @@ def analyze(
         rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training, mode=mode,
                        leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted, autocast=autocast)
         plan = MemoryPlan(rec, dict(at))
-        return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
-                      hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
+        report = Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
+                        hints=dict(at), graph_module=rec.graph_module, mode=mode, reanalyze=run)
+        if isinstance(model, torch.nn.Module):
+            report.source = (model, input_specs, dict(device=device, dtype=dtype, grad=grad, hints=hints,
+                                                      leaf_modules=leaf_modules, optimizer=optimizer, loss=loss))
+        return report
 
     special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
     if not special:

@@ -64,6 +64,8 @@ class Report:
         self.hints = dict(hints)
         self.graph_module = graph_module
         self._reanalyze = reanalyze
+        # (model, input specs, analyze's keyword arguments): what a rewrite re-analyses (max_size(recompute=True))
+        self.source: tuple | None = None
         self._regions: dict[tuple, Report] = {}
         self._evaluations: dict[tuple, Evaluation] = {}
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
@@ -163,7 +165,7 @@ class Report:
         """The node during which the forward's peak happens (at ``dims``, or at the example sizes)."""
         return self.liveness(dims or None).peak_node
 
-    def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
+    def max_size(self, dim: str, budget: Any, train: bool = False, recompute: bool = False, **fixed: int) -> int:
         """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
@@ -173,6 +175,12 @@ class Report:
         """
         if train and not self.training:
             raise SpecError("max_size(train=True) needs a training step: analyse with optimizer=...")
+        if recompute:  # with recomputation in backward: the rewrites of fxmem.passes.recompute
+            if not train:
+                raise SpecError("max_size(recompute=True) is about a training step: pass train=True")
+            from .passes.recompute import max_size_with_recompute  # the passes build on this module
+
+            return max_size_with_recompute(self, dim, budget, fixed)
         return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
 
     # --- views ----------------------------------------------------------------------------------

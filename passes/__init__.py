@@ -15,7 +15,9 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   is declined), :mod:`.gathered_pairs` (pairs of rows picked by an edge list);
 * the fused-attention rule: :mod:`.fused_attention` (the rule), :mod:`.attention_layout` (the
   model's tensors laid out for the kernel, :mod:`fxmem.ops.attention`);
-* the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`).
+* the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`);
+* recomputation to fit a budget (``optimize(..., budget=, dims=)``): :mod:`.recompute` (the
+  plan), :mod:`.segments` (the blocks, and how a graph runs one under ``torch.utils.checkpoint``).
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """
@@ -24,7 +26,8 @@ if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes thi
 
 from .base import Finding, Pass, Probe  # noqa: E402
 from .optimize import optimize  # noqa: E402
+from .recompute import BudgetError  # noqa: E402
 from .registry import PASSES  # noqa: E402
 from .verify import Difference, compare  # noqa: E402
 
-__all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe"]
+__all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe", "BudgetError"]

@@ -32,11 +32,12 @@ from ..capture import forward_parameters
 from ..errors import FxMemError, ModelError, ShapeError, SpecError
 from ..inputs import random_inputs
 from ..report import Report
-from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
+from ..specs import InputSpec, check_dims, check_input_sizes, choose_hints, parse_specs
 from .base import Finding, Pass, Probe
 from ..accounting.budget import parse_bytes
 from .modes import in_mode, trace_modes
 from .recompute import fit_budget
+from .reorder import reorder
 from .registry import PASSES
 from .verify import compare
 
@@ -161,11 +162,17 @@ def optimize(
         for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
             state.try_group(group)
     best = state.best
+    # another order of the nodes, where fxmem's analysis finds it lowers the peak
+    best, entry = reorder(best, verify_inputs[-1], specs, choose_hints(symbols, hints), lambda g: _memory(g, input_specs, kw),
+                          lambda g: compare(model, g, verify_inputs))
+    if entry is not None:
+        state.log.append(entry)
     if budget is not None:  # after the rewrites: recompute what still does not fit
         dims = check_dims(dict(dims), symbols, "dims")
         best, entry = fit_budget(best, model, input_specs, kw, budget, dims, optimizer or _plain_sgd,
                                  state.verify_inputs)
         state.log.append(entry)
+    _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = state.log
     return best
 

@@ -170,6 +170,10 @@ class Report:
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
         dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
+        ``recompute=True`` (with ``train=True``): the largest size whose training step fits with
+        recomputation in backward - the largest over recomputing nothing, every block whole and
+        every block selectively (:mod:`fxmem.passes.recompute`; each exact as above);
+        ``fxmem.optimize(..., budget=, dims=)`` then finds the cheapest plan that fits there.
 
         >>> report.max_size("B", budget="32GiB", N=500)           # doctest: +SKIP
         """

@@ -288,7 +288,7 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
         return gm, entry
     pairs = list(zip(old_mem.points[0], new_mem.points[0]))
     names = ("peak", "training-step peak", "inference peak")
-    gains = [f"{k} {format_bytes(a)} -> {format_bytes(b)}" for k, (a, b) in zip(names, pairs) if a and a != b]
+    gains = [f"{k} {a:,} -> {b:,} B ({100 * (b - a) / a:+.1f}%)" for k, (a, b) in zip(names, pairs) if a and a != b]
     entry.update(status="applied", reason=f"at {at}: " + ", ".join(gains))
     return new, entry
 

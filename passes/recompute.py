@@ -238,6 +238,9 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
                  reason=(f"training-step peak at {at}: {format_bytes(base.peak)} -> {format_bytes(best.peak)} "
                          f"(budget {format_bytes(limit)}), recomputing {best.flops:,} FLOPs in backward "
                          f"({share:.1f}% of the forward's {planner.forward_flops:,})"))
+    if planner.uncounted:
+        entry["reason"] += (f"; FLOPs could not be counted on the meta device ({planner.uncounted}), so the plan "
+                            f"recomputes the fewest nodes instead and the FLOP figures count nodes")
     return best.module, entry
 
 
@@ -255,6 +258,7 @@ class _Planner:
         self.blocks = blocks(gm)
         self._base: Report | None = None
         self._costs: dict | None = None
+        self.uncounted: str | None = None  # why FLOPs could not be counted (then each node costs 1)
 
     def analyse(self, module: torch.fx.GraphModule) -> Report:
         report = analyze(in_mode(module, True), *self.input_specs, optimizer=self.optimizer, **self.kw)
@@ -266,7 +270,11 @@ class _Planner:
     def costs(self) -> dict:
         if self._costs is None:
             assert self._base is not None
-            self._costs = node_costs(self.gm, self._base.specs, self.dims)
+            try:
+                self._costs = node_costs(self.gm, self._base.specs, self.dims)
+            except Exception as exc:  # noqa: BLE001 - an op without a meta kernel: count nodes instead
+                self.uncounted = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                self._costs = {n.name: (0, 0, 1) for n in self.gm.graph.nodes}
         return self._costs
 
     @property

@@ -5,6 +5,7 @@ prediction at sizes the analysis never saw, and lower than the original graph's 
 outputs, gradients and buffers equal the original model's in train and eval mode."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,3 +96,19 @@ def test_an_order_that_would_not_lower_the_peak_is_not_kept():
 def test_a_chain_of_blocks_is_left_as_it_is():
     opt = fxmem.optimize(Transformer(depth=2), fxmem.TensorSpec(("B", "L"), dtype=torch.int64))
     assert not _reorder_entries(opt)
+
+
+def test_an_order_the_analysis_does_not_confirm_is_dropped_with_the_reason():
+    """The liveness model proposes TwoSums' reorder; an analysis that finds it no lower keeps the original."""
+    from types import SimpleNamespace
+
+    from fxmem.passes.reorder import reorder
+
+    model = TwoSums()
+    report = fxmem.analyze(model, ("B", 16))
+    gm = report.graph_module
+    same = SimpleNamespace(report=report, inference=report, lower_than=lambda other: False, points=[(1, 1, 1)])
+    new, entry = reorder(gm, [torch.randn(4, 16)], report.specs, report.hints, lambda g: same,
+                         lambda g: pytest.fail("a rejected order is not verified"))
+    assert new is gm and entry["status"] == "declined" and "original order is kept" in entry["reason"]
+    assert entry["modelled_peak_after"] < entry["modelled_peak_before"]

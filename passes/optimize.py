@@ -164,7 +164,7 @@ def optimize(
     best = state.best
     # another order of the nodes, where fxmem's analysis finds it lowers the peak
     best, entry = reorder(best, verify_inputs[-1], specs, choose_hints(symbols, hints), lambda g: _memory(g, input_specs, kw),
-                          lambda g: compare(model, g, verify_inputs))
+                          lambda g: compare(model, g, verify_inputs), verify_at)
     if entry is not None:
         state.log.append(entry)
     if budget is not None:  # after the rewrites: recompute what still does not fit

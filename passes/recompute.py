@@ -35,6 +35,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import _torch_compat as tc
 from ..accounting.budget import parse_bytes
 from ..analyze import analyze
 from ..errors import FxMemError, SpecError
@@ -95,7 +96,7 @@ def node_costs(gm: torch.fx.GraphModule, specs: Sequence[Any], dims: Mapping[str
             with counter:
                 out = super().run_node(n)
             flops = counter.get_total_flops()
-            tensors = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
             numel = sum(t.numel() for t in tensors)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             costs[n.name] = (flops, nbytes if flops else 0, 0 if flops else numel)
@@ -104,14 +105,6 @@ def node_costs(gm: torch.fx.GraphModule, specs: Sequence[Any], dims: Mapping[str
     with torch.no_grad():
         Counting(twin).run(*inputs)
     return costs
-
-
-def _leaves(value: Any) -> list:
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _leaves(v)]
-    return [value]
 
 
 def block_costs(report: Report, found: Sequence[Block], costs: Mapping[str, tuple], dims: Mapping[str, int]) -> list:

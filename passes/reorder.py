@@ -33,6 +33,8 @@ import networkx as nx
 import torch
 import torch.fx
 
+from .. import _torch_compat as tc
+from ..errors import FxMemError
 from ..inputs import input_shape
 from ..report import format_bytes
 
@@ -158,13 +160,7 @@ def _last_use(pending: dict, a: torch.fx.Node) -> bool:
 
 
 def _tensors(value: Any) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    return [t for t in tc.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def probe_run(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[dict, frozenset]:
@@ -225,6 +221,19 @@ def schedule(g: nx.DiGraph, live: Liveness, rule: str) -> list:
     return order
 
 
+def _higher(old: Any, new: Any, sizes: Mapping[str, int]) -> str | None:
+    """Which peak of ``new`` is higher than ``old``'s at ``sizes`` (None: none is)."""
+    for name, a, b in (("the forward's peak", old.report, new.report), ("the inference peak", old.inference, new.inference)):
+        try:
+            before, after = a.evaluate(**sizes), b.evaluate(**sizes)
+        except FxMemError as exc:  # the model cannot run there: nothing shows the order is no worse
+            return f"{name} cannot be analysed ({str(exc).splitlines()[0][:80]})"
+        for key in ("peak", "train_peak"):
+            if before.get(key) is not None and after[key] > before[key]:
+                return f"{'the training-step peak' if key == 'train_peak' else name} is higher ({before[key]:,} -> {after[key]:,} B)"
+    return None
+
+
 def rebuild(gm: torch.fx.GraphModule, order: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
     """``gm``'s nodes in ``order`` (placeholders and attributes first, the output last); shares its modules."""
     graph = torch.fx.Graph()
@@ -242,12 +251,15 @@ def rebuild(gm: torch.fx.GraphModule, order: Sequence[torch.fx.Node]) -> torch.f
 
 def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any],
             sizes: Mapping[str, int], memory: Callable[[torch.fx.GraphModule], Any],
-            check: Callable[[torch.fx.GraphModule], Any]) -> tuple[torch.fx.GraphModule, dict | None]:
+            check: Callable[[torch.fx.GraphModule], Any],
+            also_at: Sequence[Mapping[str, int]] = ()) -> tuple[torch.fx.GraphModule, dict | None]:
     """``gm`` in another order when fxmem's analysis finds a lower peak (and nothing higher), else ``gm``.
 
     ``inputs``: small real inputs (which values share storages, which autograd keeps); ``sizes``:
     the example sizes the bytes are modelled at; ``memory(gm)`` fxmem's analysis (an object with
-    ``lower_than`` and ``report``/``inference``); ``check(gm)`` the verification (``.ok``).
+    ``lower_than`` and ``report``/``inference``); ``check(gm)`` the verification (``.ok``);
+    ``also_at``: more sizes (small ones) at which no peak may be higher - a peak is a ``Max`` of
+    candidates that cross, so an order lower at the example sizes can be higher at others.
     Returns the module and its ``meta["fxmem"]`` entry (None when no order is modelled lower).
     """
     g = dependencies(gm)
@@ -285,6 +297,13 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
                            f"{format_bytes(before)} at {at} was found, but fxmem's analysis of it finds no lower "
                            f"peak (or a higher one), so the original order is kept")
         return gm, entry
+    for at_sizes in also_at:
+        higher = _higher(old_mem, new_mem, at_sizes)
+        if higher:
+            entry["reason"] = (f"lower at {at}, but {higher} at "
+                               f"{', '.join(f'{k}={v}' for k, v in at_sizes.items())}: which order is lower depends "
+                               f"on the sizes, so the original order is kept")
+            return gm, entry
     diff = check(new)
     if not diff.ok:
         entry["reason"] = f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}); original order kept"

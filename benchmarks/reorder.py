@@ -75,7 +75,7 @@ def one(group: str, name: str, build, specs, sizes, makers) -> dict:
         kw = dict(device="cpu", dtype=torch.float32, grad=True, hints=None, leaf_modules=())
         small = [{d: base + k for k, d in enumerate(report.symbols)} for base in PROBE_LADDER[0]]  # as optimize
         new, entry = reorder(gm, inputs, report.specs, hints, lambda g: _memory(g, specs, kw),
-                             lambda g: compare(model, g, [inputs]), small)
+                             lambda g: compare(gm, g, [inputs]), small)  # the trace: it has the modules it calls
     except Exception as exc:  # noqa: BLE001 - a failure is a result
         return {**row, "status": "error", "detail": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     if entry is None:

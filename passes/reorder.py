@@ -37,6 +37,7 @@ from .. import _torch_compat as tc
 from ..errors import FxMemError
 from ..inputs import input_shape
 from ..report import format_bytes
+from .segments import same_attributes
 
 RULE = "reorder"
 
@@ -244,9 +245,7 @@ def rebuild(gm: torch.fx.GraphModule, order: Sequence[torch.fx.Node]) -> torch.f
         env[n] = graph.node_copy(n, lambda a: env[a])
         env[n].meta = dict(n.meta)
     graph.lint()
-    out = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
-    out.training = gm.training
-    return out
+    return same_attributes(torch.fx.GraphModule(gm, graph, gm.__class__.__name__), gm)
 
 
 def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any],

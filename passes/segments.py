@@ -151,7 +151,21 @@ def extract(gm: torch.fx.GraphModule, choices: Sequence[tuple[Block, str]]) -> t
     for block, how in choices:
         _replace(gm, graph, [by_name[n.name] for n in block.nodes], how == "selective", block.name)
     graph.lint()
-    out = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    return same_attributes(torch.fx.GraphModule(gm, graph, gm.__class__.__name__), gm)
+
+
+def same_attributes(out: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give ``out`` every submodule, parameter and buffer of ``gm`` (the same objects), not only
+    those its graph uses: gradients and ``state_dict`` keys are the model's."""
+    for name, child in gm.named_children():
+        if not hasattr(out, name):
+            setattr(out, name, child)
+    for name, p in gm.named_parameters(recurse=False):
+        if not hasattr(out, name):
+            out.register_parameter(name, p)
+    for name, b in gm.named_buffers(recurse=False):
+        if not hasattr(out, name):
+            out.register_buffer(name, b)
     out.training = gm.training
     return out
 

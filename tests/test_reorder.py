@@ -112,3 +112,14 @@ def test_an_order_the_analysis_does_not_confirm_is_dropped_with_the_reason():
                          lambda g: pytest.fail("a rejected order is not verified"))
     assert new is gm and entry["status"] == "declined" and "original order is kept" in entry["reason"]
     assert entry["modelled_peak_after"] < entry["modelled_peak_before"]
+
+
+def test_an_order_lower_only_at_some_sizes_is_not_kept():
+    """Fuzzer seed 210: another order is lower at the example sizes but higher at small ones
+    (the peak is a Max whose candidates cross), so the original order stays."""
+    from fuzz.generator import generate
+
+    case = generate(210)
+    opt = fxmem.optimize(case.model, *case.specs)
+    [entry] = _reorder_entries(opt)
+    assert entry["status"] == "declined" and "depends on the sizes" in entry["reason"], entry

@@ -5,6 +5,8 @@ formulas before and after each rewrite.
     rewrites -> for each rewrite, in graph order: apply it to a copy of the graph -> same outputs,
     gradients and buffers as the original model, in train and eval mode, with and without grad?
     -> fxmem's analysis: lower peak (training: forward and training step; inference)? -> keep it
+    -> another node order, kept the same way (:mod:`.reorder`) -> with ``budget=``: what to
+    recompute in backward so that the training step fits (:mod:`.recompute`)
 
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
 ``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the

@@ -24,7 +24,6 @@ is made of (parameters, gradients, optimizer state, a block's activations).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import warnings
@@ -86,7 +85,8 @@ class Trial:
 def node_costs(gm: torch.fx.GraphModule, specs: Sequence[Any], dims: Mapping[str, int]) -> dict:
     """Per node name: (FLOPs of its products, bytes its products output, elements its other ops
     output), from a run of a meta-device copy of ``gm`` at ``dims`` (no memory is used)."""
-    twin = copy.deepcopy(gm).to("meta")
+    # a structural copy on the meta device: no copy of the weights' memory
+    twin = tc.fake_module_copy(gm, lambda t, trainable: torch.empty_like(t, device="meta"))
     inputs = [torch.empty(input_shape(spec, dims), dtype=spec.dtype, device="meta") for spec in specs]
     costs: dict = {}
 

@@ -186,7 +186,8 @@ def probe_run(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[dict, fr
 
 def meta_sizes(gm: torch.fx.GraphModule, specs: Sequence[Any], sizes: Mapping[str, int]) -> dict:
     """Bytes of each tensor each node outputs, at ``sizes``, from a meta-device run (no memory used)."""
-    twin = copy.deepcopy(gm).to("meta")
+    # a structural copy on the meta device: no copy of the weights' memory
+    twin = tc.fake_module_copy(gm, lambda t, trainable: torch.empty_like(t, device="meta"))
     inputs = [torch.empty(input_shape(s, sizes), dtype=s.dtype, device="meta") for s in specs]
     interp = torch.fx.Interpreter(twin, garbage_collect_values=False)
     with torch.no_grad():

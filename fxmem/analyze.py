@@ -156,9 +156,13 @@ def analyze(
         # (the formulas hold for every value); evaluate() asks the user for it
         data = {name: int(at.get(name, d.example)) for name, d in rec.data_dims.items()}
         plan = MemoryPlan(rec, {**dict(at), **data})
-        return Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
-                      hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode, reanalyze=run,
-                      capture=capture)
+        report = Report(plan, model_name=name, specs=specs, device=device, grad=grad, dtype=dtype,
+                        hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
+                        reanalyze=run, capture=capture)
+        if isinstance(model, torch.nn.Module):  # what a rewrite (recomputation) re-analyses
+            report.source = (model, input_specs, dict(device=device, dtype=dtype, grad=grad, hints=hints,
+                                                      leaf_modules=leaf_modules, optimizer=optimizer, loss=loss))
+        return report
 
     special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
     if not special:

@@ -67,6 +67,8 @@ class Report:
         self.hints = dict(hints)
         self.graph_module = graph_module
         self._reanalyze = reanalyze
+        # (model, input specs, analyze's keyword arguments): what a rewrite re-analyses (max_size(recompute=True))
+        self.source: tuple | None = None
         self._regions: dict[tuple, Report] = {}
         self._evaluations: dict[tuple, Evaluation] = {}
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
@@ -212,11 +214,15 @@ class Report:
         """The node during which the forward's peak happens (at ``dims``, or at the example sizes)."""
         return self.liveness(dims or None).peak_node
 
-    def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
+    def max_size(self, dim: str, budget: Any, train: bool = False, recompute: bool = False, **fixed: int) -> int:
         """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
         dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
+        ``recompute=True`` (with ``train=True``): the largest size whose training step fits with
+        recomputation in backward - the largest over recomputing nothing, every block whole and
+        every block selectively (:mod:`fxmem.passes.recompute`; each exact as above);
+        ``fxmem.optimize(..., budget=, dims=)`` then finds the cheapest plan that fits there.
 
         >>> report.max_size("B", budget="32GiB", N=500)           # doctest: +SKIP
         """
@@ -229,6 +235,12 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
+        if recompute:  # with recomputation in backward: the rewrites of fxmem.passes.recompute
+            if not train:
+                raise SpecError("max_size(recompute=True) is about a training step: pass train=True")
+            from .passes.recompute import max_size_with_recompute  # the passes build on this module
+
+            return max_size_with_recompute(self, dim, budget, fixed)
         return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
 
     # --- views ----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 * the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`);
 * the SDPA rule: :mod:`.sdpa` (the rule), :mod:`.sdpa_parts` (q, k, v and their layouts),
   :mod:`.sdpa_masks` (scale and masks, causal ones included).
+* recomputation to fit a budget (``optimize(..., budget=, dims=)``): :mod:`.recompute` (the
+  plan), :mod:`.segments` (the blocks, and how a graph runs one under ``torch.utils.checkpoint``).
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """
@@ -26,7 +28,8 @@ if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes thi
 
 from .base import Finding, Pass, Probe  # noqa: E402
 from .optimize import optimize  # noqa: E402
+from .recompute import BudgetError  # noqa: E402
 from .registry import PASSES  # noqa: E402
 from .verify import Difference, compare  # noqa: E402
 
-__all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe"]
+__all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe", "BudgetError"]

@@ -5,6 +5,8 @@ formulas before and after each rewrite.
     rewrites -> for each rewrite, in graph order: apply it to a copy of the graph -> same outputs,
     gradients and buffers as the original model, in train and eval mode, with and without grad?
     -> fxmem's analysis: lower peak (training: forward and training step; inference)? -> keep it
+    -> another node order, kept the same way (:mod:`.reorder`) -> with ``budget=``: what to
+    recompute in backward so that the training step fits (:mod:`.recompute`)
 
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
 ``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
@@ -33,9 +35,12 @@ from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
 from ..capture.whole_graph import capture
-from ..specs import InputSpec, check_dims, check_input_sizes, parse_specs
+from ..specs import InputSpec, check_dims, check_input_sizes, choose_hints, parse_specs
 from .base import Finding, Pass, Probe
+from ..accounting.budget import parse_bytes
 from .modes import in_mode, trace_modes
+from .recompute import fit_budget
+from .reorder import reorder
 from .registry import PASSES
 from .verify import compare
 
@@ -86,6 +91,9 @@ def optimize(
     leaf_modules: Sequence[type] = (),
     probe_sizes: Sequence[Mapping[str, int]] | None = None,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
+    budget: Any = None,
+    dims: Mapping[str, int] | None = None,
+    optimizer: Any = None,
 ) -> torch.fx.GraphModule:
     """Return ``model`` rewritten to use less memory, as a GraphModule with the same call signature.
 
@@ -100,6 +108,10 @@ def optimize(
             must differ between two of them.
         settings: choices for a pass, by its name: ``{"fused-attention": {"block_bytes": 2**20}}``
             (each pass's ``settings`` in ``fxmem.passes.PASSES`` says what it takes).
+        budget, dims, optimizer: fit a training step with ``optimizer`` (default: SGD without
+            state) at ``dims`` into ``budget`` (bytes, or ``"24GiB"``) by recomputing blocks in
+            backward, the fewest FLOPs that fit (:mod:`.recompute`); :class:`~.recompute.BudgetError`
+            says the smallest peak reachable when none fits.
 
     A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
     (w.r.t. every parameter and floating input) and the same buffers as the original model on
@@ -119,6 +131,14 @@ def optimize(
                          f"Module whose forward calls it")
     name = type(model).__name__
     settings = _check_settings(settings)
+    if budget is not None:
+        parse_bytes(budget)
+        if not grad:
+            raise SpecError("budget= fits a training step; it needs grad=True")
+        if not isinstance(dims, Mapping) or not dims:
+            raise SpecError("budget= needs dims={dim: size, ...}: the sizes the training step must fit at")
+    elif dims is not None or optimizer is not None:
+        raise SpecError("dims= and optimizer= say where a budget= must hold; pass budget= too")
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
     try:
@@ -156,10 +176,22 @@ def optimize(
             state.log_finding(finding)
         for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
             state.try_group(group)
-    state.best.meta["fxmem"] = state.log
+    best = state.best
+    # another order of the nodes, where fxmem's analysis finds it lowers the peak
+    best, entry = reorder(best, verify_inputs[-1], specs, choose_hints(symbols, hints), lambda g: _memory(g, input_specs, kw),
+                          lambda g: compare(model, g, verify_inputs), verify_at)
+    if entry is not None:
+        state.log.append(entry)
+    if budget is not None:  # after the rewrites: recompute what still does not fit
+        dims = check_dims(dict(dims), symbols, "dims")
+        best, entry = fit_budget(best, model, input_specs, kw, budget, dims, optimizer or _plain_sgd,
+                                 state.verify_inputs)
+        state.log.append(entry)
+    _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
+    best.meta["fxmem"] = state.log
     if traced.capture:  # what the rewritten graph is a graph of
-        state.best.meta["fxmem_capture"] = traced.capture
-    return state.best
+        best.meta["fxmem_capture"] = traced.capture
+    return best
 
 
 def _check_settings(settings: Mapping[str, Mapping[str, Any]] | None) -> dict:

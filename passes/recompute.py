@@ -1,0 +1,324 @@
+"""Fit a training step into a memory budget by recomputation: ``fxmem.optimize(..., budget=, dims=)``.
+
+    blocks (:mod:`.segments`) -> per block: bytes autograd keeps (fxmem's analysis) and FLOPs a
+    recomputation costs (``torch.utils.flop_counter`` on meta tensors) -> the cheapest choice of
+    blocks to recompute, whole or selectively, whose savings cover what is over budget (a
+    shortest path over (block, bytes saved) in networkx: a knapsack) -> fxmem's exact analysis of
+    the rewritten model -> over budget? ask for the shortfall too and choose again -> verified
+    (outputs and gradients) -> kept
+
+Whole recomputation (``torch.utils.checkpoint``) keeps only a block's inputs and recomputes its
+forward in backward; selective recomputation keeps the matrix products' outputs and recomputes
+the cheap ops (norms, activations, softmax, copies), so it saves less and costs almost nothing.
+The cost of a plan is the FLOPs it recomputes: products as ``torch.utils.flop_counter`` counts
+them, every other op one FLOP per output element. Every candidate's peak is fxmem's exact
+training-step peak of the rewritten model at ``dims``; the estimates only choose what to try.
+
+When no plan fits, :class:`BudgetError` says the smallest peak recomputation reaches and what it
+is made of (parameters, gradients, optimizer state, a block's activations).
+
+>>> opt = fxmem.optimize(model, ("B", "L", 512), budget="24GiB", dims=dict(B=64, L=2048),
+...                      optimizer=lambda p: torch.optim.AdamW(p))            # doctest: +SKIP
+>>> opt.meta["fxmem"][-1]["where"]                                             # doctest: +SKIP
+'layers.0 (whole), layers.1 (selective)'
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import networkx as nx
+import torch
+import torch.fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import _torch_compat as tc
+from ..accounting.budget import parse_bytes
+from ..analyze import analyze
+from ..errors import FxMemError, SpecError
+from ..inputs import input_shape
+from ..report import Report, format_bytes
+from .modes import in_mode
+from .segments import Block, blocks, extract
+from .verify import compare
+
+RULE = "recompute"
+HOW = ("whole", "selective")
+_BUCKETS = 200  # resolution of the knapsack over bytes saved
+_ROUNDS = 8  # how many plans are chosen (each one analysed exactly)
+
+
+class BudgetError(FxMemError):
+    """No recomputation plan fits the budget: ``smallest_peak`` (bytes) is the lowest training-step
+    peak reached, ``parts`` what it is made of (bytes by name)."""
+
+    def __init__(self, message: str, smallest_peak: int, parts: Mapping[str, int]):
+        super().__init__(message)
+        self.smallest_peak, self.parts = smallest_peak, dict(parts)
+
+
+@dataclasses.dataclass
+class BlockCost:
+    """One block at the user's dims: bytes autograd keeps for it, bytes of its products' outputs
+    (kept by selective recomputation), and the FLOPs each way of recomputing it costs."""
+
+    block: Block
+    saved: int
+    products: int
+    flops: dict  # how -> FLOPs recomputed in backward
+
+    def saving(self, how: str) -> int:
+        return self.saved if how == "whole" else max(0, self.saved - self.products)
+
+
+@dataclasses.dataclass
+class Trial:
+    plan: tuple  # ((block name, how), ...)
+    module: torch.fx.GraphModule
+    report: Report
+    peak: int
+    flops: int
+
+
+def node_costs(gm: torch.fx.GraphModule, specs: Sequence[Any], dims: Mapping[str, int]) -> dict:
+    """Per node name: (FLOPs of its products, bytes its products output, elements its other ops
+    output), from a run of a meta-device copy of ``gm`` at ``dims`` (no memory is used)."""
+    # a structural copy on the meta device: no copy of the weights' memory
+    twin = tc.fake_module_copy(gm, lambda t, trainable: torch.empty_like(t, device="meta"))
+    inputs = [torch.empty(input_shape(spec, dims), dtype=spec.dtype, device="meta") for spec in specs]
+    costs: dict = {}
+
+    class Counting(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                out = super().run_node(n)
+            flops = counter.get_total_flops()
+            tensors = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            numel = sum(t.numel() for t in tensors)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            costs[n.name] = (flops, nbytes if flops else 0, 0 if flops else numel)
+            return out
+
+    with torch.no_grad():
+        Counting(twin).run(*inputs)
+    return costs
+
+
+def block_costs(report: Report, found: Sequence[Block], costs: Mapping[str, tuple], dims: Mapping[str, int]) -> list:
+    """What each block keeps for backward (bytes at ``dims``) and what recomputing it costs."""
+    out = []
+    for b in found:
+        names = {n.name for n in b.nodes}
+        saved = sum(report.at(s.bytes, **dims) for s in report.storages if s.saved_by and s.node in names)
+        products = sum(costs.get(n, (0, 0, 0))[1] for n in names)
+        whole = sum(costs.get(n, (0, 0, 0))[0] + costs.get(n, (0, 0, 0))[2] for n in names)
+        selective = sum(costs.get(n, (0, 0, 0))[2] for n in names)
+        out.append(BlockCost(b, saved, products, {"whole": whole, "selective": selective}))
+    return out
+
+
+def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
+    """The plan of least FLOPs whose estimated savings cover ``need`` bytes: a shortest path over
+    states (block index, bytes saved so far, in buckets), one edge per way of treating a block."""
+    if need <= 0:
+        return ()
+    unit = max(1, math.ceil(need / _BUCKETS))
+    g = nx.DiGraph()
+    frontier = {0}
+    for k, c in enumerate(choices):
+        nxt = set()
+        for s in frontier:
+            options = [(None, 0, 0)] + [(how, c.flops[how] + 1, c.saving(how) // unit)
+                                        for how in HOW if c.saving(how) > 0]
+            for how, cost, gain in options:
+                t = min(_BUCKETS, s + gain)
+                if not g.has_edge((k, s), (k + 1, t)) or g[(k, s)][(k + 1, t)]["weight"] > cost:
+                    g.add_edge((k, s), (k + 1, t), weight=cost, how=how)
+                nxt.add(t)
+        frontier = nxt
+    goal = (len(choices), _BUCKETS)
+    if goal not in g:
+        return None
+    path = nx.shortest_path(g, (0, 0), goal, weight="weight")
+    plan = []
+    for (k, _), v in zip(path, path[1:]):
+        how = g[(k, _)][v]["how"]
+        if how is not None:
+            plan.append((choices[k].block.name, how))
+    return tuple(plan)
+
+
+def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, kw: dict, budget: Any,
+               dims: Mapping[str, int], optimizer: Callable, verify_inputs: list) -> tuple[torch.fx.GraphModule, dict]:
+    """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``.
+
+    Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
+    fits. ``gm`` itself is returned when the step already fits.
+    """
+    limit = parse_bytes(budget)
+    planner = _Planner(gm, input_specs, kw, dims, optimizer)
+    base = planner.trial(())
+    entry = {"rule": RULE, "status": "declined", "where": "", "budget": limit, "dims": dict(dims),
+             "train_peak_before": str(base.report.train_peak), "train_peak_after": None,
+             "peak_at_dims_before": base.peak, "peak_at_dims_after": None, "recompute_flops": 0,
+             "forward_flops": planner.forward_flops, "plan": []}
+    at = ", ".join(f"{k}={v}" for k, v in dims.items())
+    if base.peak <= limit:
+        entry["reason"] = (f"the training step already fits: peak {format_bytes(base.peak)} at {at} <= budget "
+                           f"{format_bytes(limit)}; nothing is recomputed")
+        return gm, entry
+    choices = planner.choices()
+    if not choices:
+        refusals = "; ".join(f"{b.name}: {b.refusal}" for b in planner.blocks if b.refusal)
+        raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training-step peak at {at} is "
+                          f"{format_bytes(base.peak)}, over the budget, and the model has no block that can be "
+                          f"recomputed ({refusals or 'no submodule runs as a contiguous block of the graph'}); "
+                          f"what to do: a larger budget, smaller dims, or a model made of blocks "
+                          f"(submodules such as transformer layers)", base.peak, planner.parts(base))
+    # bisect on the bytes asked of the estimates: short of the budget -> ask for the shortfall too;
+    # within it -> ask for less, a cheaper plan may fit as well
+    need, short, enough = base.peak - limit, 0, None
+    tried: dict[tuple, Trial] = {}
+    fitting: list[Trial] = []
+    for _ in range(_ROUNDS):
+        plan = cheapest(choices, need)
+        if plan is None:
+            break
+        if plan not in tried:
+            tried[plan] = planner.trial(plan)
+        trial = tried[plan]
+        if trial.peak <= limit:
+            fitting.append(trial)
+            enough = need
+        else:
+            short = max(short, need)
+        nxt = need + (trial.peak - limit) if enough is None else (short + enough) // 2
+        if enough is not None and enough - short <= max(1, (base.peak - limit) // 50):
+            break
+        need = nxt
+    if not fitting:  # the most recomputation there is: is it enough?
+        for how in HOW:
+            plan = tuple((c.block.name, how) for c in choices)
+            if plan not in tried:
+                tried[plan] = planner.trial(plan)
+            if tried[plan].peak <= limit:
+                fitting.append(tried[plan])
+    if not fitting:
+        best = min(tried.values(), key=lambda t: t.peak)
+        parts = planner.parts(best)
+        worst = max(choices, key=lambda c: c.saved)
+        raise BudgetError(
+            f"fxmem.optimize(budget={budget!r}): no recomputation fits the training step at {at} into "
+            f"{format_bytes(limit)}; the smallest peak reached is {format_bytes(best.peak)} (recomputing "
+            f"{_where(best.plan)}), of which " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+            + f"; the largest block, {worst.block.name}, keeps {format_bytes(worst.saved)} for backward, which a "
+            f"recomputation brings back while that block's backward runs. What to do: a larger budget, smaller "
+            f"dims, or an optimizer with less state", best.peak, parts)
+    best = min(fitting, key=lambda t: (t.flops, t.peak))
+    diff = compare(model, best.module, verify_inputs)
+    if not diff.ok:
+        entry["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the recomputed "
+                           f"model does not compute what the original does; nothing is recomputed")
+        warnings.warn(f"fxmem.optimize: {entry['reason']}", RuntimeWarning, stacklevel=3)
+        return gm, entry
+    share = 100.0 * best.flops / planner.forward_flops if planner.forward_flops else 0.0
+    entry.update(status="applied", where=_where(best.plan), plan=list(best.plan),
+                 train_peak_after=str(best.report.train_peak), peak_at_dims_after=best.peak,
+                 recompute_flops=best.flops,
+                 reason=(f"training-step peak at {at}: {format_bytes(base.peak)} -> {format_bytes(best.peak)} "
+                         f"(budget {format_bytes(limit)}), recomputing {best.flops:,} FLOPs in backward "
+                         f"({share:.1f}% of the forward's {planner.forward_flops:,})"))
+    if planner.uncounted:
+        entry["reason"] += (f"; FLOPs could not be counted on the meta device ({planner.uncounted}), so the plan "
+                            f"recomputes the fewest nodes instead and the FLOP figures count nodes")
+    return best.module, entry
+
+
+def _where(plan: Sequence[tuple]) -> str:
+    return ", ".join(f"{name} ({how})" for name, how in plan) or "nothing"
+
+
+class _Planner:
+    """The blocks, their costs at ``dims``, and fxmem's exact analysis of each plan tried."""
+
+    def __init__(self, gm: torch.fx.GraphModule, input_specs: tuple, kw: dict, dims: Mapping[str, int],
+                 optimizer: Callable):
+        self.gm, self.input_specs, self.dims, self.optimizer = gm, input_specs, dict(dims), optimizer
+        self.kw = {k: v for k, v in kw.items() if k != "grad"}
+        self.blocks = blocks(gm)
+        self._base: Report | None = None
+        self._costs: dict | None = None
+        self.uncounted: str | None = None  # why FLOPs could not be counted (then each node costs 1)
+
+    def analyse(self, module: torch.fx.GraphModule) -> Report:
+        report = analyze(in_mode(module, True), *self.input_specs, optimizer=self.optimizer, **self.kw)
+        if self._base is None:
+            self._base = report
+        return report
+
+    @property
+    def costs(self) -> dict:
+        if self._costs is None:
+            assert self._base is not None
+            try:
+                self._costs = node_costs(self.gm, self._base.specs, self.dims)
+            except Exception as exc:  # noqa: BLE001 - an op without a meta kernel: count nodes instead
+                self.uncounted = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                self._costs = {n.name: (0, 0, 1) for n in self.gm.graph.nodes}
+        return self._costs
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(f + e for f, _, e in self.costs.values())
+
+    def choices(self) -> list[BlockCost]:
+        assert self._base is not None
+        usable = [b for b in self.blocks if b.refusal is None]
+        return block_costs(self._base, usable, self.costs, self.dims)
+
+    def trial(self, plan: tuple) -> Trial:
+        by_name = {b.name: b for b in self.blocks}
+        module = extract(self.gm, [(by_name[n], how) for n, how in plan]) if plan else self.gm
+        report = self.analyse(module)
+        peak = report.evaluate(**self.dims)["train_peak"]
+        costs = {c.block.name: c for c in self.choices()} if plan else {}
+        flops = sum(costs[n].flops[how] for n, how in plan)
+        return Trial(plan, module, report, peak, flops)
+
+    def parts(self, trial: Trial) -> dict:
+        """What the training-step peak of ``trial`` is made of (bytes at ``dims``)."""
+        ev = trial.report.evaluate(**self.dims)
+        params = sum(p.numel() * p.element_size() for p in self.gm.parameters())
+        state, grads = ev.get("optimizer_state", 0), ev.get("grads", 0)
+        rest = trial.peak - params - state - grads
+        return {"parameters": params, "optimizer state": state, "gradients": grads,
+                "inputs and activations": rest}
+
+
+def max_size_with_recompute(report: Report, dim: str, budget: Any, fixed: Mapping[str, int]) -> int:
+    """The largest ``dim`` whose training step fits ``budget`` with or without recomputation: the
+    largest over recomputing nothing, every block whole, and every block selectively (each
+    exact, as :meth:`fxmem.Report.max_size`)."""
+    source = getattr(report, "source", None)
+    if source is None or report.mode != "graph":
+        raise SpecError("max_size(recompute=True) needs a report from fxmem.analyze(model, ..., optimizer=...) "
+                        "in graph mode (recomputation rewrites the traced graph)")
+    from .modes import trace_modes
+
+    model, input_specs, kw = source
+    traced = trace_modes(model, kw.get("leaf_modules", ()))
+    if traced.reason:
+        raise SpecError(f"max_size(recompute=True): {traced.reason}")
+    gm = traced.graph_module
+    best = report.max_size(dim, budget, train=True, **fixed)
+    usable = [b for b in blocks(gm) if b.refusal is None]
+    if not usable:
+        return best
+    for how in HOW:
+        module = extract(gm, [(b, how) for b in usable])
+        again = analyze(in_mode(module, True), *input_specs, **kw)
+        best = max(best, again.max_size(dim, budget, train=True, **fixed))
+    return best

@@ -1,0 +1,215 @@
+"""Blocks of a traced graph that can be recomputed in backward: where they are, and how a graph
+runs one of them under ``torch.utils.checkpoint``.
+
+A block is the run of nodes a submodule's ``forward`` made (fx records each node's module stack),
+contiguous in graph order: a transformer's ``layers.0``, ``layers.1``, ... The blocks offered are
+those of the shallowest module depth with two or more of them, so a model wrapped in one module
+(``HiddenStates(model)``) offers its layers, not itself.
+
+:func:`extract` moves a block's nodes into a GraphModule of their own (sharing the model's
+submodules) and replaces them with one ``call_function`` node that calls a :class:`Recomputed`:
+``torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)``, whole (nothing inside
+the block is kept for backward but its inputs) or selective (matrix products' outputs kept,
+everything else recomputed; ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+No submodule is added to the result, so its ``state_dict`` keys stay the model's.
+
+>>> [b.name for b in blocks(gm)]                                 # doctest: +SKIP
+['layers.0', 'layers.1', 'layers.2', 'layers.3']
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.utils.checkpoint as checkpointing
+
+from ..capture import source_line
+
+# Ops whose outputs selective recomputation keeps: the products that cost FLOPs. Everything else
+# in a block (pointwise ops, norms, softmax, copies) is recomputed in backward.
+KEPT_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "linear",
+                     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A run of graph nodes made by one submodule: ``name`` (its path), ``nodes`` (in graph order)."""
+
+    name: str
+    nodes: tuple
+    refusal: str | None = None  # why it cannot be recomputed (None: it can)
+
+
+def _stack(node: torch.fx.Node) -> list[str]:
+    if node.op == "call_module":
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        paths = [str(v[0] if isinstance(v, tuple) else v) for v in stack]
+        return paths if paths and paths[-1] == node.target else paths + [str(node.target)]
+    return [str(v[0] if isinstance(v, tuple) else v) for v in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def blocks(gm: torch.fx.GraphModule) -> list[Block]:
+    """The recomputable blocks of ``gm``: the shallowest module depth with two or more blocks."""
+    compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    stacks = {n: [p for p in _stack(n) if p] for n in compute}
+    depth = 0
+    while True:
+        runs: list[tuple[str, list]] = []
+        for n in compute:
+            s = stacks[n]
+            key = s[depth] if len(s) > depth else None
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append(n)
+            else:
+                runs.append((key, [n]))
+        named = [(k, ns) for k, ns in runs if k is not None]
+        if not named:
+            return []
+        counts: dict = {}
+        for k, _ in named:
+            counts[k] = counts.get(k, 0) + 1
+        # a module whose nodes are interleaved with others' is no block (it is called twice, or in pieces)
+        found = [Block(k, tuple(ns), _refusal(gm, ns)) for k, ns in named if counts[k] == 1 and len(ns) >= 2]
+        if len(found) >= 2:
+            return found
+        if len(named) != 1 and not found:
+            return []
+        depth += 1  # one block (a wrapper module): look inside it
+
+
+def _refusal(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> str | None:
+    for n in nodes:
+        module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if getattr(module, "track_running_stats", False):
+            return (f"{n.name} ({source_line(n) or n.target}) updates running statistics, which a recomputation in "
+                    f"backward would update a second time")
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+            return f"{n.name} ({source_line(n) or name}) changes a tensor in place; recomputing it would do so twice"
+        if n.kwargs.get("inplace") is True:
+            return f"{n.name} ({source_line(n) or name}) works in place; recomputing it would do so twice"
+        if getattr(module, "inplace", False) is True:
+            return f"{n.name} ({n.target}) works in place; recomputing it would do so twice"
+    return None
+
+
+def _keep_products(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective recomputation's policy: keep the products' outputs, recompute the rest."""
+    packet = getattr(func, "overloadpacket", func)
+    name = getattr(packet, "__name__", str(packet))
+    if name in KEPT_BY_SELECTIVE:
+        return checkpointing.CheckpointPolicy.MUST_SAVE
+    return checkpointing.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Root:
+    """What a block's code reads as ``self``: the model's top-level attributes it uses, as the caller has them."""
+
+    def __init__(self, attributes: dict):
+        self.__dict__.update(attributes)
+
+
+class Recomputed:
+    """Call a block under ``torch.utils.checkpoint`` (non-reentrant): its activations are not kept
+    for backward but recomputed there; ``selective`` keeps the matrix products' outputs.
+
+    The graph node passes the model's top-level attributes the block uses (``layers``, ...) before
+    the block's inputs, so the block runs the submodules of the module that runs it (a copy, a fake
+    copy during fxmem's analysis), never those of the model it was cut from."""
+
+    __module__ = __name__
+
+    def __init__(self, code: torch.fx.GraphModule, attributes: Sequence[str], selective: bool, name: str):
+        self.code, self.attributes, self.selective = code, tuple(attributes), selective
+        self.__name__ = f"recompute_{'selective' if selective else 'whole'}_{name.replace('.', '_')}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, *args: Any) -> Any:
+        k = len(self.attributes)
+        run = functools.partial(type(self.code).forward, _Root(dict(zip(self.attributes, args[:k]))))
+        kw: dict = {}
+        if self.selective:
+            kw["context_fn"] = functools.partial(checkpointing.create_selective_checkpoint_contexts, _keep_products)
+        return checkpointing.checkpoint(run, *args[k:], use_reentrant=False, **kw)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def extract(gm: torch.fx.GraphModule, choices: Sequence[tuple[Block, str]]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` in which each ``(block, "whole" | "selective")`` runs as one recomputed call.
+
+    The copy shares ``gm``'s submodules, parameters and buffers (same objects, same names)."""
+    graph = _copy_graph(gm.graph)
+    by_name = {n.name: n for n in graph.nodes}
+    for block, how in choices:
+        _replace(gm, graph, [by_name[n.name] for n in block.nodes], how == "selective", block.name)
+    graph.lint()
+    return same_attributes(torch.fx.GraphModule(gm, graph, gm.__class__.__name__), gm)
+
+
+def same_attributes(out: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give ``out`` every submodule, parameter and buffer of ``gm`` (the same objects), not only
+    those its graph uses: gradients and ``state_dict`` keys are the model's."""
+    for name, child in gm.named_children():
+        if not hasattr(out, name):
+            setattr(out, name, child)
+    for name, p in gm.named_parameters(recurse=False):
+        if not hasattr(out, name):
+            out.register_parameter(name, p)
+    for name, b in gm.named_buffers(recurse=False):
+        if not hasattr(out, name):
+            out.register_buffer(name, b)
+    out.training = gm.training
+    return out
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph(owning_module=graph.owning_module)
+    env: dict = {}
+    out = new.graph_copy(graph, env)
+    new.output(out)
+    for old, copied in env.items():
+        copied.meta = dict(old.meta)
+    return new
+
+
+def _replace(gm: torch.fx.GraphModule, graph: torch.fx.Graph, nodes: list, selective: bool, name: str) -> None:
+    inside = set(nodes)
+    inputs: list = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    body_graph = torch.fx.Graph()
+    env = {a: body_graph.placeholder(f"in_{a.name}") for a in inputs}
+    for n in nodes:
+        env[n] = body_graph.node_copy(n, lambda a: env[a])
+    body_graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    # the block's code only: its submodules are stand-ins, the caller passes the real ones
+    targets = sorted({str(n.target) for n in nodes if n.op == "call_module"})
+    code = torch.fx.GraphModule({t: torch.nn.Module() for t in targets}, body_graph, f"{name}_block")
+    tops = sorted({t.split(".")[0] for t in targets})
+    with graph.inserting_before(nodes[0]):
+        attrs = [graph.get_attr(t) for t in tops]
+    with graph.inserting_after(nodes[-1]):
+        call = graph.call_function(Recomputed(code, tops, selective, name), tuple(attrs) + tuple(inputs))
+    call.meta["stack_trace"] = nodes[0].meta.get("stack_trace")
+    call.meta["nn_module_stack"] = nodes[0].meta.get("nn_module_stack", {})
+    if len(outputs) == 1:
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside)
+    else:
+        anchor = call
+        for k, o in enumerate(outputs):
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(operator.getitem, (call, k))
+            o.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(nodes):
+        graph.erase_node(n)

@@ -1,0 +1,177 @@
+"""Fitting a training step into a budget by recomputation (passes/recompute.py, passes/segments.py).
+
+Independent evidence: the recomputed model's training step is measured by the CPU allocator at
+sizes the analysis never saw (equal to fxmem's prediction) and at the user's dims (within the
+budget); outputs, gradients and buffers equal the original model's in train and eval mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxmem
+from fxmem.measure import measure
+from fxmem.passes.recompute import BudgetError
+from fxmem.passes.segments import Recomputed
+from fxmem.training import default_loss, train_step
+from conftest import check_training_against_real_run, real_inputs
+from equivalence import assert_same_in_every_mode
+from zoo import Transformer
+
+IDS = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+DIMS = dict(B=8, L=64)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class DropBlock(nn.Module):
+    """A post-norm block with dropout: recomputation must draw the same masks in backward."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.drop(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class DropNet(nn.Module):
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[DropBlock() for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _peak(model, specs, dims, optimizer=sgd) -> int:
+    return fxmem.analyze(model, *specs, optimizer=optimizer).evaluate(**dims)["train_peak"]
+
+
+def _recomputed(opt) -> list[str]:
+    return [n.target.__name__ for n in opt.graph.nodes if isinstance(n.target, Recomputed)]
+
+
+def _measured_step_peak(module, report, dims) -> int:
+    """Absolute peak of a real steady-state training step at ``dims``: resident + what the allocator saw."""
+    xs = real_inputs(report, dims)
+    opt = sgd(module.parameters())
+    train_step(module, xs, opt, default_loss)
+    m = measure(lambda: train_step(module, xs, opt, default_loss))
+    return report.evaluate(**dims)["train_resident"] + m.peak_above_start
+
+
+def test_budget_is_met_by_the_real_training_step_and_outputs_and_gradients_are_unchanged():
+    torch.manual_seed(0)
+    model = Transformer(depth=3, dim=32)
+    base = _peak(model, (IDS,), DIMS)
+    budget = int(base * 0.6)
+    opt = fxmem.optimize(model, IDS, budget=budget, dims=DIMS, optimizer=sgd)
+    entry = opt.meta["fxmem"][-1]
+    assert (entry["rule"], entry["status"]) == ("recompute", "applied"), entry
+    assert _recomputed(opt) and entry["peak_at_dims_after"] <= budget < entry["peak_at_dims_before"]
+    assert 0 < entry["recompute_flops"] < entry["forward_flops"]
+    # fxmem's prediction for the recomputed model equals the allocator at sizes it never saw
+    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11), dict(B=2, L=17)], sgd)
+    # and at the user's dims the real step stays within the budget (the original's does not)
+    assert _measured_step_peak(opt, report, DIMS) <= budget
+    assert set(opt.state_dict()) == set(model.state_dict())
+    xs = [torch.randint(0, 50, (3, 9))]
+    assert_same_in_every_mode(model, opt, xs)
+
+
+def test_dropout_inside_recomputed_blocks_keeps_outputs_and_gradients():
+    torch.manual_seed(0)
+    model = DropNet()
+    specs = (("B", "L", 16),)
+    base = _peak(model, specs, DIMS)
+    opt = fxmem.optimize(model, *specs, budget=int(base * 0.7), dims=DIMS, optimizer=sgd)
+    assert opt.meta["fxmem"][-1]["status"] == "applied", opt.meta["fxmem"][-1]
+    assert_same_in_every_mode(model, opt, [torch.randn(3, 7, 16)])
+    check_training_against_real_run(opt, specs, [dict(B=3, L=5)], sgd)
+    opt.eval()
+    assert not opt.layers[0].drop.training  # train()/eval() reach the recomputed blocks' modules
+
+
+def test_a_small_shortfall_is_met_by_selective_recomputation_only():
+    """Cheap ops recomputed, products kept: almost no FLOPs, so it wins when it is enough."""
+    torch.manual_seed(0)
+    model = Transformer(depth=3, dim=32)
+    base = _peak(model, (IDS,), DIMS)
+    opt = fxmem.optimize(model, IDS, budget=int(base * 0.95), dims=DIMS, optimizer=sgd)
+    entry = opt.meta["fxmem"][-1]
+    assert entry["status"] == "applied" and all(how == "selective" for _, how in entry["plan"]), entry
+    assert entry["recompute_flops"] < 0.1 * entry["forward_flops"]
+    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11)], sgd)
+    assert _measured_step_peak(opt, report, DIMS) <= int(base * 0.95)
+    assert_same_in_every_mode(model, opt, [torch.randint(0, 50, (2, 5))])
+
+
+def test_a_model_within_budget_is_left_unchanged():
+    torch.manual_seed(0)
+    model = Transformer(depth=2, dim=32)
+    base = _peak(model, (IDS,), DIMS)
+    opt = fxmem.optimize(model, IDS, budget=base, dims=DIMS, optimizer=sgd)
+    entry = opt.meta["fxmem"][-1]
+    assert (entry["rule"], entry["status"]) == ("recompute", "declined") and "already fits" in entry["reason"]
+    assert not _recomputed(opt)
+
+
+def test_an_impossible_budget_says_the_smallest_peak_and_what_it_is_made_of():
+    torch.manual_seed(0)
+    model = Transformer(depth=2, dim=32)
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(BudgetError) as info:
+        fxmem.optimize(model, IDS, budget=2 * params, dims=DIMS, optimizer=adam)
+    err = info.value
+    assert isinstance(err, fxmem.FxMemError)
+    assert err.parts["parameters"] == params and err.parts["optimizer state"] >= 2 * params
+    assert err.smallest_peak > 2 * params and "smallest peak reached" in str(err) and "B=8, L=64" in str(err)
+
+
+def test_blocks_that_update_running_statistics_are_not_recomputed():
+    """The look-alike: a block with BatchNorm would update its running statistics twice."""
+    class BNBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+        def forward(self, x):
+            return self.bn(self.fc(x).relu())
+
+    model = nn.Sequential(BNBlock(), BNBlock())
+    base = _peak(model, (("B", 16),), dict(B=64))
+    with pytest.raises(BudgetError, match="running statistics"):
+        fxmem.optimize(model, ("B", 16), budget=base // 2, dims=dict(B=64), optimizer=sgd)
+
+
+def test_max_size_with_recomputation_is_larger_and_fits_for_real():
+    torch.manual_seed(0)
+    model = Transformer(depth=3, dim=32)
+    report = fxmem.analyze(model, IDS, optimizer=sgd)
+    budget = report.evaluate(B=4, L=24)["train_peak"]
+    plain = report.max_size("B", budget, train=True, L=24)
+    more = report.max_size("B", budget, train=True, recompute=True, L=24)
+    assert plain == 4 and more > plain
+    opt = fxmem.optimize(model, IDS, budget=budget, dims=dict(B=more, L=24), optimizer=sgd)
+    again = fxmem.analyze(opt, IDS, optimizer=sgd)
+    assert _measured_step_peak(opt, again, dict(B=more, L=24)) <= budget
+
+
+def test_budget_arguments_are_checked():
+    model = Transformer(depth=2, dim=32)
+    with pytest.raises(fxmem.SpecError, match="dims="):
+        fxmem.optimize(model, IDS, budget="1GiB")
+    with pytest.raises(fxmem.SpecError, match="budget"):
+        fxmem.optimize(model, IDS, budget="lots", dims=DIMS)
+    with pytest.raises(fxmem.SpecError, match="pass budget="):
+        fxmem.optimize(model, IDS, dims=DIMS)
+    with pytest.raises(fxmem.SpecError, match="dims"):
+        fxmem.optimize(model, IDS, budget="1GiB", dims=dict(B=2, Q=3))
+    with pytest.raises(fxmem.SpecError, match="train=True"):
+        fxmem.analyze(model, IDS, optimizer=sgd).max_size("B", "1GiB", recompute=True, L=3)

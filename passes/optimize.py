@@ -379,6 +379,8 @@ def _build(gm: torch.fx.GraphModule, model: torch.nn.Module,
             if n not in before:  # tables and diagrams show the user's line for the new nodes
                 n.meta["stack_trace"] = old.meta.get("stack_trace")
                 n.meta["fxmem_rewrite"] = finding.rule
+                if "nn_module_stack" in old.meta:  # the module that ran the replaced code runs the new
+                    n.meta["nn_module_stack"] = dict(old.meta["nn_module_stack"])  # (recompute's blocks)
         old.replace_all_uses_with(new)
         nodes[finding.node] = new
     out = torch.fx.GraphModule(gm, graph, type(model).__name__)

@@ -101,7 +101,9 @@ def test_a_small_shortfall_is_met_by_selective_recomputation_only():
     """Cheap ops recomputed, products kept: almost no FLOPs, so it wins when it is enough."""
     torch.manual_seed(0)
     model = Transformer(depth=3, dim=32)
-    base = _peak(model, (IDS,), DIMS)
+    # the peak after optimize's other rewrites (its attention becomes SDPA): 5% short of that is
+    # what recomputation must find
+    base = _peak(fxmem.optimize(model, IDS), (IDS,), DIMS)
     opt = fxmem.optimize(model, IDS, budget=int(base * 0.95), dims=DIMS, optimizer=sgd)
     entry = opt.meta["fxmem"][-1]
     assert entry["status"] == "applied" and all(how == "selective" for _, how in entry["plan"]), entry

@@ -163,7 +163,13 @@ def test_lookalike_is_declined(cls, words):
     assert entry["status"] == "declined"
     for w in words:
         assert w in entry["reason"], entry["reason"]
-    assert opt.code == trace_modes(model).graph_module.code
+    original = trace_modes(model).graph_module
+    if any(e["rule"] == "reorder" and e["status"] == "applied" for e in opt.meta["fxmem"]):
+        # the reorder pass may run the same nodes in another order: the same nodes, nothing rewritten
+        nodes = lambda gm: sorted((n.op, str(n.target), n.name) for n in gm.graph.nodes)  # noqa: E731
+        assert nodes(opt) == nodes(original)
+    else:
+        assert opt.code == original.code
 
 
 def test_a_query_with_every_key_masked_gets_zeros_as_the_record_says():

@@ -116,7 +116,8 @@ class Storage:
 class Step:
     """One aten call that allocated (or used hidden scratch): the storages it created, in order, and
     its hidden-allocation program (byte deltas with ``OUT`` where the outputs appear, and
-    :class:`Placed` where one output storage appears at its own moment; [] if none)."""
+    :class:`Placed` where one output storage appears at its own moment; [] if none). ``reads``: the
+    recorded storages its tensor arguments live in."""
 
     index: int
     node: str
@@ -124,6 +125,7 @@ class Step:
     allocs: list
     program: list
     phase: Phase = Phase.FORWARD
+    reads: tuple = ()  # storages of the op's tensor arguments (who the step works for: see simulation.repeats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ class EventLog:
     def freed(self, indices: list[int]) -> None:
         self.events.extend((FREE, i) for i in indices)
 
-    def step(self, op: str, allocs: list[int], program: list) -> Step:
-        step = Step(len(self.steps), self.node, op, allocs, program, self.phase)
+    def step(self, op: str, allocs: list[int], program: list, reads: tuple = ()) -> Step:
+        step = Step(len(self.steps), self.node, op, allocs, program, self.phase, reads)
         self.steps.append(step)
         self.events.append((STEP, step.index))
         return step

@@ -153,7 +153,8 @@ class Recorder(tc.DispatchMode):
             for a in arg_tensors:  # a fake tensor made outside the recorder: treat as a constant
                 if table.counts(a) and table.lookup(a) is None:
                     table.add(a, Role.CONSTANT, f"{log.node}:{name}")
-        self.autograd.attribute({table.lookup(a) for a in arg_tensors}, name, self._last_op)
+        reads = tuple(dict.fromkeys(i for a in arg_tensors if table.counts(a) and (i := table.lookup(a)) is not None))
+        self.autograd.attribute(set(reads), name, self._last_op)
         reused = kernels.engine_takes_over(call, table, self.autograd.between_nodes, log.node)
         if reused is not None:
             table.take_over(reused, outs[0])
@@ -193,5 +194,5 @@ class Recorder(tc.DispatchMode):
                    and not (isinstance(p, OutAt) and p.index not in position)]  # not new: nothing placed
         if new or program:
             log.step(name, new, [p if p is OUT else Placed(position[p.index]) if isinstance(p, OutAt)
-                                 else tc.size_expr(table.env, p) for p in program])
+                                 else tc.size_expr(table.env, p) for p in program], reads)
         self._last_op = name

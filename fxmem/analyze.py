@@ -41,6 +41,7 @@ def analyze(
     init: Mapping[str, Any] | None = None,
     kernels: Mapping[Any, Callable] | None = None,
     autocast: torch.dtype | None = None,
+    repeats: bool = True,
 ) -> Report:
     """Return the memory (bytes) of ``model`` as formulas in the dims named by the specs.
 
@@ -74,6 +75,11 @@ def analyze(
         autocast: ``torch.bfloat16`` or ``torch.float16`` - run the forward under
             ``torch.autocast(device, dtype=...)`` (mixed precision): the casts autocast makes, and
             the half-precision tensors autograd keeps, are counted exactly. Weights keep their dtype.
+        repeats: a traced model whose layers form a chain of identical blocks (same code, shapes,
+            dtypes; a transformer's ``layers.0`` ... ``layers.31``) is simulated with four of them,
+            and the inner blocks' memory events are the second's, repeated (the second and third
+            are checked to match event by event; where they do not, every block is simulated).
+            ``False`` simulates every block: the same numbers, slower.
     """
     if mode not in MODES:
         raise SpecError(f"mode={mode!r}: use 'auto' (graph where torch.fx can trace the model, else eager), "
@@ -82,6 +88,8 @@ def analyze(
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     if not isinstance(grad, bool):
         raise SpecError(f"grad must be True or False, got {grad!r}")
+    if not isinstance(repeats, bool):
+        raise SpecError(f"repeats must be True or False, got {repeats!r}")
     if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
         raise SpecError(f"autocast={autocast!r}: use torch.bfloat16 or torch.float16 (or None)")
     if loss is not None and optimizer is None:
@@ -146,7 +154,7 @@ def analyze(
         try:
             rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
                            mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
-                           autocast=autocast)
+                           autocast=autocast, repeats=repeats)
         except TraceError as exc:  # a model built from hparams is traced inside the simulation
             if capture.mode != "auto":
                 raise

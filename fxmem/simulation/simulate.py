@@ -13,6 +13,7 @@ sees what is saved for backward; the result is a :class:`~fxmem.records.Recordin
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
 from typing import Any, Iterator, Sequence
@@ -36,9 +37,13 @@ from .failures import failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
+from .repeats import find_chain, shorten
+from .unroll import unroll
 from .storages import StorageTable
 from .outside import outside_dispatch
 from .values import tracing_checks
+
+_log = logging.getLogger(__name__)
 
 # what the training step's phases are called in error messages
 _PHASE_TEXT = {Phase.LOSS: "the loss", Phase.BACKWARD: "backward()", Phase.STEP: "optimizer.step()"}
@@ -104,7 +109,39 @@ class _Run(StepHooks):
                 table.storages[index].role = Role.GRADIENT
 
 
-def simulate(
+def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], symbols: dict, hints: dict,
+             device: str = "cpu", grad: bool = True, training: Training | None = None, mode: str = "graph",
+             repeats: bool = True, **options: Any) -> Recording:
+    """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
+
+    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
+    :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
+    ``forward`` runs, memory attributed to source lines. ``options``: ``leaf_modules``,
+    ``kernels`` (the user's rules for their own ops, see :func:`fxmem.kernels.register`),
+    ``concrete_args``, ``autocast`` (the forward runs under ``torch.autocast(device,
+    dtype=autocast)``; loss and backward outside it).
+
+    With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
+    the optimizer's state is created first (quietly, from placeholder gradients), then forward,
+    loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` are recorded.
+
+    ``repeats``: a graph with a chain of four or more identical blocks (a transformer's layers) is
+    simulated with three of them and the middle one's events repeated for the rest (see
+    :mod:`.repeats`, :mod:`.unroll`); where the three do not match event by event, the whole graph
+    is simulated.
+    """
+    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule):
+        chain = find_chain(model)
+        if chain is not None:
+            short = simulate_once(shorten(model, chain), specs, symbols, hints, device, grad, training, mode, **options)
+            whole = unroll(short, chain, model)
+            if isinstance(whole, Recording):
+                return whole
+            _log.info("simulating all %d blocks of %s: %s", chain.count, chain.prefix, whole)
+    return simulate_once(model, specs, symbols, hints, device, grad, training, mode, **options)
+
+
+def simulate_once(
     model: torch.nn.Module | Blueprint,
     specs: Sequence[InputSpec],
     symbols: dict,
@@ -118,18 +155,7 @@ def simulate(
     concrete_args: dict | None = None,
     autocast: torch.dtype | None = None,
 ) -> Recording:
-    """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
-
-    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
-    :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
-    ``forward`` runs, memory attributed to source lines. ``kernels``: the user's rules for their
-    own ops (see :func:`fxmem.kernels.register`). ``autocast``: the forward runs under
-    ``torch.autocast(device, dtype=autocast)`` (mixed precision; loss and backward outside it).
-
-    With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
-    the optimizer's state is created first (quietly, from placeholder gradients), then forward,
-    loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` are recorded.
-    """
+    """One simulation of all of ``model`` (see :func:`simulate`)."""
     check_device(device)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")

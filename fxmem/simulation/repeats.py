@@ -1,0 +1,220 @@
+"""Identical repeated blocks in a traced graph: find the chain, and cut it to four blocks.
+
+A Llama-7B runs the same decoder layer 32 times on the same shapes; simulating every one of them
+costs 32 times one. This module finds such a chain in an fx graph - a container whose numbered
+children (``layers.0``, ``layers.1``, ...) each own one contiguous run of nodes, the runs
+identical up to renaming (same ops, same arguments, each block fed only by the one before it and
+by values computed before the first), with parameters, buffers and leaf modules of the same
+shapes, dtypes and settings - and makes the same graph with only the first four blocks
+(the fourth feeding what the last fed). :mod:`.unroll` turns the four-block recording back into
+the whole model's.
+
+>>> chain = find_chain(gm)                                      # doctest: +SKIP
+>>> chain.prefix, chain.count, len(chain.segments[0])           # doctest: +SKIP
+('layers', 32, 57)
+>>> short = shorten(gm, chain)                                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as tc
+from ..capture import module_path
+
+# blocks simulated: the two middle ones each see a block on either side, as every inner block does,
+# so the second checks the first event by event (see .unroll)
+KEPT = 4
+_MIN_BLOCKS = KEPT + 1  # fewer blocks than this: nothing to gain
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """``count`` blocks ``{prefix}.{indices[j]}``; ``segments[j]`` are block j's fx node names in
+    graph order (with the glue code after it that the parent runs between blocks)."""
+
+    prefix: str
+    indices: tuple
+    segments: tuple  # tuple of tuples of node names
+
+    @property
+    def count(self) -> int:
+        return len(self.segments)
+
+    def module(self, j: int) -> str:
+        """The dotted path of block ``j`` (0-based position in the chain)."""
+        return f"{self.prefix}.{self.indices[j]}" if self.prefix else str(self.indices[j])
+
+
+def find_chain(gm: torch.fx.GraphModule) -> Chain | None:
+    """The chain of identical blocks that saves the most simulation, or None."""
+    nodes = list(gm.graph.nodes)
+    best: tuple[int, Chain] | None = None
+    for prefix, starts in _candidates(nodes).items():
+        chain = _chain(gm, nodes, prefix, starts)
+        if chain is not None:
+            saved = (chain.count - KEPT) * len(chain.segments[0])
+            if best is None or saved > best[0]:
+                best = (saved, chain)
+    return best[1] if best else None
+
+
+def shorten(gm: torch.fx.GraphModule, chain: Chain) -> torch.fx.GraphModule:
+    """``gm`` with blocks ``KEPT..count-1`` left out; what used the last block's values uses the
+    fourth's. Node names (and their module stacks and source lines) are those of ``gm``."""
+    seg = {name: (j, k) for j, names in enumerate(chain.segments) for k, name in enumerate(names)}
+    last = chain.count - 1
+    by_name = {n.name: n for n in gm.graph.nodes}
+    graph = torch.fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        j, k = seg.get(n.name, (None, None))
+        if j is not None and KEPT <= j:
+            if j == last:  # the last block's values are the fourth block's
+                env[n] = env[by_name[chain.segments[KEPT - 1][k]]]
+            continue
+        copy = graph.node_copy(n, lambda a: env[a])
+        copy.name = n.name
+        env[n] = copy
+    return torch.fx.GraphModule(gm, graph, type(gm).__name__)
+
+
+# --- finding the chain ---------------------------------------------------------------------------
+def _candidates(nodes: list) -> dict[str, dict[int, int]]:
+    """Container path -> {child index: position of the first node inside that child}."""
+    found: dict[str, dict[int, int]] = {}
+    for pos, n in enumerate(nodes):
+        parts = module_path(n).split(".")
+        for i in range(len(parts)):  # i == 0: the model itself is the container (an nn.Sequential)
+            if parts[i].isdigit():
+                found.setdefault(".".join(parts[:i]), {}).setdefault(int(parts[i]), pos)
+    return found
+
+
+def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int, int]) -> Chain | None:
+    indices = sorted(starts, key=starts.get)
+    if len(indices) < _MIN_BLOCKS or indices != sorted(indices):
+        return None
+    first = [starts[i] for i in indices]
+    length = first[1] - first[0]
+    if length <= 0 or any(b - a != length for a, b in zip(first, first[1:])) or first[-1] + length > len(nodes):
+        return None
+    segments = [nodes[p:p + length] for p in first]
+    chain = Chain(prefix, tuple(indices), tuple(tuple(n.name for n in seg) for seg in segments))
+    for j, seg in enumerate(segments):  # each block's own nodes come first in its segment
+        if not _within(module_path(seg[0]), chain.module(j)):
+            return None
+        for n in seg:
+            path = module_path(n)
+            if any(k != j and _within(path, chain.module(k)) for k in range(chain.count)):
+                return None
+    if not _same_code(chain, segments, first[0]) or not _same_modules(gm, chain, segments):
+        return None
+    return chain
+
+
+def _within(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")
+
+
+def _same_code(chain: Chain, segments: list, start: int) -> bool:
+    """Every block runs the same nodes on the same kinds of arguments: its own values, the block
+    before's (the first block: values computed before the chain, consistently), or values computed
+    before the chain; its values are used only by itself, the next block, or (the last) after it."""
+    where: dict[torch.fx.Node, tuple[int, int]] = {n: (j, k) for j, seg in enumerate(segments) for k, n in enumerate(seg)}
+    order = {n: p for p, n in enumerate(segments[0][0].graph.nodes)}
+    last = len(segments) - 1
+
+    def norm(a: Any, j: int) -> Any:
+        if isinstance(a, torch.fx.Node):
+            at = where.get(a)
+            if at is None and order[a] < start:
+                return ("outer", a)
+            if at is not None and at[0] == j:
+                return ("own", at[1])
+            if at is not None and at[0] == j - 1:
+                return ("prev", at[1])
+            raise _NotChain  # a block reading a block further back, or a value made after the chain
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(norm(x, j) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, norm(v, j)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", norm(a.start, j), norm(a.stop, j), norm(a.step, j))
+        return ("const", type(a).__name__, repr(a))
+
+    def target(n: torch.fx.Node, j: int) -> Any:
+        if n.op in ("call_module", "get_attr"):
+            module = chain.module(j)
+            t = str(n.target)
+            return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
+        return n.target
+
+    for j, seg in enumerate(segments):
+        for n in seg:
+            for user in n.users:
+                at = where.get(user)
+                if at is None and j != last or at is not None and at[0] not in (j, j + 1):
+                    return False
+    try:
+        sigs = [[(n.op, target(n, j), norm(n.args, j), norm(n.kwargs, j)) for n in seg]
+                for j, seg in enumerate(segments)]
+    except _NotChain:
+        return False
+    if any(sig != sigs[1] for sig in sigs[2:]):
+        return False
+    # the first block reads values from before the chain where the others read the block before's:
+    # one value for each, and a different one for each
+    inputs: dict = {}
+
+    def first_matches(a: Any, b: Any) -> bool:
+        if a == b:
+            return True
+        if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == ("outer",) and b[:1] == ("prev",):
+            return inputs.setdefault(b[1], a[1]) is a[1]
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+            return all(first_matches(x, y) for x, y in zip(a, b))
+        return False
+
+    if not all(first_matches(a, b) for a, b in zip(sigs[0], sigs[1])):
+        return False
+    return len({id(v) for v in inputs.values()}) == len(inputs)
+
+
+class _NotChain(Exception):
+    pass
+
+
+def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> bool:
+    """Blocks hold parameters, buffers and tensor attributes of the same shapes, strides, dtypes
+    and trainability, none shared with another block or the rest of the model, and call leaf
+    modules of the same classes and settings with the same hooks."""
+    def tensors(module: torch.nn.Module) -> list:
+        named = [*module.named_parameters(), *module.named_buffers(), *tc.tensor_attributes(module)]
+        return [(name, tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
+                for name, t in named]
+
+    def leaves(j: int) -> list:
+        out = []
+        for n in segments[j]:
+            if n.op == "call_module":
+                m = gm.get_submodule(str(n.target))
+                out.append((type(m), m.extra_repr(), tuple(sorted(tc.module_hooks(m).items()))))
+        return out
+
+    try:
+        blocks = [gm.get_submodule(chain.module(j)) for j in range(chain.count)]
+    except AttributeError:
+        return False
+    reference = tensors(blocks[1])
+    if any(tensors(b) != reference for b in blocks) or any(leaves(j) != leaves(1) for j in range(chain.count)):
+        return False
+    owner: dict[int, str] = {}  # tensor id -> the block (or "") holding it
+    for name, t in gm.named_parameters(remove_duplicate=False):
+        holder = next((chain.module(j) for j in range(chain.count) if _within(name, chain.module(j))), "")
+        if owner.setdefault(id(t), holder) != holder:
+            return False
+    return True

@@ -1,0 +1,416 @@
+"""From the recording of four blocks to the recording of all of them.
+
+:mod:`.repeats` finds a chain of identical blocks and cuts the graph to its first four: A, B, B2
+and C. Their simulation records, in order, what each block's forward, backward and optimizer step
+allocated and freed. B and B2 are what every inner block of the whole chain is: fed by a block,
+feeding a block. So the whole model's recording is the short one with B's runs of events repeated
+once per inner block - each copy's storages its own, its references to the block before and after
+pointing at that copy's neighbours - B2's dropped, and C's renamed to the last block's.
+
+Nothing is assumed: every run of B's events is compared, event by event, with B2's (same ops,
+sizes, programs, nodes; each reference to A's, B's or B2's storage matched by a reference to B's,
+B2's or C's one block on; the same shared storages). If they differ - a block that reads two
+blocks back, an optimizer step over several blocks' tensors at once (``foreach``), a size the
+data decides - :func:`unroll` says why and the caller simulates the whole model instead.
+
+Frees noticed at one poll happen at one moment (no allocation between them), so their order among
+themselves is free: each is put with the block whose storage it frees where the poll falls
+between two blocks' runs.
+
+>>> whole = unroll(short_recording, chain, gm)           # doctest: +SKIP
+>>> whole if isinstance(whole, str) else len(whole.nodes) # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx
+
+from ..records import FREE, NODE, STEP, Phase, Placed, Recording, Role, SavedBy, Step, Storage
+from .repeats import KEPT, Chain
+
+_BACKWARD = " (backward)"
+A, B, B2, C = range(KEPT)  # the simulated blocks: first, the template, its check, the last
+# whose storages a run of each owner may touch (None: code outside the chain)
+_NEIGHBOURS = {A: {None, A, B}, B: {None, A, B, B2}, B2: {None, B, B2, C}, C: {None, B2, C}, None: {None, A, C}}
+
+
+class _Mismatch(Exception):
+    """The simulated blocks do not repeat: why, in words."""
+
+
+def unroll(rec: Recording, chain: Chain, gm: torch.fx.GraphModule) -> Recording | str:
+    """``rec`` (of ``chain``'s first four blocks) as the recording of ``gm`` with all of them, or
+    the reason it cannot be (a string)."""
+    try:
+        return _Unroller(rec, chain, gm).run()
+    except _Mismatch as exc:
+        return str(exc)
+
+
+class _Unroller:
+    def __init__(self, rec: Recording, chain: Chain, gm: torch.fx.GraphModule):
+        if rec.data_dims:
+            raise _Mismatch("sizes that depend on the data differ from block to block")
+        self.rec, self.chain, self.gm, self.n = rec, chain, gm, chain.count
+        self.block_of_node = {name: j for j in range(KEPT) for name in chain.segments[j]}
+        self.position = {name: k for j in range(KEPT) for k, name in enumerate(chain.segments[j])}
+        self.owner: list = [None] * len(rec.storages)
+        self.step_owner: list = [None] * len(rec.steps)
+        self._storage_and_step_owners()
+        self.events, self.event_owner, self.forward_end = self._ordered_events()
+
+    # --- who each storage, step and event belongs to ---------------------------------------------
+    def block_of(self, text: str | None) -> int | None:
+        """The simulated block a name (node, ``node (backward)``, ``node:op``, qualified name) is in."""
+        if not text:
+            return None
+        base = text[:-len(_BACKWARD)] if text.endswith(_BACKWARD) else text
+        j = self.block_of_node.get(base)
+        if j is None:
+            j = self.block_of_node.get(base.split(":", 1)[0])
+        if j is None:
+            j = next((k for k in range(KEPT) if _within(base, self.chain.module(k))), None)
+        return j
+
+    def _storage_and_step_owners(self) -> None:
+        rec = self.rec
+        for s in rec.storages:
+            if s.step is None and s.role != Role.INPUT:
+                self.owner[s.index] = self.block_of(s.name)
+        for kind, i in rec.events:  # in order: what a step reads was made before it
+            if kind != STEP:
+                continue
+            step = rec.steps[i]
+            base = step.node[:-len(_BACKWARD)] if step.node.endswith(_BACKWARD) else step.node
+            if base in self.block_of_node:
+                owner = self.block_of_node[base]
+            elif step.phase != Phase.STEP:
+                owner = None  # a node before or after the chain, the loss, the start of backward()
+            else:  # the optimizer's step: it works for the block whose tensors it reads
+                owners = {self.owner[r] for r in step.reads} - {None}
+                if len(owners) > 1:
+                    raise _Mismatch(f"{step.op} in {step.phase.value} works on several blocks' tensors at once "
+                                    f"(a foreach or fused optimizer, say)")
+                owner = owners.pop() if owners else None
+            self.step_owner[i] = owner
+            for s in step.allocs:
+                self.owner[s] = owner
+
+    def _ordered_events(self) -> tuple[list, list, int]:
+        """The events with each poll's frees put with the block whose storage they free, and every
+        event's owner."""
+        rec = self.rec
+        events, owners = [], []
+        forward_end = -1
+
+        def owner_of(event: tuple) -> int | None:
+            kind, i = event
+            return self.step_owner[i] if kind == STEP else self.block_of_node.get(rec.nodes[i].name)
+
+        k, total = 0, len(rec.events)
+        before = None  # owner of the last step or node end
+        while k < total:
+            if k == rec.forward_end:
+                forward_end = len(events)
+            if rec.events[k][0] != FREE:
+                before = owner_of(rec.events[k])
+                events.append(rec.events[k])
+                owners.append(before)
+                k += 1
+                continue
+            end = k
+            while end < total and rec.events[end][0] == FREE and (end == k or end != rec.forward_end):
+                end += 1
+            after = owner_of(rec.events[end]) if end < total else None
+            targets: dict = {}  # owner -> its frees, in order of first appearance
+            for _, i in rec.events[k:end]:
+                o = self.owner[i]
+                if before == after:
+                    t = before if before is not None else o  # inside a run, or among code outside the chain
+                elif o in (before, after):
+                    t = o
+                else:
+                    t = after if after is not None else before
+                targets.setdefault(t, []).append(i)
+            # the run before's frees first, the run after's last: runs stay whole
+            for t in sorted(targets, key=lambda t: 0 if t == before and t is not None else
+                            2 if t == after and t is not None else 1):
+                for i in targets[t]:
+                    events.append((FREE, i))
+                    owners.append(t)
+            k = end
+        if rec.forward_end == total:
+            forward_end = len(events)
+        if rec.forward_end >= 0 and forward_end < 0:
+            raise _Mismatch("the forward's end was not found")
+        return events, owners, forward_end
+
+    def _runs(self) -> list[tuple]:
+        """Maximal runs of events with one owner: (owner, start, end)."""
+        runs: list = []
+        for k, owner in enumerate(self.event_owner):
+            if runs and runs[-1][0] == owner:
+                runs[-1][2] = k + 1
+            else:
+                runs.append([owner, k, k + 1])
+        return [tuple(r) for r in runs]
+
+    # --- checking that the blocks repeat ---------------------------------------------------------
+    def _check(self, runs: list) -> list[tuple]:
+        """Pairs of B's and B2's runs, checked; the maps from neighbours' storages."""
+        self.bij: dict = {}  # B's storage -> B2's
+        self.prev: dict = {}  # A's storage B uses -> B's storage B2 uses in its place
+        self.next: dict = {}  # B2's storage B uses -> C's storage B2 uses in its place
+        names = {s.name: s.index for s in self.rec.storages if s.step is None and self.owner[s.index] == B2}
+        for s in self.rec.storages:
+            if s.step is None and self.owner[s.index] == B:
+                other = names.get(self.rename(s.name, B, B2))
+                if other is None or not self._same_meta(s.index, other):
+                    raise _Mismatch(f"{s.name} has no counterpart in {self.chain.module(B2)}")
+                self.bij[s.index] = other
+        for owner, start, end in runs:
+            for k in range(start, end):
+                if any(self.owner[s] not in _NEIGHBOURS[owner] for s in self._refs(self.events[k])):
+                    raise _Mismatch("a block uses the tensors of a block that is not its neighbour, or code outside "
+                                    "the chain uses an inner block's tensors")
+        ours = [r for r in runs if r[0] == B]
+        checks = [r for r in runs if r[0] == B2]
+        if len(ours) != len(checks) or not ours:
+            raise _Mismatch("the blocks' events do not come in matching runs (a block's work is interleaved "
+                            "with another's)")
+        pairs = []
+        for rb, rc in zip(ours, checks):
+            if rb[2] != rc[1] and rc[2] != rb[1]:
+                raise _Mismatch("something happens between two blocks' runs of events")
+            self._compare(rb, rc)
+            pairs.append((rb, rc))
+        return pairs
+
+    def _refs(self, event: tuple) -> list[int]:
+        kind, i = event
+        if kind == FREE:
+            return [i]
+        if kind == STEP:
+            step = self.rec.steps[i]
+            return [*step.reads, *[c for s in step.allocs if (c := self.rec.storages[s].copy_of) is not None]]
+        return [o for o in self.rec.nodes[i].outputs if o is not None]
+
+    def _same_meta(self, i: int, j: int) -> bool:
+        a, b = self.rec.storages[i], self.rec.storages[j]
+        return a.bytes == b.bytes and a.dtype == b.dtype and a.shape == b.shape and a.role == b.role
+
+    def _correspond(self, sx: int, sy: int) -> None:
+        """Storage ``sx`` seen by B plays the part ``sy`` plays for B2."""
+        ox, oy = self.owner[sx], self.owner[sy]
+        if ox is None:
+            ok = oy is None and sx == sy
+        elif ox == B:
+            ok = oy == B2 and self.bij.get(sx) == sy
+        elif ox == A:
+            ok = oy == B and self.prev.setdefault(sx, sy) == sy
+        elif ox == B2:
+            ok = oy == C and self.next.setdefault(sx, sy) == sy
+        else:
+            ok = False
+        if not ok:
+            raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} use different tensors in "
+                            f"the same place")
+
+    def _compare(self, rb: tuple, rc: tuple) -> None:
+        rec = self.rec
+        eb, ec = self.events[rb[1]:rb[2]], self.events[rc[1]:rc[2]]
+        if len(eb) != len(ec):
+            raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} record different numbers "
+                            f"of memory events")
+        for (kx, ix), (ky, iy) in zip(eb, ec):
+            if kx != ky:
+                raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} record different events")
+            if kx == FREE:
+                self._correspond(ix, iy)
+            elif kx == STEP:
+                self._compare_steps(rec.steps[ix], rec.steps[iy])
+            else:
+                nx, ny = rec.nodes[ix], rec.nodes[iy]
+                if self.rename(nx.name, B, B2) != ny.name or nx.shapes != ny.shapes or nx.dtypes != ny.dtypes \
+                        or [o is None for o in nx.outputs] != [o is None for o in ny.outputs] \
+                        or nx.end_step - nx.first_step != ny.end_step - ny.first_step:
+                    raise _Mismatch(f"fx nodes {nx.name} and {ny.name} differ")
+                for a, b in zip(nx.outputs, ny.outputs):
+                    if a is not None:
+                        self._correspond(a, b)
+
+    def _compare_steps(self, sx: Step, sy: Step) -> None:
+        storages = self.rec.storages
+        same = (sx.op == sy.op and sx.phase == sy.phase and len(sx.allocs) == len(sy.allocs)
+                and len(sx.reads) == len(sy.reads) and len(sx.program) == len(sy.program)
+                and self.rename(sx.node, B, B2) == sy.node)
+        if same:
+            for a, b in zip(sx.allocs, sy.allocs):
+                x, y = storages[a], storages[b]
+                if not self._same_meta(a, b) or x.op != y.op or x.is_output or y.is_output or \
+                        [v.op for v in x.saved_by] != [v.op for v in y.saved_by] or (x.copy_of is None) != (y.copy_of is None):
+                    same = False
+                    break
+                self.bij[a] = b
+            where = {s: k for k, s in enumerate(sx.allocs)}
+            for p, q in zip(sx.program, sy.program):
+                if isinstance(p, Placed) != isinstance(q, Placed) or \
+                        (sy.allocs[where[p.storage]] != q.storage if isinstance(p, Placed) else p != q):
+                    same = False
+        if not same:
+            raise _Mismatch(f"{sx.op} at {sx.node} and {sy.op} at {sy.node} allocate differently")
+        for a, b in zip(sx.reads, sy.reads):
+            self._correspond(a, b)
+        for a, b in zip(sx.allocs, sy.allocs):
+            if storages[a].copy_of is not None:
+                self._correspond(storages[a].copy_of, storages[b].copy_of)
+
+    # --- names -----------------------------------------------------------------------------------
+    def rename(self, text: str | None, src: int, dst: int) -> str | None:
+        """``text`` (a node name, ``node (backward)``, ``node:op``, a qualified name) of simulated block
+        ``src`` as block ``dst`` (a position in the whole chain) names it."""
+        if not text or src == dst:
+            return text
+        if text.endswith(_BACKWARD):
+            return self.rename(text[:-len(_BACKWARD)], src, dst) + _BACKWARD
+        seg = self.chain.segments
+        if self.block_of_node.get(text) == src:
+            return seg[dst][self.position[text]]
+        head, sep, tail = text.partition(":")
+        if sep and self.block_of_node.get(head) == src:
+            return seg[dst][self.position[head]] + sep + tail
+        module = self.chain.module(src)
+        if _within(text, module):
+            return self.chain.module(dst) + text[len(module):]
+        return text
+
+    def _name(self, text: Any, where: Any) -> Any:
+        """A name from the short run as the whole model has it, seen from ``where``: ``A``, ``C``, a
+        position ``p`` of a copy of B, or None (outside the chain). A neighbour's name is that of the
+        neighbour of ``where``'s position."""
+        if not isinstance(text, str):
+            return text
+        j = self.block_of(text)
+        if j is None:
+            return text
+        if where is None:
+            target = {A: 0, B: 1, B2: 2, C: self.n - 1}[j]
+        else:
+            base_j, base_t = (A, 0) if where == "A" else (C, self.n - 1) if where == "C" else (B, where)
+            target = base_t + j - base_j
+        return self.rename(text, j, target)
+
+    # --- building the whole recording ------------------------------------------------------------
+    def run(self) -> Recording:
+        rec, n = self.rec, self.n
+        runs = self._runs()
+        pairs = self._check(runs)
+        descending = {rb[1]: rc[1] < rb[1] for rb, rc in pairs}  # B2's run first: a backward, copies in reverse
+        inner = list(range(1, n - 1))  # positions of B's copies (1 is B itself)
+        back = {v: k for k, v in self.bij.items()}  # B2's storage -> B's
+
+        def at(p: int, s: int) -> Any:  # B's storage s in the copy at position p
+            return s if p == 1 else (p, s)
+
+        def key(s: int, where: Any) -> Any:
+            """The whole model's storage that ``s`` is, seen from ``where`` (see :meth:`_name`)."""
+            o = self.owner[s]
+            if o is None or o == A and where in ("A", 1) or o == C:
+                return s
+            if where == "A" or where is None:
+                return s  # B seen from A (checked: nothing outside the chain touches B)
+            if where == "C":
+                return at(n - 2, back[s])  # C's block before is the last copy
+            if o == B:
+                return at(where, s)
+            if o == A:
+                return at(where - 1, self.prev[s])
+            return self.next[s] if where + 1 == n - 1 else at(where + 1, back[s])  # B2: the block after
+
+        order: list = []  # storages: B's copies follow B's, group by group; B2's are dropped
+        group: list = []
+        for s in rec.storages:
+            if self.owner[s.index] == B:
+                group.append(s.index)
+                continue
+            order.extend([*group, *[(p, g) for p in inner[1:] for g in group]])
+            group = []
+            if self.owner[s.index] != B2:
+                order.append(s.index)
+        order.extend([*group, *[(p, g) for p in inner[1:] for g in group]])
+        new_index = {k: i for i, k in enumerate(order)}
+
+        events, steps, nodes = [], [], []
+        step_index: dict = {}  # (position or None, short step) -> new step
+        first_copy: dict = {}  # short step -> its first new index
+        forward_end = -1
+        for owner, start, end in runs:
+            if owner == B2:
+                continue
+            if start < self.forward_end < end and owner == B:
+                raise _Mismatch("the forward ends inside a block")
+            places: list = (inner[::-1] if descending[start] else inner) if owner == B else \
+                ["A" if owner == A else "C" if owner == C else None]
+            for where in places:
+                ctx = where if isinstance(where, int) else None
+                for k in range(start, end):
+                    if k == self.forward_end and (ctx is None or where == places[0]):
+                        forward_end = len(events)
+                    kind, i = self.events[k]
+                    if kind == FREE:
+                        events.append((FREE, new_index[key(i, where)]))
+                    elif kind == STEP:
+                        s = rec.steps[i]
+                        step_index[(ctx, i)] = len(steps)
+                        first_copy.setdefault(i, len(steps))
+                        steps.append(Step(len(steps), self._name(s.node, where), s.op,
+                                          [new_index[key(a, where)] for a in s.allocs],
+                                          [Placed(new_index[key(p.storage, where)]) if isinstance(p, Placed) else p
+                                           for p in s.program], s.phase,
+                                          tuple(new_index[key(r, where)] for r in s.reads)))
+                        events.append((STEP, steps[-1].index))
+                    else:
+                        node = rec.nodes[i]
+                        span = range(node.first_step, node.end_step)
+                        firsts = [step_index[(ctx, j)] for j in span] if ctx is not None else \
+                            [first_copy[j] for j in span if j in first_copy]
+                        nodes.append(dataclasses.replace(
+                            node, name=self._name(node.name, where), module=self._name(node.module, where),
+                            target=self._name(node.target, where) if node.op in ("call_module", "get_attr")
+                            else node.target, outputs=[None if o is None else new_index[key(o, where)]
+                                                       for o in node.outputs],
+                            first_step=min(firsts, default=len(steps)), end_step=len(steps)))
+                        events.append((NODE, len(nodes) - 1))
+        if self.forward_end == len(self.events):
+            forward_end = len(events)
+        storages = [self._storage(k, new_index, step_index, key) for k in order]
+        first, last = self.chain.module(0), self.chain.module(n - 1)
+        notes = [*rec.notes, f"the {n} blocks {first} ... {last} run the same code on tensors of the same sizes: "
+                             f"fxmem simulated four and repeated the memory events of the second for the inner "
+                             f"{n - 2} (the second and third were checked to match, event by event)"]
+        return dataclasses.replace(rec, storages=storages, steps=steps, nodes=nodes, events=events, notes=notes,
+                                   forward_end=forward_end, graph_module=self.gm)
+
+    def _storage(self, k: Any, new_index: dict, step_index: dict, key: Any) -> Storage:
+        ctx, s = k if isinstance(k, tuple) else (None, k)
+        record = self.rec.storages[s]
+        o = self.owner[s]
+        where: Any = {A: "A", C: "C"}.get(o)
+        if o == B:
+            where = ctx = ctx or 1
+        step = None if record.step is None else step_index[(ctx if o == B else None, record.step)]
+        saved_by = []
+        for v in record.saved_by:
+            if o is None and self.block_of(v.node) == B:  # a value from outside, saved by every inner block
+                saved_by.extend(SavedBy(self._name(v.node, p), v.op) for p in range(1, self.n - 1))
+            elif not (o is None and self.block_of(v.node) == B2):
+                saved_by.append(SavedBy(self._name(v.node, where), v.op))
+        copy_of = None if record.copy_of is None else new_index[key(record.copy_of, where)]
+        return dataclasses.replace(record, index=new_index[k], name=self._name(record.name, where),
+                                   node=self._name(record.node, where), step=step, saved_by=saved_by, copy_of=copy_of)
+
+
+def _within(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")

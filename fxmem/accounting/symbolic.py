@@ -12,6 +12,7 @@ admissible size are dropped so the formula stays readable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
@@ -162,11 +163,20 @@ def _guard_text(g: sympy.Expr) -> str:
 
 def _dominates(a_shift: Terms, b_shift: Terms) -> bool:
     """True if a >= b over the whole region (sufficient test on shifted coefficients)."""
-    for k in set(a_shift) | set(b_shift):
-        d = a_shift.get(k, 0) - b_shift.get(k, 0)
-        if d < 0 or (d and any(str(s).startswith("_w") for s in k.free_symbols)):
+    for k, v in a_shift.items():
+        d = v - b_shift.get(k, 0)
+        if d < 0 or (d and _has_free_sign(k)):
+            return False
+    for k, v in b_shift.items():
+        if k not in a_shift and (v > 0 or (v and _has_free_sign(k))):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_free_sign(monomial: sympy.Expr) -> bool:
+    """Whether a shifted monomial holds a ``_w`` symbol (an atom of unknown sign)."""
+    return any(str(s).startswith("_w") for s in monomial.free_symbols)
 
 
 class Evaluator:

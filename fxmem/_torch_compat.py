@@ -85,11 +85,27 @@ def new_fake_mode() -> tuple[FakeTensorMode, ShapeEnv]:
         env = ShapeEnv(duck_shape=False, should_record_events=False)
     except TypeError:  # pragma: no cover - older torch
         env = ShapeEnv(duck_shape=False)
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    # FakeTensor's dispatch cache rebuilds outputs through sympy on every hit; measured slower
-    # than recomputing for our single pass over each graph.
-    mode.cache_enabled = False
+    mode = _FakeMode(shape_env=env, allow_non_fake_inputs=True)
     return mode, env
+
+
+class _FakeMode(FakeTensorMode):
+    """FakeTensorMode with its dispatch cache used where a hit is cheaper than the fake kernel.
+
+    The cache (keyed by op and the inputs' symbolic metadata; torch's own, the one torch.compile
+    uses) rebuilds a hit's outputs from sympy expressions. That is cheaper than recomputing a
+    meta kernel or a Python decomposition with symbolic sizes (``native_layer_norm``: ~8 ms per
+    call uncached, ~3 ms as a hit; ``addmm`` ~2.7 -> 1.5 ms), but dearer than a view's kernel
+    (``detach`` ~0.1 -> 0.5 ms), and ``_unsafe_view`` is never cached (torch bypasses it).
+    Measured on a 12-block GPT stack: 1.27 s -> 1.01 s (cache off / on for all ops: 1.20 s).
+    """
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.cache_enabled = not (getattr(func, "is_view", False) or func in _NOT_CACHED)
+        return super().dispatch(func, types, args, kwargs)
+
+
+_NOT_CACHED = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def make_dim_symbol(env: ShapeEnv, name: str, hint: int) -> sympy.Symbol:

@@ -239,6 +239,13 @@ def storage_key(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 
+def expired_keys(cdatas: Any) -> list:
+    """Those of ``cdatas`` (``storage_key(t).cdata`` values, kept alive by their StorageWeakRef)
+    whose storage was freed: ``StorageWeakRef.expired`` without a Python call per key."""
+    expired = torch.UntypedStorage._expired
+    return [k for k in cdatas if expired(k)]
+
+
 def storage_nbytes(t: torch.Tensor) -> Any:
     """Bytes of ``t``'s whole storage (int or SymInt); views share it."""
     return t.untyped_storage().nbytes()

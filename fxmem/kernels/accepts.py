@@ -17,6 +17,7 @@ at a larger one is a size limit of the kernel (a 3x3 convolution of a 1x1 image)
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sympy
@@ -90,42 +91,77 @@ def check_call(call: Call, env: Any, cache: dict) -> None:
         return
     cache[key] = None
     hints = tc.symbol_hints(env)
-    error = None
-    for label, values in (("every dim 1", {s: 1 for s in hints}),
-                          (f"every dim min(example, {_SMALL})", {s: min(v, _SMALL) for s, v in hints.items()}),
-                          ("the example sizes", hints)):
-        args = _materialise((call.args, call.kwargs), values, limit=PROBE_ELEMENTS)
-        if args is None:
-            continue
-        try:
-            with tc.real_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
-                call.func(*args[0], **args[1])
-            return
-        except Exception as exc:  # noqa: BLE001 - any error of the real kernel
-            # keep no reference to the exception: its traceback holds this frame, whose ``call``
-            # holds the fake outputs - an extra reference changes what autograd does with them
-            error = (type(exc).__name__, first_line(exc), label)
-    if error is not None and error[2] == "the example sizes":
-        cache[key] = KernelRefuses(call.op, error[0], error[1], error[2])
+    sizes = [{s: 1 for s in hints}, {s: min(v, _SMALL) for s, v in hints.items()}, hints]
+    try:
+        concrete = tuple(_concrete((call.args, call.kwargs), values, limit=PROBE_ELEMENTS) for values in sizes)
+        error = _outcome(call.func, concrete, _environment())
+    except _Unhashable:  # an argument that cannot be a key: run it here, uncached
+        error = _outcome.__wrapped__(call.func, tuple(_concrete((call.args, call.kwargs), values,
+                                                                limit=PROBE_ELEMENTS, keyed=False)
+                                                      for values in sizes), _environment())
+    if error is not None:
+        cache[key] = KernelRefuses(call.op, error[0], error[1], _LABELS[-1])
         raise cache[key]
 
 
-def _materialise(tree: Any, values: dict, limit: int) -> Any:
-    """Real stand-ins for ``tree``: tensors of the fake ones' dtype and layout at sizes ``values``."""
+_LABELS = ("every dim 1", f"every dim min(example, {_SMALL})", "the example sizes")
+
+
+def _environment() -> tuple:
+    """What besides the call may decide a real kernel's answer: threads, default dtype, oneDNN."""
+    return torch.get_num_threads(), torch.get_default_dtype(), torch.backends.mkldnn.enabled
+
+
+@functools.lru_cache(maxsize=4096)
+def _outcome(func: Any, concrete: tuple, environment: tuple) -> tuple[str, str] | None:
+    """``(error type, message)`` when the real kernel raises at the example sizes (the last of
+    ``concrete``) and at every smaller size it could run at; None when it accepts one of them.
+
+    A function of the op, the concrete dtypes, layouts and sizes (:func:`_concrete`) and
+    :func:`_environment` only, so it is remembered for the process: a model analysed again, or at
+    another size in the same region, does not run its kernels again. The stand-ins are made and
+    run under a forked RNG: probing never moves the user's random stream.
+    """
+    error = None
+    for label, tree in zip(_LABELS, concrete):
+        if tree is None:
+            continue
+        with tc.real_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                args = _build(tree)
+            except (TypeError, ValueError, OverflowError):
+                continue
+            try:
+                func(*args[0], **args[1])
+                return None
+            except Exception as exc:  # noqa: BLE001 - any error of the real kernel
+                # keep no reference to the exception: its traceback holds this frame - and the
+                # real stand-ins; the caller's frame holds the fake outputs, whose extra
+                # references would change what autograd does with them
+                error = (type(exc).__name__, first_line(exc), label)
+    if error is not None and error[2] == _LABELS[-1]:
+        return error[0], error[1]
+    return None
+
+
+def _concrete(tree: Any, values: dict, limit: int, keyed: bool = True) -> Any:
+    """``tree`` at sizes ``values``, as a hashable description (tensors as dtype, layout and shape;
+    sizes as ints), or None when a size is not a number or the tensors exceed ``limit`` elements.
+    :func:`_build` makes the real stand-ins from it. ``keyed``: leaves are kept as they are (no
+    hash needed); otherwise an unhashable leaf raises :class:`_Unhashable`."""
     budget = [limit]
 
-    def size(v: Any) -> int | None:
+    def size(v: Any) -> int:
         e = tc.raw_expr(v) if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
         n = e.xreplace({s: sympy.Integer(x) for s, x in values.items()}) if not e.is_number else e
         n = tc.plain_sympy(n)
         if not n.is_number:
             raise _Skip
-        n = int(n)
-        return n
+        return int(n)
 
-    def make(v: Any) -> Any:
+    def describe(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            shape = [size(d) for d in v.shape]
+            shape = tuple(size(d) for d in v.shape)
             if any(d < 0 for d in shape):
                 raise _Skip
             numel = 1
@@ -134,41 +170,66 @@ def _materialise(tree: Any, values: dict, limit: int) -> Any:
             budget[0] -= numel
             if budget[0] < 0:
                 raise _Skip
-            with tc.real_mode():
-                if v.dtype.is_floating_point or v.dtype.is_complex:
-                    t = torch.rand(shape, dtype=v.dtype)
-                else:
-                    t = torch.zeros(shape, dtype=v.dtype)
-                if v.layout == torch.sparse_coo:
-                    t = t.to_sparse()
-                elif v.layout == torch.sparse_csr:
-                    t = t.to_sparse_csr() if t.dim() == 2 else t
-                elif v.layout != torch.strided:
-                    raise _Skip
-            return t
+            if v.layout not in (torch.strided, torch.sparse_coo, torch.sparse_csr):
+                raise _Skip
+            return ("tensor", v.dtype, v.layout, shape)
         if isinstance(v, torch.SymInt):
-            return size(v)
+            return ("int", size(v))
         if isinstance(v, torch.SymFloat):
             e = tc.plain_sympy(v.node.expr.xreplace({s: sympy.Integer(x) for s, x in values.items()}))
             if not e.is_number:
                 raise _Skip
-            return float(e)
+            return ("float", float(e))
         if isinstance(v, torch.SymBool):
             raise _Skip
-        if isinstance(v, list):
-            return [make(x) for x in v]
-        if isinstance(v, tuple):
-            return tuple(make(x) for x in v)
+        if isinstance(v, (list, tuple)):
+            return ("list" if isinstance(v, list) else "tuple", tuple(describe(x) for x in v))
         if isinstance(v, dict):
-            return {k: make(x) for k, x in v.items()}
-        return v
+            return ("dict", tuple((k, describe(x)) for k, x in v.items()))
+        if keyed:
+            try:
+                hash(v)
+            except TypeError:
+                raise _Unhashable from None
+            # the type and repr too: 1, 1.0 and True (or 0.0 and -0.0) are equal keys, not equal arguments
+            return ("value", type(v), repr(v) if isinstance(v, (float, complex)) else None, v)
+        return ("value", None, None, v)
 
     try:
-        return make(tree)
+        return describe(tree)
     except _Skip:
         return None
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _build(described: Any) -> Any:
+    """Real stand-ins for a :func:`_concrete` description: random floats, zero integers."""
+    kind = described[0]
+    if kind == "tensor":
+        _, dtype, layout, shape = described
+        if dtype.is_floating_point or dtype.is_complex:
+            t = torch.rand(shape, dtype=dtype)
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+        if layout == torch.sparse_coo:
+            t = t.to_sparse()
+        elif layout == torch.sparse_csr:
+            t = t.to_sparse_csr() if t.dim() == 2 else t
+        return t
+    if kind in ("int", "float"):
+        return described[1]
+    if kind == "list":
+        return [_build(x) for x in described[1]]
+    if kind == "tuple":
+        return tuple(_build(x) for x in described[1])
+    if kind == "dict":
+        return {k: _build(x) for k, x in described[1]}
+    return described[3]
+
+
+class _Unhashable(Exception):
+    pass
 
 
 class _Skip(Exception):

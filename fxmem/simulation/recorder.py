@@ -36,6 +36,9 @@ _SKIP = frozenset({torch.ops.prim.device, aten.sym_size, aten.sym_stride, aten.s
 _LIFT = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 # ops whose output is a copy of their first argument's data (the views name it: "contiguous copy of q")
 _COPIES = frozenset({aten.clone, aten._to_copy})
+# ``t.device`` of a fake tensor: the most frequent call by far, a query whose answer is no tensor
+# (no value, no size, no storage, nothing to record), answered before any of the bookkeeping below
+_DEVICE = torch.ops.prim.device.default
 
 
 class Recorder(tc.DispatchMode):
@@ -51,6 +54,8 @@ class Recorder(tc.DispatchMode):
         self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is _DEVICE:
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         known, value = self.values.read(func, args)
         if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads

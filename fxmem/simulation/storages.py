@@ -91,5 +91,5 @@ class StorageTable:
 
     def dead(self) -> list[int]:
         """Indices of the run's storages that died since the last call, in index order."""
-        gone = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        gone = tc.expired_keys(self._live)  # every poll scans the live storages: keep it a tight loop
         return sorted(self._live.pop(k)[1] for k in gone)

@@ -118,17 +118,24 @@ class Autograd:
     def _leave(self, *_: Any) -> None:
         self.between_nodes = True
 
-    def name_backward(self, node_name: str, value: Any, seen: set) -> None:
+    def name_backward(self, node_name: str, value: Any) -> None:
         """Attribute the backward of the autograd nodes fx node ``node_name`` created to it, and
-        release what was kept for it once that backward ran."""
+        release what was kept for it once that backward ran.
+
+        An autograd node is named by the first fx node that returns it (a getitem of a tuple
+        returns its producer's). The mark lives in the node's own ``metadata``: a set of ``id``\ s
+        would skip a new node that got a dead one's id, leaving its backward unnamed."""
         for t in tc.tree_leaves(value):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-            if fn is None or id(fn) in seen:
+            if fn is None or _NAMED in fn.metadata:
                 continue
-            seen.add(id(fn))
+            fn.metadata[_NAMED] = node_name
             name = f"{node_name} (backward)"
             fn.register_prehook(lambda *_, name=name: setattr(self.log, "node", name))
             fn.register_hook(lambda *_: self.release_keeps(node_name))
+
+
+_NAMED = "fxmem.fx_node"  # key in an autograd node's metadata: the fx node its backward is attributed to
 
 
 def _autograd_nodes(t: torch.Tensor) -> list:

@@ -35,7 +35,6 @@ class GraphRunner(torch.fx.Interpreter):
         self.recorder, self.log = recorder, recorder.log
         self.specs = list(specs)
         self.name_backward = name_backward
-        self._grad_fns: set = set()
         self._open: tuple[torch.fx.Node, Node] | None = None  # the node that ran last, not yet closed
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -56,7 +55,7 @@ class GraphRunner(torch.fx.Interpreter):
         except Exception as exc:
             raise self._error(n, exc) from exc
         if self.name_backward:
-            self.recorder.autograd.name_backward(n.name, value, self._grad_fns)
+            self.recorder.autograd.name_backward(n.name, value)
         self.recorder.end_node(poll=False)  # polled at close, once the node's dead values are dropped
         self._open = (n, self._describe(n, value, first))
         return value

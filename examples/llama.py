@@ -8,7 +8,7 @@ no memory, and fxmem analyses it all the same (shapes and dtypes are all it need
 
 Written after Meta's reference ``llama/model.py`` (no KV cache: a training / prefill forward).
 
-Run:  python examples/llama.py          (the 7B configuration's formulas; about a minute)
+Run:  python examples/llama.py          (the 7B configuration's formulas; a few seconds)
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ class Tied(nn.Module):
 @pytest.mark.parametrize("model", [Dense(), Widening(), Collecting(), Tied()], ids=lambda m: type(m).__name__)
 def test_what_is_not_a_chain_of_identical_blocks_is_simulated_whole(model):
     assert find_chain(trace(model)) is None
-    report = fxmem.analyze(model, ("B", 8 if not isinstance(model, Widening) else 8))
+    report = fxmem.analyze(model, ("B", 8))
     assert not any(REPEATED in n for n in report.notes)
 
 

@@ -35,11 +35,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
     "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
-    "backend": ".backend",
+    "backend": ".backend", "AnalysisOptions": ".options",
+    "passes": None,
 }
 
 __all__ = [
-    "analyze", "optimize", "validate", "precisions", "backend", "Report", "TensorSpec", "format_bytes", "kernels",
+    "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
+    "format_bytes", "kernels", "passes",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError",
 ]

@@ -23,6 +23,7 @@ from .accounting.symbolic import evaluate
 from .capture import Capture
 from .errors import SpecError
 from .kernels import environment
+from .options import AnalysisOptions
 from .records import INEXACT
 from .parsing import parse_expression
 from .specs import check_dims, check_input_sizes
@@ -52,23 +53,27 @@ class Report:
     where the bytes are; ``region`` says where the formulas hold; ``notes`` what else to know.
     """
 
-    def __init__(self, plan: MemoryPlan, *, model_name: str, specs: list, device: str, grad: bool,
-                 dtype: torch.dtype, hints: dict, graph_module: torch.fx.GraphModule | None, mode: str,
+    def __init__(self, plan: MemoryPlan, *, model_name: str, specs: list, options: AnalysisOptions,
+                 input_specs: tuple, model: torch.nn.Module | None, hints: dict,
+                 graph_module: torch.fx.GraphModule | None, mode: str,
                  reanalyze: Callable[[dict], "Report"], capture: Capture | None = None):
         self._plan = plan
         self.model_name = model_name
         self.specs = specs
-        self.device = device
-        self.grad = grad
-        self.dtype = dtype
+        # what was analysed, and how: every later re-analysis (a region, a rewrite) uses these
+        self.options: AnalysisOptions = options
+        self.input_specs: tuple = tuple(input_specs)
+        # the user's model (None for a class/factory): re-analyses and recomputation planning need it
+        self.model: torch.nn.Module | None = model
+        self.device = options.device
+        self.grad = options.grad
+        self.dtype = options.dtype
         self.mode = mode
         # which code the numbers are of, and why (eager mode where torch.fx cannot trace the model)
         self.capture: Capture = capture or Capture(mode, "the original forward" if mode == "eager" else "a graph")
         self.hints = dict(hints)
         self.graph_module = graph_module
         self._reanalyze = reanalyze
-        # (model, input specs, analyze's keyword arguments): what a rewrite re-analyses (max_size(recompute=True))
-        self.source: tuple | None = None
         self._regions: dict[tuple, Report] = {}
         self._evaluations: dict[tuple, Evaluation] = {}
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
@@ -214,18 +219,19 @@ class Report:
         """The node during which the forward's peak happens (at ``dims``, or at the example sizes)."""
         return self.liveness(dims or None).peak_node
 
-    def max_size(self, dim: str, budget: Any, train: bool = False, recompute: bool = False, **fixed: int) -> int:
+    def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
         """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
         dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
-        ``recompute=True`` (with ``train=True``): the largest size whose training step fits with
-        recomputation in backward - the largest over recomputing nothing, every block whole and
-        every block selectively (:mod:`fxmem.passes.recompute`; each exact as above);
-        ``fxmem.optimize(..., budget=, dims=)`` then finds the cheapest plan that fits there.
+        With recomputation in backward the model is rewritten: ``fxmem.passes.max_size(report,
+        dim, budget, **fixed)`` is the largest size whose training step fits then.
 
         >>> report.max_size("B", budget="32GiB", N=500)           # doctest: +SKIP
         """
+        if "recompute" in fixed:
+            raise SpecError("max_size(recompute=...): recomputation rewrites the model, so it is planned by the "
+                            "passes: fxmem.passes.max_size(report, dim, budget, **dims)")
         if train and not self.training:
             raise SpecError("max_size(train=True) needs a training step: analyse with optimizer=...")
         if dim in self.data_dims:
@@ -235,12 +241,6 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
-        if recompute:  # with recomputation in backward: the rewrites of fxmem.passes.recompute
-            if not train:
-                raise SpecError("max_size(recompute=True) is about a training step: pass train=True")
-            from .passes.recompute import max_size_with_recompute  # the passes build on this module
-
-            return max_size_with_recompute(self, dim, budget, fixed)
         return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
 
     # --- views ----------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 * the SDPA rule: :mod:`.sdpa` (the rule), :mod:`.sdpa_parts` (q, k, v and their layouts),
   :mod:`.sdpa_masks` (scale and masks, causal ones included).
 * recomputation to fit a budget (``optimize(..., budget=, dims=)``): :mod:`.recompute` (the
-  plan), :mod:`.segments` (the blocks, and how a graph runs one under ``torch.utils.checkpoint``).
+  plan; ``fxmem.passes.max_size(report, dim, budget)``, the largest size that fits with it),
+  :mod:`.segments` (the blocks, and how a graph runs one under ``torch.utils.checkpoint``).
 
 >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))          # doctest: +SKIP
 """
@@ -28,8 +29,8 @@ if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes thi
 
 from .base import Finding, Pass, Probe  # noqa: E402
 from .optimize import optimize  # noqa: E402
-from .recompute import BudgetError  # noqa: E402
+from .recompute import BudgetError, max_size  # noqa: E402
 from .registry import PASSES  # noqa: E402
 from .verify import Difference, compare  # noqa: E402
 
-__all__ = ["optimize", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe", "BudgetError"]
+__all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe", "BudgetError"]

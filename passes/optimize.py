@@ -30,6 +30,7 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..analyze import analyze
+from ..options import AnalysisOptions
 from ..capture import forward_parameters
 from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
@@ -84,31 +85,28 @@ class _Memory:
 def optimize(
     model: torch.nn.Module,
     *input_specs: Any,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    grad: bool = True,
-    hints: Mapping[str, int] | None = None,
-    leaf_modules: Sequence[type] = (),
+    options: AnalysisOptions | None = None,
     probe_sizes: Sequence[Mapping[str, int]] | None = None,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
     budget: Any = None,
     dims: Mapping[str, int] | None = None,
-    optimizer: Any = None,
+    **option_values: Any,
 ) -> torch.fx.GraphModule:
     """Return ``model`` rewritten to use less memory, as a GraphModule with the same call signature.
 
     Args:
         model: an ``nn.Module``; traced with ``torch.fx``, never modified. The result shares its
             ``Parameter`` objects and ``state_dict`` keys.
-        *input_specs, device, dtype, grad, hints, leaf_modules: as for :func:`fxmem.analyze`;
-            the memory (bytes) before and after is analysed with them.
+        *input_specs, options, **option_values: as for :func:`fxmem.analyze` (the options of
+            :class:`fxmem.AnalysisOptions`); the memory (bytes) before and after is analysed
+            with them.
         probe_sizes: two or more ``{dim: size}`` at which the model is run for real, small, to see
             what each tensor holds and to verify each rewrite (default: dim k is 3+k and 5+k,
             verified at 3+k, 4+k, 5+k; larger when the model cannot run that small). Every dim
             must differ between two of them.
         settings: choices for a pass, by its name: ``{"fused-attention": {"block_bytes": 2**20}}``
             (each pass's ``settings`` in ``fxmem.passes.PASSES`` says what it takes).
-        budget, dims, optimizer: fit a training step with ``optimizer`` (default: SGD without
+        budget, dims, optimizer=: fit a training step with ``optimizer`` (default: SGD without
             state) at ``dims`` into ``budget`` (bytes, or ``"24GiB"``) by recomputing blocks in
             backward, the fewest FLOPs that fit (:mod:`.recompute`); :class:`~.recompute.BudgetError`
             says the smallest peak reachable when none fits.
@@ -130,6 +128,15 @@ def optimize(
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
     name = type(model).__name__
+    opts = AnalysisOptions.of(options, **option_values)
+    if opts.loss is not None or opts.hparams is not None or opts.init is not None:
+        raise SpecError("optimize rewrites an nn.Module with the default loss: loss=, hparams= and init= are "
+                        "options of fxmem.analyze only")
+    if opts.mode == "eager":
+        raise SpecError("optimize rewrites a graph of the model: mode='eager' (the original forward) cannot be "
+                        "rewritten; use mode='auto' or 'graph'")
+    device, dtype, grad, hints, leaf_modules = opts.device, opts.dtype, opts.grad, opts.hints, opts.leaf_modules
+    optimizer = opts.optimizer
     settings = _check_settings(settings)
     if budget is not None:
         parse_bytes(budget)
@@ -153,11 +160,13 @@ def optimize(
                          f"traceable (mark the module that contains it as a leaf with leaf_modules=[...]), or "
                          f"optimize the submodules that can be captured") from exc
     gm = traced.graph_module
-    kw = dict(device=device, dtype=dtype, grad=grad, hints=hints, leaf_modules=leaf_modules)
+    # the rewrites are judged with the user's options; the training step's optimizer is
+    # optimize's own choice (SGD without state: gradients, not state, are what a rewrite changes)
+    kw = opts.replace(optimizer=None, mode="auto")
     try:
         probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
     except ShapeError:
-        analyze(gm, *input_specs, **{**kw, "grad": False})  # a shape error at every size says where, in dims
+        analyze(gm, *input_specs, options=kw.replace(grad=False))  # a shape error at every size says where, in dims
         raise
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     state = _Search(gm, model, input_specs, kw, verify_inputs)
@@ -184,8 +193,8 @@ def optimize(
         state.log.append(entry)
     if budget is not None:  # after the rewrites: recompute what still does not fit
         dims = check_dims(dict(dims), symbols, "dims")
-        best, entry = fit_budget(best, model, input_specs, kw, budget, dims, optimizer or _plain_sgd,
-                                 state.verify_inputs)
+        best, entry = fit_budget(best, model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
+                                 dims, state.verify_inputs)
         state.log.append(entry)
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = state.log
@@ -407,19 +416,19 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
             out.register_buffer(name, b, persistent=name not in tc.non_persistent_buffers(model))
 
 
-def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: dict) -> _Memory:
+def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:
     """fxmem's analysis of ``gm`` in train mode (a training step, with grad) and in eval mode
     under ``no_grad`` (inference); each on a copy of ``gm`` in that mode."""
     train, evals = in_mode(gm, True), in_mode(gm, False)
     report = None
-    if kw["grad"]:
+    if kw.grad:
         try:
-            report = analyze(train, *input_specs, optimizer=_plain_sgd, **kw)
+            report = analyze(train, *input_specs, options=kw.replace(optimizer=_plain_sgd))
         except FxMemError:  # nothing to train (no parameter reaches the output): forward only
             report = None
     if report is None:
-        report = analyze(train, *input_specs, **kw)
-    inference = analyze(evals, *input_specs, **{**kw, "grad": False})
+        report = analyze(train, *input_specs, options=kw)
+    inference = analyze(evals, *input_specs, options=kw.replace(grad=False))
     points = []
     for scale in (1, 2):
         at = {k: v * scale for k, v in report.hints.items()}

@@ -38,6 +38,7 @@ from .. import _torch_compat as tc
 from ..accounting.budget import parse_bytes
 from ..analyze import analyze
 from ..errors import FxMemError, SpecError
+from ..options import AnalysisOptions
 from ..inputs import input_shape
 from ..report import Report, format_bytes
 from .modes import in_mode
@@ -151,15 +152,15 @@ def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
     return tuple(plan)
 
 
-def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, kw: dict, budget: Any,
-               dims: Mapping[str, int], optimizer: Callable, verify_inputs: list) -> tuple[torch.fx.GraphModule, dict]:
+def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions,
+               budget: Any, dims: Mapping[str, int], verify_inputs: list) -> tuple[torch.fx.GraphModule, dict]:
     """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``.
 
     Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
     fits. ``gm`` itself is returned when the step already fits.
     """
     limit = parse_bytes(budget)
-    planner = _Planner(gm, input_specs, kw, dims, optimizer)
+    planner = _Planner(gm, input_specs, options, dims)
     base = planner.trial(())
     entry = {"rule": RULE, "status": "declined", "where": "", "budget": limit, "dims": dict(dims),
              "train_peak_before": str(base.report.train_peak), "train_peak_after": None,
@@ -244,17 +245,17 @@ def _where(plan: Sequence[tuple]) -> str:
 class _Planner:
     """The blocks, their costs at ``dims``, and fxmem's exact analysis of each plan tried."""
 
-    def __init__(self, gm: torch.fx.GraphModule, input_specs: tuple, kw: dict, dims: Mapping[str, int],
-                 optimizer: Callable):
-        self.gm, self.input_specs, self.dims, self.optimizer = gm, input_specs, dict(dims), optimizer
-        self.kw = {k: v for k, v in kw.items() if k != "grad"}
+    def __init__(self, gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisOptions,
+                 dims: Mapping[str, int]):
+        self.gm, self.input_specs, self.dims = gm, input_specs, dict(dims)
+        self.options = options.replace(grad=True)  # a training step (options.optimizer is set)
         self.blocks = blocks(gm)
         self._base: Report | None = None
         self._costs: dict | None = None
         self.uncounted: str | None = None  # why FLOPs could not be counted (then each node costs 1)
 
     def analyse(self, module: torch.fx.GraphModule) -> Report:
-        report = analyze(in_mode(module, True), *self.input_specs, optimizer=self.optimizer, **self.kw)
+        report = analyze(in_mode(module, True), *self.input_specs, options=self.options)
         if self._base is None:
             self._base = report
         return report
@@ -298,20 +299,28 @@ class _Planner:
                 "inputs and activations": rest}
 
 
-def max_size_with_recompute(report: Report, dim: str, budget: Any, fixed: Mapping[str, int]) -> int:
-    """The largest ``dim`` whose training step fits ``budget`` with or without recomputation: the
-    largest over recomputing nothing, every block whole, and every block selectively (each
-    exact, as :meth:`fxmem.Report.max_size`)."""
-    source = getattr(report, "source", None)
-    if source is None or report.mode != "graph":
-        raise SpecError("max_size(recompute=True) needs a report from fxmem.analyze(model, ..., optimizer=...) "
-                        "in graph mode (recomputation rewrites the traced graph)")
+def max_size(report: Report, dim: str, budget: Any, **fixed: int) -> int:
+    """The largest ``dim`` whose training step fits ``budget`` (bytes or ``"80GiB"``) with or without
+    recomputation in backward: the largest over recomputing nothing, every block whole, and every
+    block selectively (each exact, as :meth:`fxmem.Report.max_size`); ``fixed`` gives the other dims.
+    The rewritten models are analysed with the report's own options (``report.options``).
+
+    >>> report = fxmem.analyze(model, ids, optimizer=adamw)                 # doctest: +SKIP
+    >>> fxmem.passes.max_size(report, "B", "24GiB", L=2048)                 # doctest: +SKIP
+    """
+    if not isinstance(report, Report):
+        raise SpecError(f"max_size(report, ...): expected the Report of fxmem.analyze, got {type(report).__name__}")
+    if not report.training:
+        raise SpecError("max_size with recomputation is about a training step: analyse with optimizer=...")
+    model = report.model
+    if model is None or report.mode != "graph":
+        raise SpecError("max_size with recomputation needs a report of an nn.Module analysed in graph "
+                        "mode (recomputation rewrites the traced graph): fxmem.analyze(model, ..., optimizer=...)")
     from .modes import trace_modes
 
-    model, input_specs, kw = source
-    traced = trace_modes(model, kw.get("leaf_modules", ()))
+    traced = trace_modes(model, report.options.leaf_modules)
     if traced.reason:
-        raise SpecError(f"max_size(recompute=True): {traced.reason}")
+        raise SpecError(f"max_size with recomputation: {traced.reason}")
     gm = traced.graph_module
     best = report.max_size(dim, budget, train=True, **fixed)
     usable = [b for b in blocks(gm) if b.refusal is None]
@@ -319,6 +328,6 @@ def max_size_with_recompute(report: Report, dim: str, budget: Any, fixed: Mappin
         return best
     for how in HOW:
         module = extract(gm, [(b, how) for b in usable])
-        again = analyze(in_mode(module, True), *input_specs, **kw)
+        again = analyze(in_mode(module, True), *report.input_specs, options=report.options)
         best = max(best, again.max_size(dim, budget, train=True, **fixed))
     return best

@@ -158,7 +158,7 @@ def test_max_size_with_recomputation_is_larger_and_fits_for_real():
     report = fxmem.analyze(model, IDS, optimizer=sgd)
     budget = report.evaluate(B=4, L=24)["train_peak"]
     plain = report.max_size("B", budget, train=True, L=24)
-    more = report.max_size("B", budget, train=True, recompute=True, L=24)
+    more = fxmem.passes.max_size(report, "B", budget, L=24)
     assert plain == 4 and more > plain
     opt = fxmem.optimize(model, IDS, budget=budget, dims=dict(B=more, L=24), optimizer=sgd)
     again = fxmem.analyze(opt, IDS, optimizer=sgd)
@@ -175,5 +175,7 @@ def test_budget_arguments_are_checked():
         fxmem.optimize(model, IDS, dims=DIMS)
     with pytest.raises(fxmem.SpecError, match="dims"):
         fxmem.optimize(model, IDS, budget="1GiB", dims=dict(B=2, Q=3))
-    with pytest.raises(fxmem.SpecError, match="train=True"):
+    with pytest.raises(fxmem.SpecError, match="fxmem.passes.max_size"):
         fxmem.analyze(model, IDS, optimizer=sgd).max_size("B", "1GiB", recompute=True, L=3)
+    with pytest.raises(fxmem.SpecError, match="optimizer="):
+        fxmem.passes.max_size(fxmem.analyze(model, IDS), "B", "1GiB", L=3)

@@ -1,0 +1,142 @@
+"""``AnalysisOptions``: every choice an analysis takes, defined once, checked once, carried as one value.
+
+``fxmem.analyze``, ``fxmem.optimize``, ``fxmem.validate``, ``fxmem.precisions`` and the CLI build
+one of these from their keyword arguments (or take one as ``options=``), and the
+:class:`~fxmem.Report` keeps it (``report.options``), so whatever re-analyses later - a region
+outside the formulas, recomputation planning in :mod:`fxmem.passes` - analyses with exactly the
+options the user asked for (``autocast``, ``kernels``, ``mode`` ... included).
+
+>>> import torch
+>>> from fxmem.options import AnalysisOptions
+>>> opts = AnalysisOptions.of(dtype=torch.float64, hints={"B": 8})
+>>> opts.replace(grad=False).grad, opts.hints
+(False, {'B': 8})
+>>> AnalysisOptions.of(optimiser=None)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+fxmem.errors.SpecError: unknown option optimiser=; did you mean optimizer=? (the options are ...)
+
+A new option is one field here (with its check in ``_check``); every entry point then accepts it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .capture.trace import check_leaf_modules
+from .errors import SpecError
+
+__all__ = ["AnalysisOptions", "MODES"]
+
+MODES = ("auto", "graph", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisOptions:
+    """The options of one analysis (bytes are always what is reported; these say of what).
+
+    Attributes:
+        device: whose memory to predict, ``"cpu"`` or ``"cuda"`` (CUDA code paths, 512-byte blocks).
+        dtype: dtype of input specs that do not name one.
+        grad: ``True`` records autograd as in training; ``False`` gives inference memory.
+        hints: example sizes to analyse at (default: distinct primes near 100). The formulas hold
+            wherever PyTorch would take the same code path (``Report.region``); ``evaluate`` outside
+            it re-analyses. A hint of 0 or 1, which PyTorch specialises, is analysed at a general
+            size instead (the notes say so); a dim some op fixes at its hint shows as ``B == 97``
+            in the region, and every other size is re-analysed.
+        leaf_modules: module classes fx should not trace into.
+        optimizer: ``lambda params: torch.optim.Adam(params, lr=1e-3)`` - also analyse one
+            steady-state training step with this optimizer (``train_peak``, ``grads``, ...).
+        loss: ``loss(output) -> scalar`` for the training step (default: ``output.sum()``).
+        mode: ``"auto"`` (default) - graph mode where ``torch.fx`` can trace the model, else eager
+            mode, the reason in ``report.capture``; ``"graph"`` - the fx-traced module, which frees
+            each value after its last use (a :class:`TraceError` where fx cannot trace);
+            ``"eager"`` - the original ``forward``, whose locals live until it returns (no tracing,
+            so it also works where fx cannot trace); ``report.by_line()`` then has every line.
+        hparams: ``{"dim": "H*D", "num_heads": "H"}`` - build ``model`` (a class or factory) with
+            these constructor arguments as dims, so formulas hold in them too (see
+            :mod:`fxmem.hparams`).
+        init: concrete constructor arguments for a class or factory.
+        kernels: ``{op: fn}`` - what your own ops' real kernels allocate beyond their outputs, for
+            this analysis (``fn(call)`` returns a program; see :func:`fxmem.kernels.register`).
+        autocast: ``torch.bfloat16`` or ``torch.float16`` - run the forward under
+            ``torch.autocast(device, dtype=...)`` (mixed precision): the casts autocast makes, and
+            the half-precision tensors autograd keeps, are counted exactly. Weights keep their dtype.
+        repeats: a traced model whose layers form a chain of identical blocks (same code, shapes,
+            dtypes; a transformer's ``layers.0`` ... ``layers.31``) is simulated with four of them,
+            and the inner blocks' memory events are the second's, repeated (the second and third
+            are checked to match event by event; where they do not, every block is simulated).
+            ``False`` simulates every block: the same numbers, slower.
+    """
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    grad: bool = True
+    hints: Mapping[str, int] | None = None
+    leaf_modules: tuple = ()
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    loss: Callable[[Any], torch.Tensor] | None = None
+    mode: str = "auto"
+    hparams: Mapping[str, Any] | None = None
+    init: Mapping[str, Any] | None = None
+    kernels: Mapping[Any, Callable] | None = None
+    autocast: torch.dtype | None = None
+    repeats: bool = True
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in the order they are documented."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, options: "AnalysisOptions | None" = None, /, **changes: Any) -> "AnalysisOptions":
+        """``options`` (default: the defaults) with ``changes``, checked; unknown names are refused."""
+        if options is not None and not isinstance(options, AnalysisOptions):
+            raise SpecError(f"options= must be an fxmem.AnalysisOptions, got {type(options).__name__}")
+        base = options if options is not None else cls()
+        return base.replace(**changes) if changes else _checked(base)
+
+    def replace(self, **changes: Any) -> "AnalysisOptions":
+        """A copy with ``changes`` (checked): ``opts.replace(grad=False)``."""
+        unknown = [k for k in changes if k not in self.names()]
+        if unknown:
+            name = unknown[0]
+            close = difflib.get_close_matches(name, self.names(), n=1)
+            hint = f"; did you mean {close[0]}=?" if close else ""
+            raise SpecError(f"unknown option {name}={hint} (the options are {', '.join(self.names())})")
+        return _checked(dataclasses.replace(self, **changes))
+
+    def kwargs(self, *names: str) -> dict[str, Any]:
+        """The options as keyword arguments (all, or ``names``)."""
+        return {n: getattr(self, n) for n in (names or self.names())}
+
+
+def _checked(opts: AnalysisOptions) -> AnalysisOptions:
+    """Refuse options that cannot mean anything, before anything slow runs (the argument named)."""
+    if opts.mode not in MODES:
+        raise SpecError(f"mode={opts.mode!r}: use 'auto' (graph where torch.fx can trace the model, else eager), "
+                        f"'graph' (the traced module) or 'eager' (the original forward)")
+    if not isinstance(opts.dtype, torch.dtype):
+        raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {opts.dtype!r}")
+    for name in ("grad", "repeats"):
+        if not isinstance(getattr(opts, name), bool):
+            raise SpecError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    if opts.autocast is not None and opts.autocast not in (torch.bfloat16, torch.float16):
+        raise SpecError(f"autocast={opts.autocast!r}: use torch.bfloat16 or torch.float16 (or None)")
+    if opts.loss is not None and opts.optimizer is None:
+        raise SpecError("loss= describes a training step; pass optimizer= as well")
+    if opts.loss is not None and not callable(opts.loss):
+        raise SpecError("loss= must be a function of the model's output, e.g. loss=lambda out: out.pow(2).mean()")
+    if opts.optimizer is not None and not callable(opts.optimizer):
+        raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
+    for name in ("hints", "hparams", "init", "kernels"):
+        value = getattr(opts, name)
+        if value is not None and not isinstance(value, Mapping):
+            raise SpecError(f"{name}= must be a dict, got {type(value).__name__} {value!r:.60}")
+    leaves = check_leaf_modules(opts.leaf_modules)
+    if leaves != opts.leaf_modules:
+        opts = dataclasses.replace(opts, leaf_modules=leaves)
+    return opts

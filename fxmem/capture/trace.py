@@ -129,12 +129,12 @@ def _keep_unread_tensors(gm: torch.fx.GraphModule, root: torch.nn.Module) -> Non
             *path, leaf = qual.split(".")
             owner: torch.nn.Module = gm
             for part in path:
-                child = owner._modules.get(part)
+                child = getattr(owner, part, None)
                 if child is None:
                     child = torch.nn.Module()
                     owner.add_module(part, child)
                 owner = child
-            if leaf in owner._parameters or leaf in owner._buffers or hasattr(owner, leaf):
+            if not isinstance(owner, torch.nn.Module) or hasattr(owner, leaf):
                 continue  # the name means something else on gm: leave gm's own
             if kind == "parameter":
                 owner.register_parameter(leaf, t)

@@ -114,21 +114,62 @@ def copy_bytes(t: Any) -> Any:
     return 0 if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.numel() * t.element_size()
 
 
+def transpose_buffer(src: Any) -> Any:
+    """Bytes of the block buffer ATen's CPU copy takes to copy a transposed matrix into a contiguous
+    one (Copy.cpp, copy_same_type_transpose_): a 2-D source with strides (1, rows) of at least
+    60 x 60 elements is copied through a 60 x 60 block of its dtype (120 x 120 for uint8), made and
+    freed inside the copy; 0 otherwise."""
+    if not isinstance(src, torch.Tensor) or src.dim() != 2 or src.is_complex() or src.dtype.itemsize == 0:
+        return 0
+    rows = src.shape[0]
+    if not (src.stride()[0] == 1 and src.stride()[1] == rows and src.numel() >= 60 * 60):
+        return 0
+    block = 120 if src.dtype == torch.uint8 else 60
+    return block * block * src.element_size()
+
+
+def contiguous_copy(t: Any) -> list:
+    """The program of ``t.contiguous()`` inside a kernel: the copy, and the copy's block buffer."""
+    copy = copy_bytes(t)
+    if isinstance(copy, int) and copy == 0:
+        return []
+    buf = transpose_buffer(t)
+    return [copy, buf, -buf] if not (isinstance(buf, int) and buf == 0) else [copy]
+
+
 def _nonzero(values: list) -> list:
     return [c for c in values if not (isinstance(c, int) and c == 0)]
 
 
 @hidden(*_CONTIGUOUS_OPERANDS, device="cpu")
 def _contiguous_copies(call: Call) -> list | None:
-    """Contiguous copies of strided operands (softmax forward and backward, gelu, layer norm, group norm)."""
-    before, after = [], []
+    """Contiguous copies of strided operands (softmax forward and backward, gelu, layer norm, group norm),
+    a transposed matrix's through a block buffer (see transpose_buffer)."""
+    before, after, kept = [], [], []
     for name, when in _CONTIGUOUS_OPERANDS[call.func]:
-        copy = copy_bytes(call.arg(name))
-        if not (isinstance(copy, int) and copy == 0):
-            (before if when == "before" else after).append(copy)
+        program = contiguous_copy(call.arg(name))
+        if program:
+            (before if when == "before" else after).extend(program)
+            kept.append(program[0])
     if not before and not after:
         return None
-    return [*before, OUT, *after, *[-c for c in reversed(before + after)]]
+    return [*before, OUT, *after, *[-c for c in reversed(kept)]]
+
+
+require_args(aten.clone.default, "self")
+require_args(aten.copy_.default, "self", "src")
+
+
+@hidden(aten.clone.default, aten.copy_.default, device="cpu")
+def _copy_transposed(call: Call) -> list | None:
+    """A copy of a transposed matrix into a contiguous one goes through a block buffer (see transpose_buffer)."""
+    src = call.arg("src") if call.func is aten.copy_.default else call.arg("self")
+    out = call.outputs[0] if call.outputs else None
+    if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.dtype != src.dtype \
+            or tuple(out.shape) != tuple(src.shape):
+        return None
+    buf = transpose_buffer(src)
+    return None if isinstance(buf, int) and buf == 0 else [OUT, buf, -buf]
 
 
 def _blas_copy(m: torch.Tensor) -> Any:

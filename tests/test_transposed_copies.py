@@ -69,3 +69,20 @@ def test_uint8_uses_a_larger_block():
     model = Copy(lambda x, w: x.t().contiguous())
     spec = fxmem.TensorSpec(("B", 130), dtype=torch.uint8)
     check_against_real_run(model, (spec,), [dict(B=150), dict(B=70), dict(B=3)], grad=False)
+
+
+class TransposedLayerNorm(nn.Module):
+    """Layer norm over a transposed input: its forward and backward copy input and gradient."""
+
+    def __init__(self, features: int = 80):
+        super().__init__()
+        self.ln = nn.LayerNorm(features)
+
+    def forward(self, x):
+        return self.ln(x.t() * 2).t() * 3
+
+
+def test_layer_norm_backward_of_transposed_operands():
+    torch.manual_seed(0)
+    check_training_against_real_run(TransposedLayerNorm(), ((80, "N"),), [dict(N=100), dict(N=7)],
+                                    lambda p: torch.optim.SGD(p, lr=0.1))

@@ -251,14 +251,14 @@ def _layer_norm_backward_cpu(call: Call) -> list:
     partial sums (LayerNormBackwardKernelImplInternal's two-pass reduction)."""
     x, grad = call.arg("input"), call.arg("grad_out")
     mask = call.arg("output_mask") or [True, True, True]
-    x_copy, dy_copy = copy_bytes(x), copy_bytes(grad)
+    x_copy, dy_copy = contiguous_copy(x), contiguous_copy(grad)  # a transposed one through a block buffer
     buf = 0
     if mask[1] or mask[2]:
         n = call.outputs[-1].numel()  # dgamma/dbeta: normalized_shape's elements
         buf = 2 * torch.get_num_threads() * n * x.element_size()
-    inner = _nonzero([dy_copy, buf])
-    before = _nonzero([x_copy])
-    return [*before, OUT, *inner, *[-c for c in reversed(inner)], *[-c for c in reversed(before)]]
+    inner = _nonzero([*dy_copy[:1], buf])
+    before = x_copy[:1]
+    return [*x_copy, OUT, *dy_copy, *_nonzero([buf]), *[-c for c in reversed(inner)], *[-c for c in reversed(before)]]
 
 
 require_args(aten.native_group_norm_backward.default, "grad_out", "input")

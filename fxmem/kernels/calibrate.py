@@ -160,12 +160,41 @@ def layout_key(t: torch.Tensor) -> tuple:
     zero = tuple(i for i, s in enumerate(strides) if s == 0)
     order = tuple(sorted(range(t.dim()), key=lambda i: (-strides[i] if strides[i] != 0 else 1, i)))
     gapped = not zero and t.dim() > 0 and not tc.non_overlapping_and_dense(t)
-    return order, zero, gapped
+    return order, zero, gapped, _size_one_strides(t)
+
+
+def _size_one_strides(t: torch.Tensor) -> tuple:
+    """How the stride of each size-1 dim relates to the others, so a stand-in at other sizes has it
+    too: a size-1 dim's stride is arbitrary, but kernels read it to pick a memory format (a (B, 1, L)
+    transpose with strides (L, 1, 1) is not laid out like a contiguous one, (L, L, 1), to oneDNN).
+    Each entry: (dim, "inner", j) - the stride of dim j times its size; (dim, "same", j) - dim j's
+    stride; (dim, "one", None)."""
+    shape, strides = list(t.shape), list(t.stride())
+    expr = [tc.raw_expr(s) for s in strides]
+    out = []
+    for i, d in enumerate(shape):
+        if not (isinstance(d, int) and d == 1) or expr[i] == 0:
+            continue  # a sized dim, or a broadcast one (``zero`` has those)
+        rule = None
+        for j in range(len(shape)):
+            if j == i or (isinstance(shape[j], int) and shape[j] == 1):
+                continue
+            if expr[i] == expr[j]:
+                rule = (i, "same", j)
+            elif sympy.expand(expr[i] - expr[j] * tc.raw_expr(shape[j])) == 0:
+                rule = (i, "inner", j)
+            if rule is not None:
+                break
+        if rule is None and expr[i] == 1:
+            rule = (i, "one", None)
+        if rule is not None:
+            out.append(rule)
+    return tuple(out)
 
 
 def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A real random tensor of ``shape`` laid out like the fake one ``layout`` describes."""
-    order, zero, gapped = layout
+    order, zero, gapped, ones = layout
     base_shape = [1 if i in zero else d for i, d in enumerate(shape)]
     dense_shape = [base_shape[i] for i in order]
     if gapped:  # one more element along the innermost dim, sliced off: a gap in every row
@@ -174,7 +203,14 @@ def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.
     if gapped:
         dense = dense.narrow(len(order) - 1, 0, dense_shape[-1] - 1)
     inverse = [order.index(i) for i in range(len(order))]
-    return dense.permute(inverse).expand(list(shape))
+    t = dense.permute(inverse).expand(list(shape))
+    if not ones:
+        return t
+    strides = list(t.stride())
+    for i, how, j in ones:  # size-1 dims: the stride the fake tensor's relation gives (see layout_key)
+        if i < len(shape) and shape[i] == 1:
+            strides[i] = 1 if how == "one" else strides[j] if how == "same" else strides[j] * shape[j]
+    return t.as_strided(t.shape, strides, t.storage_offset())
 
 
 def sample_shapes(shape: Sequence[Any], minimum: Sequence[int]) -> list[list[int]]:
@@ -404,7 +440,38 @@ def program_for_call(call: Call) -> list | None:
     fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
+    if not _holds_at_example(call, adapter, frozen, x, fitted):
+        return _pinned(call, frozen, x)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+def _holds_at_example(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, fitted: list) -> bool:
+    """Whether the fit, made at small sizes, also gives what the kernel does at the example sizes
+    (checked by one real run there where that is small: a fit can hold at every sampled size and
+    still not be the kernel's rule - oneDNN's batch-1 backward, whose scratch is no linear function
+    of the numels). True when the example sizes are too large to run."""
+    hint = [tc.size_hint(d) for d in x.shape]
+    numel = 1
+    for d in hint:
+        numel *= d
+    if numel > EXACT_RUN_ELEMENTS or hint == [d for d in x.shape]:
+        return True  # too large to run here; or every size constant: the fit was made at these sizes
+    real = _program_at(call.func, tuple(frozen.items()), tuple(hint), torch.get_num_threads())
+    predicted = symbolic_program(fitted, sympy.Integer(numel), sympy.Integer(tc.size_hint(adapter.feature(call))))
+    return len(real) == len(predicted) and all(
+        (a is b or (isinstance(a, OutAt) and a == b)) if _marker(a) or _marker(b) else sympy.Integer(a) == b
+        for a, b in zip(real, predicted))
+
+
+def _pinned(call: Call, frozen: dict, x: torch.Tensor) -> list:
+    """The kernel's program at the example sizes, its symbolic dims pinned there (the region then
+    says ``H == 30``, and any other size is re-analysed, exactly)."""
+    hint = [tc.size_hint(d) for d in x.shape]
+    program = _program_at(call.func, tuple(frozen.items()), tuple(hint), torch.get_num_threads())
+    for d, h in zip(x.shape, hint):
+        if not isinstance(d, int):
+            bool(d == h)
+    return list(program)
 
 
 EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small

@@ -120,12 +120,32 @@ DENSE_SIZES = [dict(B=1, N=5), dict(B=2, N=9)]
 NO_LOOPS = dict(add_self_loops=False)
 
 
+class TokensAsImage(nn.Module):
+    """timm CoaT / PVT / CvT's positional conv: patch tokens made an image again for a depthwise
+    conv (at batch 1 that view is contiguous for ATen, channels-last for fake tensors)."""
+
+    def __init__(self, c: int = 64):
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, 4, stride=4)
+        self.norm = nn.LayerNorm(c)
+        self.pos = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.mlp = nn.Linear(c, c)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = self.embed(img)
+        B, C, H, W = x.shape
+        tokens = self.norm(x.flatten(2).transpose(1, 2))
+        tokens = tokens + self.pos(tokens.transpose(1, 2).reshape(B, C, H, W)).flatten(2).transpose(1, 2)
+        return self.mlp(tokens)
+
+
 def edges_kept(inputs: list) -> dict:
     """K1 of PyG's default self-loop handling: the edges that are not loops."""
     edge_index = inputs[1]
     return {"K1": int((edge_index[0] != edge_index[1]).sum())}
 
 CORPUS: dict[str, Entry] = {
+    "coat-like-pos-conv": Entry(TokensAsImage, (("B", 3, 96, 96),), [dict(B=1), dict(B=3)], "torch"),
     "gpt2": Entry(_hf("GPT2Config", "GPT2Model", n_embd=32, n_layer=2, n_head=4, n_positions=256,
                       bos_token_id=0, eos_token_id=0, **SMALL), (IDS,), SIZES, "transformers"),
     "bert": Entry(_hf("BertConfig", "BertModel", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

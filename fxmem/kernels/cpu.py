@@ -497,3 +497,20 @@ def _prod_backward(call: Call) -> list:
                                  "ones, chosen by whether the input holds zeros: the training step's peak may differ "
                                  "by a few input-sized tensors")]
     return []
+
+
+# --- roll over several dims (aten/src/ATen/native/TensorTransformations.cpp, roll_common) ----------
+require_args(aten.roll.default, "self", "shifts", "dims")
+
+
+@hidden(aten.roll, device="cpu")
+def _roll_dims_cpu(call: Call) -> list | None:
+    """Rolling k > 1 dims rolls the first dim, then the rest recursively: k - 1 input-sized
+    intermediates, each alive until the roll that made it returns."""
+    dims = list(call.arg("dims") or [])
+    if len(dims) < 2:
+        return None
+    x = call.arg("self")
+    t = x.numel() * x.element_size()
+    k = len(dims) - 1
+    return [*[t] * k, OUT, *[-t] * k]

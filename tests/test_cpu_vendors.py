@@ -65,7 +65,8 @@ def test_one_channel_conv1d_training_step():
                                     [dict(B=3, L=40), dict(B=2, L=301)], lambda p: torch.optim.Adam(p, lr=1e-3))
 
 
-def test_stacked_convs_with_adam():
+@pytest.mark.parametrize("spec,sizes", [(("B", 32, "H", "W"), [dict(B=2, H=9, W=11), dict(B=3, H=14, W=12)]),
+                                        (("B", 32, 30, 28), [dict(B=1), dict(B=2)])])
+def test_stacked_convs_with_adam(spec, sizes):
     torch.manual_seed(0)
-    check_training_against_real_run(TwoConvs().train(), (("B", 32, "H", "W"),),
-                                    [dict(B=2, H=9, W=11), dict(B=1, H=30, W=28)], lambda p: torch.optim.Adam(p, lr=1e-3))
+    check_training_against_real_run(TwoConvs().train(), (spec,), sizes, lambda p: torch.optim.Adam(p, lr=1e-3))

@@ -440,38 +440,7 @@ def program_for_call(call: Call) -> list | None:
     fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
-    if not _holds_at_example(call, adapter, frozen, x, fitted):
-        return _pinned(call, frozen, x)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
-
-
-def _holds_at_example(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, fitted: list) -> bool:
-    """Whether the fit, made at small sizes, also gives what the kernel does at the example sizes
-    (checked by one real run there where that is small: a fit can hold at every sampled size and
-    still not be the kernel's rule - oneDNN's batch-1 backward, whose scratch is no linear function
-    of the numels). True when the example sizes are too large to run."""
-    hint = [tc.size_hint(d) for d in x.shape]
-    numel = 1
-    for d in hint:
-        numel *= d
-    if numel > EXACT_RUN_ELEMENTS or hint == [d for d in x.shape]:
-        return True  # too large to run here; or every size constant: the fit was made at these sizes
-    real = _program_at(call.func, tuple(frozen.items()), tuple(hint), torch.get_num_threads())
-    predicted = symbolic_program(fitted, sympy.Integer(numel), sympy.Integer(tc.size_hint(adapter.feature(call))))
-    return len(real) == len(predicted) and all(
-        (a is b or (isinstance(a, OutAt) and a == b)) if _marker(a) or _marker(b) else sympy.Integer(a) == b
-        for a, b in zip(real, predicted))
-
-
-def _pinned(call: Call, frozen: dict, x: torch.Tensor) -> list:
-    """The kernel's program at the example sizes, its symbolic dims pinned there (the region then
-    says ``H == 30``, and any other size is re-analysed, exactly)."""
-    hint = [tc.size_hint(d) for d in x.shape]
-    program = _program_at(call.func, tuple(frozen.items()), tuple(hint), torch.get_num_threads())
-    for d, h in zip(x.shape, hint):
-        if not isinstance(d, int):
-            bool(d == h)
-    return list(program)
 
 
 EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small

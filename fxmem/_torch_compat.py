@@ -736,3 +736,132 @@ def is_higher_order_op(target: Any) -> bool:
     from torch._ops import HigherOrderOperator
 
     return isinstance(target, HigherOrderOperator)
+
+
+
+# --- torch.distributed: the fake process group, DTensor internals (fxmem.distributed) ---
+
+def distributed_available() -> bool:
+    import torch.distributed as dist
+    return dist.is_available()
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[Any]:
+    """torch's in-process fake process group (backend ``"fake"``: collectives do nothing) of
+    ``world_size`` ranks, seen from ``rank``, with a 1-D CPU device mesh over it; destroyed on exit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor_type() -> type | None:
+    """DTensor's class (None where torch.distributed is not built)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4 or no distributed
+        return None
+    return DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's data: a DTensor's local shard, else ``t`` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+@contextlib.contextmanager
+def dtensor_propagation_quiet(quiet: Any) -> Iterator[None]:
+    """DTensor's sharding propagation runs each op once on global-shape fake tensors to learn the
+    output's metadata; no real run allocates those. ``quiet()`` (a context manager) is entered
+    around it, through the hook DTensor itself offers for that section (``_fake_mode_lock``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    old = ShardingPropagator.__dict__.get("_fake_mode_lock")
+    if old is None:
+        raise RuntimeError("this torch's DTensor has no ShardingPropagator._fake_mode_lock")
+
+    class _Quiet:
+        def __enter__(self) -> None:
+            self._cm = quiet()
+            self._cm.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self._cm.__exit__(*exc)
+
+    ShardingPropagator._fake_mode_lock = _Quiet()
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = old
+
+
+def fsdp1_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def fsdp2_state(module: torch.nn.Module) -> Any:
+    """FSDP2's state of a module ``fully_shard`` was applied to (None if it was not)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        return None
+    return _get_module_fsdp_state(module)
+
+
+def fsdp2_managed(module: torch.nn.Module) -> set[int]:
+    """``id()`` of every sharded parameter FSDP2 manages in ``module``'s tree (its own DTensors)."""
+    ids: set[int] = set()
+    for sub in module.modules():
+        state = fsdp2_state(sub)
+        if state is None:
+            continue
+        groups = list(getattr(state, "_fsdp_param_groups", None) or [])
+        if not groups and getattr(state, "_fsdp_param_group", None) is not None:  # torch < 2.10
+            groups = [state._fsdp_param_group]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                ids.add(id(fsdp_param.sharded_param))
+    return ids
+
+
+@contextlib.contextmanager
+def on_storage_resize(callback: Any) -> Iterator[None]:
+    """Call ``callback(storage, old_nbytes, new_nbytes)`` after every ``UntypedStorage.resize_``.
+
+    Resizing a storage in place is an allocation (or a free) no aten op shows: FSDP2 frees its
+    unsharded parameters with ``untyped_storage().resize_(0)`` and allocates them again with
+    ``resize_(nbytes)``. The method is restored on exit."""
+    cls = torch.UntypedStorage
+    original = cls.__dict__.get("resize_")
+    base = cls.resize_
+
+    def resize_(self: Any, size: Any) -> Any:
+        old = self.nbytes()
+        out = base(self, size)
+        callback(self, old, int(size))
+        return out
+
+    cls.resize_ = resize_
+    try:
+        yield
+    finally:
+        if original is None:
+            del cls.resize_
+        else:
+            cls.resize_ = original
+
+
+def storage_weakref(storage: Any) -> StorageWeakRef:
+    """The weak reference :func:`storage_key` gives for a tensor of ``storage``."""
+    return StorageWeakRef(storage)

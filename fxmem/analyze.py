@@ -21,6 +21,7 @@ from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .options import AnalysisOptions
+from .distributed import Parallel, refuse_wrapped
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
@@ -61,6 +62,9 @@ def analyze(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
     training = Training(optimizer, loss) if optimizer is not None else None
+    parallel = Parallel(opts.world_size, opts.rank, opts.parallelize) if opts.parallelize is not None else None
+    if isinstance(model, torch.nn.Module):
+        refuse_wrapped(model)
 
     symbols: dict = {}
     target: torch.nn.Module | Blueprint
@@ -87,6 +91,10 @@ def analyze(
     check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
     capture = Capture(mode, "the original forward" if mode == "eager" else "the GraphModule as given"
                       if isinstance(example, torch.fx.GraphModule) else "torch.fx symbolic trace")
+    if parallel is not None:  # FSDP2's and DDP's hooks work through the modules' own calls
+        capture = Capture("eager", f"the original forward, parallelised by parallelize= over "
+                                   f"{parallel.world_size} ranks (rank {parallel.rank})")
+        mode = "eager"
     if isinstance(target, torch.nn.Module) and mode != "eager":
         log.info("tracing %s with torch.fx", name)
         try:
@@ -103,7 +111,7 @@ def analyze(
         try:
             rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
                            mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
-                           autocast=autocast, repeats=repeats)
+                           autocast=autocast, repeats=repeats, parallel=parallel)
         except TraceError as exc:  # a model built from hparams is traced inside the simulation
             if capture.mode != "auto":
                 raise

@@ -39,6 +39,9 @@ _COPIES = frozenset({aten.clone, aten._to_copy})
 # ``t.device`` of a fake tensor: the most frequent call by far, a query whose answer is no tensor
 # (no value, no size, no storage, nothing to record), answered before any of the bookkeeping below
 _DEVICE = torch.ops.prim.device.default
+# a DTensor op (FSDP2's sharded parameters, gradients, optimizer state) is declined: DTensor's own
+# dispatch then runs it as ops on the local shards, and those are what this rank allocates
+_DTENSOR = tc.dtensor_type()
 
 
 class Recorder(tc.DispatchMode):
@@ -56,6 +59,8 @@ class Recorder(tc.DispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _DEVICE:
             return func(*args, **(kwargs or {}))
+        if _DTENSOR is not None and _DTENSOR in types:
+            return NotImplemented
         kwargs = kwargs or {}
         known, value = self.values.read(func, args)
         if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads
@@ -120,6 +125,19 @@ class Recorder(tc.DispatchMode):
         index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=log.next_step, op=name, phase=log.phase)
         if index is not None:
             log.step(name, [index], [])
+
+    def resized(self, storage: Any, old: int, new: int) -> None:
+        """A storage resized in place: a free of its old bytes and an allocation of its new ones."""
+        if self._quiet or old == new:
+            return
+        table, log = self.table, self.log
+        self.poll()
+        freed, index = table.resized(storage, old, new, Role.ACTIVATION, log.node, node=log.node, step=log.next_step,
+                                     op="resize_", phase=log.phase)
+        if freed is not None:
+            log.freed([freed])
+        if index is not None:
+            log.step("resize_", [index], [])
 
     def poll(self) -> None:
         """Record every storage that died since the last poll."""

@@ -1,0 +1,79 @@
+"""The distributed option of an analysis: world size, rank, and the user's ``parallelize(model, mesh)``.
+
+The user's function is the code of their training script that shards or wraps the model
+(``fully_shard`` per block and on the root, or ``DistributedDataParallel``). fxmem applies it to its
+own fake copy of the model, inside torch's in-process fake process group, so the user's model and
+process-group state are never touched.
+
+>>> def fsdp(model, mesh):                                                # doctest: +SKIP
+...     for block in model.layers:
+...         fully_shard(block, mesh=mesh)
+...     return fully_shard(model, mesh=mesh)
+>>> Parallel(8, 0, fsdp).check()                                         # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import _torch_compat as tc
+from ..errors import FxMemError, ModelError, SpecError
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Rank ``rank`` of ``world_size`` ranks, the model parallelised by ``fn(model, mesh)``."""
+
+    world_size: int
+    rank: int
+    fn: Callable[[torch.nn.Module, Any], torch.nn.Module]
+
+    def check(self) -> None:
+        """Refuse what cannot mean anything, naming the argument."""
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise SpecError(f"world_size must be a positive int (the number of ranks), got {self.world_size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise SpecError(f"rank={self.rank!r}: use a rank from 0 to world_size - 1 = {self.world_size - 1}")
+        if not callable(self.fn):
+            raise SpecError("parallelize= must be a function fn(model, mesh) that applies fully_shard or "
+                            "DistributedDataParallel and returns the model to run")
+        if not tc.distributed_available():
+            raise FxMemError("this torch was built without torch.distributed: world_size=/parallelize= need it")
+
+    @contextlib.contextmanager
+    def world(self) -> Iterator[Any]:
+        """torch's fake process group for this rank, with a 1-D device mesh; removed on exit.
+
+        A process group the user started is never replaced: fxmem refuses instead (torch has one
+        default group per process)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise FxMemError(
+                "a default process group is already initialised in this process (torch.distributed."
+                "init_process_group was called); fxmem simulates ranks in a fake process group of its own and "
+                "will not replace yours. Run the analysis before init_process_group, or in a separate process")
+        with tc.fake_process_group(self.world_size, self.rank) as mesh:
+            yield mesh
+
+    def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""
+        try:
+            out = self.fn(model, mesh)
+        except FxMemError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"parallelize= raised {type(exc).__name__}: {exc}".splitlines()[0] +
+                             "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with a 1-D "
+                             f"DeviceMesh of {self.world_size} ranks over torch's fake process group") from exc
+        if out is None:
+            out = model  # fully_shard works in place: returning nothing means the model itself
+        if not isinstance(out, torch.nn.Module):
+            raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
+                             f"model after fully_shard, or the DistributedDataParallel wrapper)")
+        from .wrappers import refuse_unmodelled
+        refuse_unmodelled(out, "parallelize=")
+        return out

@@ -865,3 +865,41 @@ def on_storage_resize(callback: Any) -> Iterator[None]:
 def storage_weakref(storage: Any) -> StorageWeakRef:
     """The weak reference :func:`storage_key` gives for a tensor of ``storage``."""
     return StorageWeakRef(storage)
+
+
+@contextlib.contextmanager
+def ddp_on_fake_tensors() -> Iterator[None]:
+    """Let ``DistributedDataParallel(...)`` be built on fake tensors: its start-up checks that every
+    rank's parameters have the same shapes and broadcasts rank 0's values (C++ reading the data,
+    which fake tensors do not have). Neither keeps memory; both are skipped while building."""
+    import torch.nn.parallel.distributed as ddp
+
+    saved = {name: getattr(ddp, name) for name in ("_verify_param_shape_across_processes", "_sync_module_states")
+             if hasattr(ddp, name)}
+    for name in saved:
+        setattr(ddp, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ddp, name, fn)
+
+
+class _ReducerWithoutRebuild:
+    """DDP's reducer, except that it keeps its first bucket assignment: rebuilding it (in the order
+    gradients arrived) broadcasts bucket indices as data fake tensors do not have. The rebuilt
+    buckets hold the same parameters' bytes, allocated once; only their grouping differs."""
+
+    def __init__(self, reducer: Any):
+        object.__setattr__(self, "_reducer", reducer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def ddp_keep_buckets(model: torch.nn.Module) -> None:
+    """See :class:`_ReducerWithoutRebuild` (``model`` is fxmem's fake DDP copy)."""
+    model.reducer = _ReducerWithoutRebuild(model.reducer)

@@ -62,7 +62,8 @@ class Parallel:
     def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""
         try:
-            out = self.fn(model, mesh)
+            with tc.ddp_on_fake_tensors():
+                out = self.fn(model, mesh)
         except FxMemError:
             raise
         except Exception as exc:
@@ -74,6 +75,7 @@ class Parallel:
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")
+        from .ddp import install_allreduce
         from .wrappers import refuse_unmodelled
         refuse_unmodelled(out, "parallelize=")
-        return out
+        return install_allreduce(out)

@@ -71,15 +71,23 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(0)
-        model = make_model()
         mesh = init_device_mesh("cpu", (world_size,))
-        model = parallelize(model, mesh) or model
-        opt = optimizer(list(model.parameters()))
-        m = measure(lambda: train_step(model, inputs, opt, loss), warmup=1)
-        state = _storages([t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
-        resident = _storages([*model.parameters(), *model.buffers(), *opt_state_tensors(opt),
-                              *[t for t in inputs if isinstance(t, torch.Tensor)]])
+
+        def setup() -> tuple:
+            # built, parallelised, and two steps taken (DDP rebuilds its buckets in the second):
+            # what this leaves allocated is the rank's resident memory, buckets included
+            torch.manual_seed(0)
+            model = parallelize(make_model(), mesh)
+            opt = optimizer(list(model.parameters()))
+            for _ in range(2):
+                train_step(model, inputs, opt, loss)
+            return model, opt
+
+        made = measure(setup, warmup=0, keep_result=True)
+        model, opt = made.result
+        m = measure(lambda: train_step(model, inputs, opt, loss), warmup=0)
+        state = _storages(opt_state_tensors(opt))
+        resident = made.retained + _storages([t for t in inputs if isinstance(t, torch.Tensor)])
         extra = probe(model, inputs, opt, loss) if probe is not None else {}
         torch.save(RankMeasurement(rank, m.peak_above_start, m.retained, resident, state, extra),
                    os.path.join(out, f"rank{rank}.pt"))

@@ -23,6 +23,13 @@ from .. import _torch_compat as tc
 from ..errors import FxMemError, ModelError, SpecError
 
 
+def late_bytes(largest_gather: int, largest_reduce: int) -> int:
+    """The most an asynchronous backend can add to a synchronous schedule's peak (bytes): the flat
+    all-gather buffer its work holds until completion plus gloo's two temporaries of its size (one
+    on the calling thread, one on its worker), and a reduce-scatter buffer held until completion."""
+    return 3 * largest_gather + largest_reduce
+
+
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     """Rank ``rank`` of ``world_size`` ranks, the model parallelised by ``fn(model, mesh)``."""
@@ -58,6 +65,23 @@ class Parallel:
                 "will not replace yours. Run the analysis before init_process_group, or in a separate process")
         with tc.fake_process_group(self.world_size, self.rank) as mesh:
             yield mesh
+
+    def notes(self, storages: list) -> list[str]:
+        """What the report says about the collectives: the schedule its numbers are for, and how
+        much an asynchronous backend can hold beyond it (bytes)."""
+        gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
+        reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
+        out = [f"rank {self.rank} of {self.world_size}, parallelised by parallelize=: torch's fake process group "
+               f"ran the collectives (they allocate nothing of their own there)"]
+        if gathers:
+            late = late_bytes(max(gathers), max(reduces, default=0))
+            out.append(
+                f"FSDP2's collectives as a synchronous schedule (each buffer freed when its collective's result "
+                f"is used); with asynchronous ones (gloo on CPU) a buffer is freed when its collective completes, "
+                f"and gloo allocates temporaries of an all-gather's size: a rank's peak can then exceed these "
+                f"numbers by up to {late:,} bytes (3 x the largest all-gather, {max(gathers):,} B, + the largest "
+                f"reduce-scatter, {max(reduces, default=0):,} B), and late frees can outlast the step")
+        return out
 
     def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""

@@ -20,6 +20,7 @@ import torch
 from .. import _torch_compat as tc
 from .. import kernels
 from ..capture import running_line
+from ..distributed.labels import collective_name
 from ..kernels import OUT, Call, Keep, OutAt, Unknown
 from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
@@ -42,6 +43,10 @@ _DEVICE = torch.ops.prim.device.default
 # a DTensor op (FSDP2's sharded parameters, gradients, optimizer state) is declined: DTensor's own
 # dispatch then runs it as ops on the local shards, and those are what this rank allocates
 _DTENSOR = tc.dtensor_type()
+# torch.profiler.record_function: FSDP2 labels each step of its schedule with the group's module
+_LABEL_OPS = frozenset(op for op in (getattr(torch.ops.profiler, "_record_function_enter_new", None),
+                                     getattr(torch.ops.profiler, "_record_function_exit", None)) if op is not None)
+_LABEL_OPS = frozenset(o for packet in _LABEL_OPS for o in (getattr(packet, n) for n in packet.overloads()))
 
 
 class Recorder(tc.DispatchMode):
@@ -55,12 +60,32 @@ class Recorder(tc.DispatchMode):
         self._quiet = 0
         self._last_op: str | None = None
         self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
+        self._labels: list = []  # open record_function labels: (handle, the name they give buffers)
+
+    def _label(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Follow profiler labels; storages allocated inside a collective's are named after it."""
+        out = func(*args, **kwargs)
+        if "enter" in func.name():
+            self._labels.append((out, collective_name(str(args[0])) if args else None))
+        elif self._labels:  # record_function is a context manager: labels close innermost first
+            self._labels.pop()
+        return out
+
+    @property
+    def buffer_name(self) -> str | None:
+        """The collective whose buffers are being allocated (None: the model's own code)."""
+        for _, name in reversed(self._labels):
+            if name is not None:
+                return name
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _DEVICE:
             return func(*args, **(kwargs or {}))
         if _DTENSOR is not None and _DTENSOR in types:
             return NotImplemented
+        if func in _LABEL_OPS:
+            return self._label(func, args, kwargs)
         kwargs = kwargs or {}
         known, value = self.values.read(func, args)
         if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads
@@ -132,7 +157,8 @@ class Recorder(tc.DispatchMode):
             return
         table, log = self.table, self.log
         self.poll()
-        freed, index = table.resized(storage, old, new, Role.ACTIVATION, log.node, node=log.node, step=log.next_step,
+        freed, index = table.resized(storage, old, new, Role.ACTIVATION, self.buffer_name or log.node, node=log.node,
+                                     step=log.next_step,
                                      op="resize_", phase=log.phase)
         if freed is not None:
             log.freed([freed])
@@ -187,7 +213,8 @@ class Recorder(tc.DispatchMode):
         position: dict[int, int] = {}  # output position -> its new storage
         for k, t in enumerate(outs):
             if table.counts(t) and table.lookup(t) is None:
-                index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=step, op=name, phase=log.phase)
+                index = table.add(t, Role.ACTIVATION, self.buffer_name or log.node, node=log.node, step=step, op=name,
+                                  phase=log.phase)
                 if index is not None and table.storages[index].bytes == 0:
                     table.forget(t)
                     continue

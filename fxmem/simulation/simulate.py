@@ -246,6 +246,9 @@ def simulate_once(
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model, warm
     recorder.autograd.close()
+    if parallel is not None:
+        for text in parallel.notes(table.storages):
+            log.note(text)
     facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}

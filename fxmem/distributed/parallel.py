@@ -90,6 +90,12 @@ class Parallel:
                 out = self.fn(model, mesh)
         except FxMemError:
             raise
+        except tc.DATA_DEPENDENT_ERRORS as exc:
+            raise ModelError(
+                "parallelize= read the values of a tensor fxmem only has as a fake one (a DeviceMesh built inside "
+                "it - fully_shard(..., reshard_after_forward=<int>) builds one - or a check on parameter values); "
+                "not modelled yet: use reshard_after_forward=True or False, and build meshes from the one fxmem "
+                "passes in") from exc
         except Exception as exc:
             raise ModelError(f"parallelize= raised {type(exc).__name__}: {exc}".splitlines()[0] +
                              "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with a 1-D "

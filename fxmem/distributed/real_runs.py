@@ -27,8 +27,11 @@ from ..training import default_loss, train_step
 
 @dataclasses.dataclass
 class RankMeasurement:
-    """One rank's steady-state training step (bytes): above the memory at its start, what it kept,
-    and the resident storages (local parameter shards, buffers, optimizer state, inputs)."""
+    """One rank's steady-state training step (bytes): above the memory at its start, what it kept;
+    ``resident``: what set-up and two steps left allocated (the allocator's count: parameter shards,
+    buffers, DDP's buckets, optimizer state, and anything an asynchronous collective has not freed
+    yet) plus the inputs; ``extra["state_storages"]``: the storages of the local parameters,
+    buffers, optimizer state and inputs, counted one by one."""
 
     rank: int
     peak_above_start: int
@@ -72,27 +75,57 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-
-        def setup() -> tuple:
-            # built, parallelised, and two steps taken (DDP rebuilds its buckets in the second):
-            # what this leaves allocated is the rank's resident memory, buckets included
-            torch.manual_seed(0)
-            model = parallelize(make_model(), mesh)
-            opt = optimizer(list(model.parameters()))
-            for _ in range(2):
-                train_step(model, inputs, opt, loss)
-            return model, opt
-
-        made = measure(setup, warmup=0, keep_result=True)
-        model, opt = made.result
-        m = measure(lambda: train_step(model, inputs, opt, loss), warmup=0)
-        state = _storages(opt_state_tensors(opt))
-        resident = made.retained + _storages([t for t in inputs if isinstance(t, torch.Tensor)])
-        extra = probe(model, inputs, opt, loss) if probe is not None else {}
-        torch.save(RankMeasurement(rank, m.peak_above_start, m.retained, resident, state, extra),
-                   os.path.join(out, f"rank{rank}.pt"))
+        result = measure_rank(rank, mesh, make_model, inputs, parallelize, optimizer, loss, probe)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple, parallelize: Callable,
+                        world_size: int, rank: int, optimizer: Callable,
+                        loss: Callable = default_loss) -> RankMeasurement:
+    """Rank ``rank``'s real step in this process, in torch's fake process group: real tensors and
+    allocator, FSDP2's and DDP's own code, collectives that do nothing - the synchronous schedule
+    (each buffer freed as soon as the code lets go of it). DDP gets the Python form of its
+    built-in all-reduce (the fake group's futures carry no value)."""
+    from .. import _torch_compat as tc
+    from .ddp import _allreduce
+
+    def wrapped(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        out = parallelize(model, mesh) or model
+        if isinstance(out, DistributedDataParallel):
+            out.register_comm_hook(None, _allreduce)
+        return out
+
+    with tc.fake_process_group(world_size, rank) as mesh:
+        return measure_rank(rank, mesh, make_model, inputs, wrapped, optimizer, loss)
+
+
+def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,
+                 optimizer: Callable, loss: Callable = default_loss, probe: Any = None) -> RankMeasurement:
+    """This process's rank: resident bytes after set-up and two steps, then one step measured."""
+
+    def setup() -> tuple:
+        # built, parallelised, and two steps taken (DDP rebuilds its buckets in the second):
+        # what this leaves allocated is the rank's resident memory, buckets included
+        torch.manual_seed(0)
+        model = make_model()
+        model = parallelize(model, mesh) or model
+        opt = optimizer(list(model.parameters()))
+        for _ in range(2):
+            train_step(model, inputs, opt, loss)
+        return model, opt
+
+    made = measure(setup, warmup=0, keep_result=True)
+    model, opt = made.result
+    m = measure(lambda: train_step(model, inputs, opt, loss), warmup=0)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    extra = probe(model, inputs, opt, loss) if probe is not None else {}
+    extra["state_storages"] = _storages([*model.parameters(), *model.buffers(), *opt_state_tensors(opt), *tensors])
+    return RankMeasurement(rank, m.peak_above_start, m.retained, made.retained + _storages(tensors),
+                           _storages(opt_state_tensors(opt)), extra)
 
 
 def opt_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

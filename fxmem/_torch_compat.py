@@ -903,3 +903,10 @@ class _ReducerWithoutRebuild:
 def ddp_keep_buckets(model: torch.nn.Module) -> None:
     """See :class:`_ReducerWithoutRebuild` (``model`` is fxmem's fake DDP copy)."""
     model.reducer = _ReducerWithoutRebuild(model.reducer)
+
+
+def fsdp_mem_tracker() -> type:
+    """torch's ``FSDPMemTracker`` (``torch.distributed._tools``): its per-rank figures are what
+    benchmarks/fsdp.py sets fxmem's beside."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    return FSDPMemTracker

@@ -910,3 +910,10 @@ def fsdp_mem_tracker() -> type:
     benchmarks/fsdp.py sets fxmem's beside."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     return FSDPMemTracker
+
+
+def record_function_ops() -> frozenset:
+    """The ops ``torch.profiler.record_function`` enters and exits a label with (every overload)."""
+    packets = [getattr(torch.ops.profiler, name, None) for name in ("_record_function_enter_new",
+                                                                    "_record_function_exit")]
+    return frozenset(getattr(p, n) for p in packets if p is not None for n in p.overloads())

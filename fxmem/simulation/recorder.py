@@ -44,9 +44,7 @@ _DEVICE = torch.ops.prim.device.default
 # dispatch then runs it as ops on the local shards, and those are what this rank allocates
 _DTENSOR = tc.dtensor_type()
 # torch.profiler.record_function: FSDP2 labels each step of its schedule with the group's module
-_LABEL_OPS = frozenset(op for op in (getattr(torch.ops.profiler, "_record_function_enter_new", None),
-                                     getattr(torch.ops.profiler, "_record_function_exit", None)) if op is not None)
-_LABEL_OPS = frozenset(o for packet in _LABEL_OPS for o in (getattr(packet, n) for n in packet.overloads()))
+_LABEL_OPS = tc.record_function_ops()
 
 
 class Recorder(tc.DispatchMode):

@@ -58,7 +58,7 @@ def test_gloo_fsdp_within_the_stated_late_bound():
         peak, retained, resident, state = predicted(report, dict(B=5, L=7))
         gathers = [int(s.bytes) for s in report.storages if s.name.startswith("all-gather ")]
         reduces = [int(s.bytes) for s in report.storages if s.name.startswith("reduce-scatter ")]
-        late = late_bytes(max(gathers), max(reduces))
+        late = late_bytes(gathers, reduces)
         assert f"{late:,} bytes" in " ".join(report.notes)
         assert r.extra["state_storages"] == resident and r.optimizer_state == state
         assert peak <= r.peak_above_start <= peak + late, f"rank {r.rank}"

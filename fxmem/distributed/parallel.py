@@ -23,11 +23,15 @@ from .. import _torch_compat as tc
 from ..errors import FxMemError, ModelError, SpecError
 
 
-def late_bytes(largest_gather: int, largest_reduce: int) -> int:
-    """The most an asynchronous backend can add to a synchronous schedule's peak (bytes): the flat
-    all-gather buffer its work holds until completion plus gloo's two temporaries of its size (one
-    on the calling thread, one on its worker), and a reduce-scatter buffer held until completion."""
-    return 3 * largest_gather + largest_reduce
+def late_bytes(gathers: list[int], reduces: list[int]) -> int:
+    """The most an asynchronous backend can add to a synchronous schedule's live bytes (bytes).
+
+    Only the collectives' own buffers can outlive their synchronous free: each all-gather's flat
+    buffer, which its work holds until the collective completes, with gloo's two temporaries of
+    its size (one on the calling thread, one on its worker), and each reduce-scatter's input. At
+    worst all of them of one step are alive at once: their sum. (On gloo, rank 0 of a 4-block
+    decoder on 2 ranks held three all-gather buffers past the end of the step.)"""
+    return 3 * sum(gathers) + sum(reduces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +78,14 @@ class Parallel:
         out = [f"rank {self.rank} of {self.world_size}, parallelised by parallelize=: torch's fake process group "
                f"ran the collectives (they allocate nothing of their own there)"]
         if gathers:
-            late = late_bytes(max(gathers), max(reduces, default=0))
+            late = late_bytes(gathers, reduces)
             out.append(
                 f"FSDP2's collectives as a synchronous schedule (each buffer freed when its collective's result "
                 f"is used); with asynchronous ones (gloo on CPU) a buffer is freed when its collective completes, "
-                f"and gloo allocates temporaries of an all-gather's size: a rank's peak can then exceed these "
-                f"numbers by up to {late:,} bytes (3 x the largest all-gather, {max(gathers):,} B, + the largest "
-                f"reduce-scatter, {max(reduces, default=0):,} B), and late frees can outlast the step")
+                f"and gloo allocates temporaries of an all-gather's size: a rank's peak (and what the step leaves "
+                f"allocated) can then exceed these numbers by up to {late:,} bytes (3 x the step's {len(gathers)} "
+                f"all-gather buffers, {sum(gathers):,} B, + its {len(reduces)} reduce-scatter buffers, "
+                f"{sum(reduces):,} B)")
         return out
 
     def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:

@@ -31,3 +31,8 @@ def collective_name(label: str) -> str | None:
     if m is None or m.group(1) not in _STEPS:
         return None
     return f"{_STEPS[m.group(1)]} {m.group(2) or '(root)'}"
+
+
+def is_collective_buffer(name: str) -> bool:
+    """Whether a storage's ``name`` is one :func:`collective_name` gave (the views show it as is)."""
+    return any(name.startswith(step + " ") for step in _STEPS.values())

@@ -42,7 +42,8 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``: each is documented once, on :class:`fxmem.AnalysisOptions`.
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``: each is documented
+            once, on :class:`fxmem.AnalysisOptions`.
             ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step.
 
     The report keeps the options (``report.options``): whatever re-analyses it later (a region

@@ -81,6 +81,8 @@ def test_refusals():
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2)
     with pytest.raises(SpecError, match="rank=2"):
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, rank=2)
+    with pytest.raises(SpecError, match="device='cuda' with parallelize=: not modelled yet"):
+        fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, device="cuda")
     with pytest.raises(SpecError, match="mode='graph'"):
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, mode="graph")
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # FSDP1 needs a GPU to be built

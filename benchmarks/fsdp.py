@@ -79,6 +79,7 @@ def tracker_probe(model, inputs, opt, loss):
 
 def run(world_size: int) -> list[dict]:
     import fxmem
+    from fxmem.distributed.parallel import late_bytes
     from fxmem.distributed.real_runs import measure_ranks
 
     torch.manual_seed(0)
@@ -91,12 +92,13 @@ def run(world_size: int) -> list[dict]:
                                rank=r.rank)
         seconds = time.perf_counter() - t
         e = report.evaluate(B=B, L=L)
-        late = [n for n in report.notes if "late" in n]
+        gathers = [int(s.bytes) for s in report.storages if s.name.startswith("all-gather ")]
+        reduces = [int(s.bytes) for s in report.storages if s.name.startswith("reduce-scatter ")]
         rows.append(dict(world_size=world_size, rank=r.rank, allocator_peak=r.resident + r.peak_above_start,
                          allocator_retained=r.retained, state_storages=r.extra["state_storages"],
                          tracker_peak=r.extra["tracker_peak"], fxmem_peak=e["train_peak"],
                          fxmem_resident=e["train_resident"], fxmem_seconds=round(seconds, 2),
-                         late_bound=int(late[0].split("up to ")[1].split(" bytes")[0].replace(",", "")) if late else 0))
+                         late_bound=late_bytes(gathers, reduces)))
     return rows
 
 

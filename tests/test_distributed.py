@@ -116,6 +116,7 @@ def test_default_group_of_the_users_is_not_replaced():
             analyse(fsdp, 2, 0)
 
 
+@pytest.mark.slow  # the per-W numbers are also checked one by one above; this checks the table's plumbing
 def test_world_sizes_table_against_real_runs():
     torch.set_num_threads(1)
     table = fxmem.world_sizes(Decoder(), ("B", "L", D), parallelize=fsdp, sizes=[2, 3], optimizer=adamw)

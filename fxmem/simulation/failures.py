@@ -45,6 +45,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     text = rename(str(exc))
     if isinstance(exc, NotModelled):
         return UnsupportedOpError(f"{where}: {text}")
+    if isinstance(exc, KernelRefuses) and exc.crashed:
+        return KernelError(f"{where}: {text}.\n  this is not a problem of the input specs: the kernel dies instead "
+                           f"of raising an error, so the model would crash at these sizes too.\n  what to do: fix or "
+                           f"guard the kernel of {exc.op} (it must raise on inputs it cannot take), or analyse a "
+                           f"model without it")
     if isinstance(exc, KernelRefuses):
         return KernelError(f"{where}: the model cannot run on these inputs: {text}.\n  what to do: check the "
                            f"dtypes (and layouts) of the input specs and parameters reaching this op")

@@ -68,6 +68,39 @@ class KernelRefuses(RuntimeError):
         return self.kind in ("crash", "does not return")
 
 
+class FakeKernelFails(RuntimeError):
+    """The fake (meta) kernel raised on a call the real kernel accepts at the same sizes: a limit
+    of PyTorch's fake tensors, not of the user's input (see :func:`real_accepts`)."""
+
+    def __init__(self, op: str, error: BaseException, sizes: str):
+        self.op, self.error, self.sizes = op, error, sizes
+        super().__init__(f"PyTorch's fake kernel of {op} raises {type(error).__name__}: {first_line(error)}; the real "
+                         f"kernel accepts the same call (run for real at {sizes})")
+
+
+def real_accepts(call: Call, env: Any) -> str | None:
+    """Where the real CPU kernel accepts ``call`` (a call its fake kernel raised on): the label of
+    the sizes it ran at (the example sizes, or smaller ones inside the region), or None when it
+    raises at all of them or cannot be run (CUDA, a foreign op, tensors too large)."""
+    if call.device != "cpu" or _skip(call.func) or _foreign(call.func) or not call.tensors:
+        return None
+    hints = tc.symbol_hints(env)
+    tree = (call.args, call.kwargs)
+    points = [(EXAMPLE, hints)] + _small_points(env, hints, {})
+    for label, values in points:
+        described = _concrete(tree, values, limit=PROBE_ELEMENTS, keyed=False)
+        if described is None or described[1]:  # no zero-size dims here: never isolated, never fatal
+            continue
+        with tc.real_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                args = _build(described[0])
+                call.func(*args[0], **args[1])
+                return label
+            except Exception:  # noqa: BLE001 - the real kernel refuses too
+                continue
+    return None
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

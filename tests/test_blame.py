@@ -20,14 +20,39 @@ def _not_blaming_the_specs(text: str) -> None:
     assert "check the rank and sizes" not in text and "fails on the given input shapes" not in text
 
 
-def test_a_fake_kernel_that_rejects_what_the_real_kernel_accepts_is_not_the_input():
+@pytest.fixture
+def without_the_trilinear_rule():
+    """fxmem's own rule for aten._trilinear taken away: torch's fake kernel is what runs."""
+    from fxmem.kernels import REGISTRY, Kind
+    rule = REGISTRY.lookup(Kind.SYMBOLIC, torch.ops.aten._trilinear.default, "cpu")
+    REGISTRY.remove(rule)
+    try:
+        yield
+    finally:
+        REGISTRY.add(rule)
+
+
+def test_a_fake_kernel_that_rejects_what_the_real_kernel_accepts_is_not_the_input(without_the_trilinear_rule):
     # torch's fake kernel of aten._trilinear hits an internal assert on symbolic sizes (torch 2.13);
     # the real kernel accepts the same shapes
-    with pytest.raises(InternalError) as info:
-        fxmem.analyze(nn.Bilinear(6, 5, 4), ("B", 6), ("B", 5))
-    text = str(info.value)
-    _not_blaming_the_specs(text)
-    assert "aten._trilinear" in text and "fx node 'bilinear'" in text and "real kernel accepts" in text
+    try:
+        report = fxmem.analyze(nn.Bilinear(6, 5, 4), ("B", 6), ("B", 5))
+    except InternalError as exc:
+        text = str(exc)
+        _not_blaming_the_specs(text)
+        assert "aten._trilinear" in text and "fx node 'bilinear'" in text and "real kernel accepts" in text
+    else:  # a torch whose fake kernel works: then it must not be a ShapeError either, and give numbers
+        assert report.peak is not None
+
+
+def test_bilinear_forward_is_exact_and_its_backward_flagged():
+    from conftest import check_against_real_run
+    for bias in (True, False):
+        check_against_real_run(nn.Bilinear(6, 5, 4, bias=bias), (("B", 6), ("B", 5)), [dict(B=5), dict(B=33)])
+    check_against_real_run(nn.Bilinear(6, 5, 3), (("B", "L", 6), ("B", "L", 5)), [dict(B=2, L=5), dict(B=3, L=17)],
+                           grad=False)
+    report = fxmem.analyze(nn.Bilinear(6, 5, 3), ("B", 6), ("B", 5), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert not report.exact and any("aten._trilinear" in n and "Bilinear's forward only" in n for n in report.notes)
 
 
 def test_a_meta_kernel_that_is_not_implemented_is_not_the_input():

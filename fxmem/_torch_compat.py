@@ -409,6 +409,17 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return found
 
 
+def module_attribute_values(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(qualified name, value)`` of every attribute, buffer and parameter of every submodule."""
+    found = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        own = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
+        own.update({**m.__dict__.get("_buffers", {}), **m.__dict__.get("_parameters", {})})
+        for k, v in own.items():
+            found.append((f"{prefix}.{k}" if prefix else k, v))
+    return found
+
+
 def non_persistent_buffers(module: torch.nn.Module) -> set:
     """Names of ``module``'s own buffers that are left out of its ``state_dict``."""
     return set(module._non_persistent_buffers_set)

@@ -798,6 +798,13 @@ def dtensor_type() -> type | None:
     return DTensor
 
 
+def dtensor_type_if_loaded() -> type | None:
+    """DTensor's class if ``torch.distributed.tensor`` was imported (else no DTensor can exist;
+    importing it costs a fifth of a second)."""
+    import sys
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's data: a DTensor's local shard, else ``t`` itself."""
     local = getattr(t, "_local_tensor", None)
@@ -831,6 +838,9 @@ def dtensor_propagation_quiet(quiet: Any) -> Iterator[None]:
 
 
 def fsdp1_type() -> type | None:
+    import sys
+    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP1 module can exist: skip the import
+        return None
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:
@@ -840,6 +850,9 @@ def fsdp1_type() -> type | None:
 
 def fsdp2_state(module: torch.nn.Module) -> Any:
     """FSDP2's state of a module ``fully_shard`` was applied to (None if it was not)."""
+    import sys
+    if "torch.distributed.fsdp" not in sys.modules:  # fully_shard was never imported
+        return None
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
     except ImportError:

@@ -51,7 +51,7 @@ class Parallel:
         if not callable(self.fn):
             raise SpecError("parallelize= must be a function fn(model, mesh) that applies fully_shard or "
                             "DistributedDataParallel and returns the model to run")
-        if not tc.distributed_available():
+        if not tc.distributed_available() or tc.dtensor_type() is None:  # (imports DTensor for the recorder)
             raise FxMemError("this torch was built without torch.distributed: world_size=/parallelize= need it")
 
     @contextlib.contextmanager

@@ -48,7 +48,7 @@ def refuse_unmodelled(model: torch.nn.Module, source: str) -> None:
     """Refuse what ``source`` produced that fxmem does not model: FSDP1, pipeline stages, DTensor
     parameters FSDP2 does not manage (tensor parallelism), FSDP2 over a 2-D mesh (HSDP)."""
     fsdp1 = tc.fsdp1_type()
-    dtensor = tc.dtensor_type()
+    dtensor = tc.dtensor_type_if_loaded()
     managed = tc.fsdp2_managed(model)
     for qual, module in model.named_modules():
         where = f"'{qual}'" if qual else "the model"

@@ -40,9 +40,6 @@ _COPIES = frozenset({aten.clone, aten._to_copy})
 # ``t.device`` of a fake tensor: the most frequent call by far, a query whose answer is no tensor
 # (no value, no size, no storage, nothing to record), answered before any of the bookkeeping below
 _DEVICE = torch.ops.prim.device.default
-# a DTensor op (FSDP2's sharded parameters, gradients, optimizer state) is declined: DTensor's own
-# dispatch then runs it as ops on the local shards, and those are what this rank allocates
-_DTENSOR = tc.dtensor_type()
 # torch.profiler.record_function: FSDP2 labels each step of its schedule with the group's module
 _LABEL_OPS = tc.record_function_ops()
 
@@ -59,6 +56,9 @@ class Recorder(tc.DispatchMode):
         self._last_op: str | None = None
         self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
         self._labels: list = []  # open record_function labels: (handle, the name they give buffers)
+        # a DTensor op (FSDP2's sharded parameters, gradients, optimizer state) is declined: DTensor's
+        # own dispatch then runs it as ops on the local shards, and those are what this rank allocates
+        self._dtensor = tc.dtensor_type_if_loaded()
 
     def _label(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Follow profiler labels; storages allocated inside a collective's are named after it."""
@@ -80,7 +80,7 @@ class Recorder(tc.DispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _DEVICE:
             return func(*args, **(kwargs or {}))
-        if _DTENSOR is not None and _DTENSOR in types:
+        if self._dtensor is not None and self._dtensor in types:
             return NotImplemented
         if func in _LABEL_OPS:
             return self._label(func, args, kwargs)

@@ -958,3 +958,14 @@ def record_function_ops() -> frozenset:
     packets = [getattr(torch.ops.profiler, name, None) for name in ("_record_function_enter_new",
                                                                     "_record_function_exit")]
     return frozenset(getattr(p, n) for p in packets if p is not None for n in p.overloads())
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a real DDP model's gradient buckets, as DDP's own logging data counts them (0 if
+    ``model`` is not DDP)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(v) for v in sizes.split(",") if v.strip())

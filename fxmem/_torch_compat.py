@@ -38,6 +38,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from .view_strides import size_one_strides
 
 try:  # torch >= 2.1
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -60,6 +61,7 @@ __all__ = [
     "storage_key",
     "plain_sympy",
     "fake_cuda_is_safe",
+    "matmul_decomposition",
     "op_name",
     "op_packet_name",
     "python_number_in_tensor_slot",
@@ -123,6 +125,11 @@ class _FakeMode(FakeTensorMode):
         self.cache_enabled = False
         out = super().dispatch(func, types, args, {})
         a = args[0]
+        if isinstance(out, FakeTensor) and isinstance(a, FakeTensor) and out is not a:
+            # ATen's strides at size-1 dims, which kernels read to pick a memory format
+            fixed = size_one_strides(a.shape, a.stride(), out.shape, out.stride())
+            if fixed is not None:
+                out = torch.ops.aten.as_strided.default(a, out.shape, fixed, out.storage_offset())
         if (key is not None and isinstance(out, FakeTensor) and out is not a and out.fake_mode is self
                 and out.untyped_storage()._cdata == a.untyped_storage()._cdata):
             self._views[key] = (out.size(), out.stride(), out.storage_offset())
@@ -473,6 +480,16 @@ def plain_number(value: Any) -> Any:
     if isinstance(value, torch.SymFloat):
         return 1.0
     return value
+
+
+def matmul_decomposition() -> Any:
+    """ATen's Python decomposition of ``matmul`` (the C++ algorithm, written with symbolic sizes), or
+    None where this torch has none."""
+    try:
+        from torch._decomp import decompositions
+    except ImportError:
+        return None
+    return getattr(decompositions, "matmul", None)
 
 
 def fake_cuda_is_safe() -> tuple[bool, str]:

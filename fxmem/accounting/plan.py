@@ -145,10 +145,12 @@ class MemoryPlan:
     def _user_records(self, after_node: list) -> tuple[list, list]:
         rec = self.rec
         freed_at = self._freed_at()
+        alive = set(self.alive)
         module_of = {n.name: n.module for n in rec.nodes}
         storages = [dataclasses.replace(
             s, bytes=self.sizes[s.index], shape=tuple(self.to_user(d) for d in s.shape), saved_by=list(s.saved_by),
-            freed_at=freed_at.get(s.index), module=module_of.get(s.node, "") if s.node else "") for s in rec.storages]
+            freed_at=freed_at.get(s.index), module=module_of.get(s.node, "") if s.node else "",
+            kept_after_forward=s.index in alive) for s in rec.storages]
         by_node: dict[str, list] = {}
         for s in storages:
             if s.node is not None:
@@ -161,7 +163,7 @@ class MemoryPlan:
                 n, shapes=[tuple(self.to_user(d) for d in shape) for shape in n.shapes],
                 value=self.to_user(n.value) if n.value is not None else None, allocations=allocs,
                 allocated=sympy.Add(*[a.bytes for a in allocs]) if allocs else sympy.Integer(0),
-                saved=(sympy.Add(*[a.bytes for a in allocs if a.saved_by and a.freed_at is None])
+                saved=(sympy.Add(*[a.bytes for a in allocs if a.saved_by and a.kept_after_forward])
                        if allocs else sympy.Integer(0)),
                 live_after=to_expr(live)))
         return storages, nodes

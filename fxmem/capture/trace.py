@@ -108,7 +108,39 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
     _check_state(model, twin)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _keep_unread_tensors(gm, tracer.root)
+    return gm
+
+
+def _keep_unread_tensors(gm: torch.fx.GraphModule, root: torch.nn.Module) -> None:
+    """Put on ``gm`` the parameters and buffers of ``root`` its graph never reads.
+
+    fx copies only what the graph uses, but the user's model holds the rest in memory all the
+    same (a head never called, a pooler): they are resident, and an optimizer built over
+    ``model.parameters()`` sees them. The graph's code is unchanged.
+    """
+    have = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    for kind, named in (("parameter", root.named_parameters(remove_duplicate=False)),
+                        ("buffer", root.named_buffers(remove_duplicate=False))):
+        for qual, t in list(named):
+            if id(t) in have:
+                continue
+            have.add(id(t))
+            *path, leaf = qual.split(".")
+            owner: torch.nn.Module = gm
+            for part in path:
+                child = getattr(owner, part, None)
+                if child is None:
+                    child = torch.nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            if not isinstance(owner, torch.nn.Module) or hasattr(owner, leaf):
+                continue  # the name means something else on gm: leave gm's own
+            if kind == "parameter":
+                owner.register_parameter(leaf, t)
+            else:
+                owner.register_buffer(leaf, t, persistent=False)
 
 
 def _check_state(model: torch.nn.Module, twin: torch.nn.Module) -> None:

@@ -68,6 +68,8 @@ class _Run(StepHooks):
         self.run_forward = run_forward
         self.named_params = named_params
         self.forward_end = -1
+        self.optimizer: torch.optim.Optimizer | None = None  # a training step's, its state not yet in the table
+        self.eager_state: set[int] = set()  # ids of parameters whose state the optimizer made when built
 
     def forward(self, module: Any, inputs: tuple) -> Any:
         out = self.run_forward(list(inputs))
@@ -89,6 +91,7 @@ class _Run(StepHooks):
             yield
             if phase == Phase.BACKWARD:
                 self._mark_gradients()
+                self._keep_state_of_trained()
             self.recorder.end_node()
         self.log.ended(Node(phase.value, "phase", phase.value, "", None, [], [], [], first, self.log.next_step))
 
@@ -100,6 +103,22 @@ class _Run(StepHooks):
 
     def before_backward(self, loss: torch.Tensor) -> None:
         self.recorder.autograd.watch_engine(loss)
+
+    def _keep_state_of_trained(self) -> None:
+        """The optimizer's state, as torch.optim keeps it: made lazily by ``step()`` for the parameters
+        whose ``.grad`` is not None after backward (an output the loss does not read - a pooler - trains
+        nothing, so its parameters have no state), plus what the optimizer made when built (Adagrad)."""
+        if self.optimizer is None:
+            return
+        optimizer, self.optimizer = self.optimizer, None
+        name_of = {id(p): qual for qual, p in self.named_params}
+        for p in list(optimizer.state):
+            if p.grad is None and id(p) not in self.eager_state:
+                del optimizer.state[p]  # never created in a real run: the step skips p as it would
+                continue
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    self.recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
 
     def _mark_gradients(self) -> None:
         table = self.recorder.table
@@ -225,7 +244,7 @@ def simulate_once(
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             else:
-                optimizer = _steady_state_optimizer(training, named_params, recorder)
+                optimizer = _steady_state_optimizer(training, named_params, recorder, hooks)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
         del inputs, fake_model
     recorder.autograd.close()
@@ -260,22 +279,22 @@ def _under_autocast(run_forward: Any, device: str, dtype: torch.dtype) -> Any:
     return run
 
 
-def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:
-    """Build the optimizer and let it create its state (as after a first step), quietly."""
+def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder,
+                            hooks: _Run) -> torch.optim.Optimizer:
+    """Build the optimizer and let it create its state (as after a first step), quietly, for every
+    parameter; ``hooks`` keeps (and puts in the table) only the state a real run has, once backward
+    has said which parameters get a gradient."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise FxMemError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
+        hooks.eager_state = {id(p) for p, state in optimizer.state.items() if state}
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    name_of = {id(p): qual for qual, p in named_params}
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+    hooks.optimizer = optimizer
     return optimizer
 
 

@@ -60,7 +60,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # the public API only (not the modules and helpers this file imports for itself)
+    return sorted(set(__all__) | {"__version__"})
 
 
 class _Package(types.ModuleType):

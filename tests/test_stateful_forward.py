@@ -111,13 +111,18 @@ def test_a_forward_that_stores_on_its_module_is_exact_in_the_default_mode(cls):
         assert after.keys() == before.keys() and all(
             torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in before.items())
         for b in (5, 33):
-            x = torch.randn(b, 16)
-            with torch.set_grad_enabled(grad):
-                copy.deepcopy(model)(x)  # warm-up on another copy: the measured call is a first call, as analysed
-                fresh = copy.deepcopy(model)
-                real = measure(lambda: fresh(x), warmup=0)
             at = report.evaluate(B=b)
-            assert (at["peak_above_resident"], at["retained"]) == (real.peak_above_start, real.retained), (cls, b)
+            assert (at["peak_above_resident"], at["retained"]) == _first_call(model, b, grad), (cls, b)
+
+
+def _first_call(model, b, grad):
+    """(peak above start, retained) bytes of a first call of a fresh copy of ``model`` at batch ``b``."""
+    x = torch.randn(b, 16)
+    with torch.set_grad_enabled(grad):
+        copy.deepcopy(model)(x)  # warm-up on another copy: the measured call is a first call, as analysed
+        fresh = copy.deepcopy(model)
+        real = measure(lambda: fresh(x), warmup=0)
+    return real.peak_above_start, real.retained
 
 
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)

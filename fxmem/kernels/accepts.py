@@ -299,7 +299,12 @@ def _concrete(tree: Any, values: dict, limit: int, keyed: bool = True) -> Any:
                 raise _Skip
             if v.layout not in (torch.strided, torch.sparse_coo, torch.sparse_csr):
                 raise _Skip
-            return ("tensor", v.dtype, v.layout, shape)
+            strides = None
+            if v.layout == torch.strided:  # the real call's strides (a transposed operand): kernels check them
+                strides = tuple(size(d) for d in v.stride())
+                if strides == _contiguous(shape):
+                    strides = None
+            return ("tensor", v.dtype, v.layout, shape, strides)
         if isinstance(v, torch.SymInt):
             n = size(v)
             zero[0] = zero[0] or n == 0
@@ -337,11 +342,15 @@ def _build(described: Any) -> Any:
     """Real stand-ins for a :func:`_concrete` description: random floats, zero integers."""
     kind = described[0]
     if kind == "tensor":
-        _, dtype, layout, shape = described
+        _, dtype, layout, shape, strides = described
+        numel = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if strides and 0 not in shape else None
+        size = [numel] if numel is not None else shape
         if dtype.is_floating_point or dtype.is_complex:
-            t = torch.rand(shape, dtype=dtype)
+            t = torch.rand(size, dtype=dtype)
         else:
-            t = torch.zeros(shape, dtype=dtype)
+            t = torch.zeros(size, dtype=dtype)
+        if numel is not None:
+            t = t.as_strided(shape, strides)
         if layout == torch.sparse_coo:
             t = t.to_sparse()
         elif layout == torch.sparse_csr:
@@ -356,6 +365,14 @@ def _build(described: Any) -> Any:
     if kind == "dict":
         return {k: _build(x) for k, x in described[1]}
     return described[3]
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 class _Unhashable(Exception):

@@ -79,3 +79,22 @@ def _trilinear(i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, expand1: An
     out = torch.empty(shape, dtype=i1.dtype, device=i1.device)
     out.zero_()
     return out
+
+
+@rule(Kind.SYMBOLIC, aten._grouped_mm.default, device="cpu")
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
+    """_grouped_mm (F.grouped_mm: transformers' MoE experts) on CPU: one contiguous output, no
+    scratch (measured: float32 runs on CPU); its fake kernel demands bfloat16, as the CUDA kernel
+    does. Row groups (2-D x 3-D: (M, K) @ (E, K, N) -> (M, N)), batched (3-D x 3-D -> (E, M, N)) and
+    the weight gradient's (2-D x 2-D, K grouped: (K, M) @ (M, N) -> (E, K, N)); others go to the
+    fake kernel. Which rows go to which expert is data (offs): the output's size is not."""
+    dtype = out_dtype or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        return aten._grouped_mm.default(a, b, offs, bias, out_dtype)
+    return torch.empty(shape, dtype=dtype, device=a.device)

@@ -230,6 +230,24 @@ class MemoryPlan:
         return out
 
     # --- numbers --------------------------------------------------------------------------------
+    def trace(self, values: Mapping[sympy.Symbol, int]) -> tuple[list, int]:
+        """Every allocation and free of the run at ``values``, in order, as ``(action, what, bytes,
+        step)`` (see :func:`~fxmem.accounting.replay.walk`; on CUDA storages in 512-byte blocks),
+        and how many of them the forward made (the rest are the training step's). The same walk as
+        :meth:`evaluate`, so its running sum reaches exactly the peaks ``evaluate`` gives."""
+        cuda = self.device == "cuda"
+        block = [cuda_block_bytes(n) if cuda else n for n in (evaluate(e, values) for e in self.sizes)]
+        events: list = []
+
+        def hear(action: str, what: Any, nbytes: int, step: int | None) -> None:
+            events.append((action, what, int(nbytes), step))  # hidden scratch as evaluate() counts it
+
+        walk(self.rec, lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0, operator.add,
+             operator.neg, lambda d: d > 0, mark=self.rec.forward_end, trace=hear)
+        marks = [k for k, e in enumerate(events) if e[0] == "mark"]
+        forward = marks[0] if marks else len(events)
+        return [e for e in events if e[0] != "mark"], forward
+
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
         """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
         cuda = self.device == "cuda"

@@ -514,3 +514,24 @@ def _roll_dims_cpu(call: Call) -> list | None:
     t = x.numel() * x.element_size()
     k = len(dims) - 1
     return [*[t] * k, OUT, *[-t] * k]
+
+
+require_args(aten._trilinear.default, "i1", "i2", "i3", "expand1", "expand2", "expand3", "sumdim", "unroll_dim")
+_BILINEAR = ((1, 3), (0,), (1, 2), (2, 3), 1)  # how F.bilinear calls _trilinear: expand1..3, sumdim, unroll_dim
+
+
+@hidden(aten._trilinear.default, device="cpu")
+def _trilinear_scratch(call: Call) -> list | Unknown:
+    """_trilinear's CPU kernel (nn.Bilinear's forward: x1 (N, I), weight (O, I, J), x2 (N, J)) fills
+    its zeroed output one output feature at a time: per feature, sumproduct_pair makes an (N, J)
+    bmm result and then an (N, 1) one, both freed before the next (measured on real runs).
+    Other calls (its own backward's) are not described: the report says so."""
+    i1, w, i3 = call.arg("i1"), call.arg("i2"), call.arg("i3")
+    pattern = (tuple(call.arg("expand1")), tuple(call.arg("expand2")), tuple(call.arg("expand3")),
+               tuple(call.arg("sumdim")), call.arg("unroll_dim", 1))
+    if pattern != _BILINEAR or not all(t.is_contiguous() for t in (i1, w, i3)) or w.dim() != 3 \
+            or not isinstance(w.shape[0], int):
+        return Unknown(call.op, "its per-slice scratch is described for nn.Bilinear's forward only")
+    esize = i1.element_size()
+    first, second = i1.shape[0] * w.shape[2] * esize, i1.shape[0] * esize
+    return [OUT] + [first, second, -first, -second] * int(w.shape[0])

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .isolation import ambient_grad_note, isolated
 from .accounting import MemoryPlan
 from .capture import forward_parameters, trace
 from .capture import Capture, fallback
@@ -25,6 +26,7 @@ from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
+@isolated
 def analyze(
     model: torch.nn.Module | type | Callable[..., torch.nn.Module],
     *input_specs: Any,
@@ -118,6 +120,15 @@ def analyze(
                       hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
                       reanalyze=run, capture=capture)
 
+    report = _analyze_at(run, chosen, symbols)
+    note = ambient_grad_note(grad)
+    if note:
+        report.notes.insert(0, note)
+    return report
+
+
+def _analyze_at(run: Callable[[Mapping[str, int]], Report], chosen: dict, symbols: dict) -> Report:
+    """``run`` at the chosen hints, or at general sizes where a hint is one PyTorch specialises."""
     special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
     if not special:
         return run(chosen)

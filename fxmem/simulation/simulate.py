@@ -22,6 +22,7 @@ import sympy
 import torch
 import torch.fx
 
+from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
 from ..errors import DeviceError, FxMemError, ModelError, SpecError
@@ -109,6 +110,7 @@ class _Run(StepHooks):
                 table.storages[index].role = Role.GRADIENT
 
 
+@isolated
 def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], symbols: dict, hints: dict,
              device: str = "cpu", grad: bool = True, training: Training | None = None, mode: str = "graph",
              repeats: bool = True, **options: Any) -> Recording:
@@ -215,7 +217,7 @@ def simulate_once(
         if autocast is not None:
             run_forward = _under_autocast(run_forward, device, autocast)
         hooks = _Run(recorder, run_forward, named_params)
-        grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        grad_ctx = torch.enable_grad() if grad else torch.no_grad()  # not the caller's ambient mode
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
         with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \

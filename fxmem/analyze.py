@@ -62,6 +62,8 @@ def analyze(
         raise ModelError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
+    if isinstance(model, torch.nn.Module):
+        check_runnable(model)
     training = Training(optimizer, loss) if optimizer is not None else None
 
     symbols: dict = {}
@@ -148,3 +150,20 @@ def _analyze_at(run: Callable[[Mapping[str, int]], Report], chosen: dict, symbol
     return report
 
 
+def check_runnable(model: torch.nn.Module) -> None:
+    """Refuse models whose ``forward`` is not Python code that runs when called: a TorchScript
+    module (compiled code fx and the fake-tensor simulation cannot run), and a generator or
+    ``async`` forward (calling it runs nothing, so a number for it would describe nothing)."""
+    import inspect
+
+    name = type(model).__name__
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelError(f"{name} is a TorchScript module (torch.jit.script / torch.jit.trace): its forward is "
+                         f"compiled code fxmem cannot run on fake tensors; analyse the original nn.Module instead")
+    forward = getattr(type(model), "forward", None)
+    if inspect.isgeneratorfunction(forward) or inspect.isasyncgenfunction(forward) \
+            or inspect.iscoroutinefunction(forward):
+        kind = "a generator (it yields)" if inspect.isgeneratorfunction(forward) else "async"
+        raise ModelError(f"{name}.forward is {kind}: calling it runs none of its code until it is iterated or "
+                         f"awaited, so it has no memory fxmem could state; make forward compute and return its "
+                         f"tensors (a list instead of yield)")

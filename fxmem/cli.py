@@ -255,11 +255,9 @@ def _tolerance(text: str) -> float:
 
 def _writable(path: str, option: str) -> None:
     """Fail before the analysis, not after it, if ``path`` cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise SpecError(f"{option} {path!r}: the folder {folder!r} does not exist")
-    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise SpecError(f"{option} {path!r}: cannot write there")
+    from .views.figure import check_writable
+
+    check_writable(path, option)
 
 
 def _check_dims_names(dims: dict | None, specs: list, hints: dict | None) -> None:

@@ -127,7 +127,16 @@ def isolated(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with isolation():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except RecursionError:
+                from .errors import ModelError
+
+                raise ModelError(
+                    f"Python's recursion limit ({sys.getrecursionlimit()}) was exceeded: the "
+                    f"model is nested too deeply (modules inside modules, thousands deep) or its code recurses "
+                    f"without end; flatten the nesting (an nn.Sequential of the layers), or raise the limit with "
+                    f"sys.setrecursionlimit") from None
     return wrapper  # type: ignore[return-value]
 
 

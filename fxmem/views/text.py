@@ -39,6 +39,8 @@ class FormulaPrinter(StrPrinter):
 
 def format_bytes(n: int) -> str:
     """``1023`` -> ``'1023 B'``, ``1024000000`` -> ``'976.56 MiB'`` (binary units)."""
+    if abs(int(n)) >= 2**100:  # beyond a float's reach; no memory is this large, but a budget may be
+        return f"{int(n) // 2**40:,} TiB"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":

@@ -1,0 +1,102 @@
+"""Inputs that used to escape as raw Python exceptions (or a number for code that never runs) are
+clear ``FxMemError``s naming what to do; ``max_size`` never answers 0 without saying why."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.views.figure import writing
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.relu(self.l(x))
+
+
+class Yields(Small):
+    def forward(self, x):
+        for _ in range(3):
+            yield self.l(x)
+
+
+class Awaits(Small):
+    async def forward(self, x):
+        return self.l(x)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.jit.script(Small()),
+                                  lambda: torch.jit.trace(Small(), torch.randn(2, 4))], ids=["script", "trace"])
+def test_torchscript_modules_are_refused(make):
+    with pytest.raises(fxmem.ModelError, match="TorchScript.*original nn.Module"):
+        fxmem.analyze(make(), ("B", 4))
+
+
+@pytest.mark.parametrize("model, kind", [(Yields(), "generator"), (Awaits(), "async")])
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_a_forward_that_does_not_run_when_called_gets_no_number(model, kind, mode):
+    with pytest.raises(fxmem.ModelError, match=kind):
+        fxmem.analyze(model, ("B", 4), mode=mode)
+
+
+def test_a_very_deep_nest_is_a_model_error_not_a_recursion_error():
+    deep = torch.nn.Linear(4, 4)
+    for _ in range(3000):
+        deep = torch.nn.Sequential(deep)
+    with pytest.raises(fxmem.ModelError, match="recursion limit"):
+        fxmem.analyze(deep, ("B", 4))
+    assert fxmem.analyze(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]), ("B", 4)).peak
+
+
+def test_an_input_with_thousands_of_dims_is_refused():
+    with pytest.raises(fxmem.SpecError, match="5000 dims.*at most 64"):
+        fxmem.analyze(Small(), ("B",) + (1,) * 4998 + (4,))
+
+
+@pytest.fixture(scope="module")
+def report():
+    return fxmem.analyze(Small(), ("B", 4), optimizer=lambda p: torch.optim.Adam(p))
+
+
+@pytest.mark.parametrize("budget", ["9" * 400, 10**400, "1e999"])
+def test_max_size_of_an_astronomical_budget_is_a_spec_error(report, budget):
+    with pytest.raises(fxmem.SpecError):
+        report.max_size("B", budget)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_max_size_zero_comes_with_its_reason(report, train):
+    model = report.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    one_input = 4 * 4  # B=1: one row of 4 float32
+    adam_state = 2 * params + 4 * len(list(model.parameters()))  # exp_avg, exp_avg_sq, a float32 step each
+    resident = params + one_input + (adam_state if train else 0)
+    with pytest.warns(UserWarning, match="nothing fits"):
+        size = report.max_size("B", resident - 1, train=train)
+    assert size == 0 and isinstance(size, int)
+    assert f"needs {resident} B" in size.reason, size.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fits = report.max_size("B", "1MiB", train=train)
+    assert fits > 0 and fits.reason is None
+
+
+@pytest.mark.parametrize("target", ["/dev/full.svg", "/proc/fxmem.svg", "{tmp}/to_dev_full.svg"])
+def test_drawings_are_not_written_into_devices(report, target, tmp_path):
+    os.symlink("/dev/full", tmp_path / "to_dev_full.svg")
+    with pytest.raises(fxmem.SpecError, match="system folder"):
+        report.render(target.format(tmp=tmp_path), "diagram")
+    assert not os.path.exists("/dev/full.svg")
+
+
+def test_a_failed_write_is_a_spec_error_naming_the_file(tmp_path):
+    with pytest.raises(fxmem.SpecError, match="out.svg.*No space left"):
+        with writing(str(tmp_path / "out.svg")):
+            raise OSError(28, "No space left on device")

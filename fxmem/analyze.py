@@ -64,7 +64,7 @@ def analyze(
             f"forward calls it, or pass a factory with hparams=/init=")
     if isinstance(model, torch.nn.Module):
         check_runnable(model)
-    training = Training(optimizer, loss) if optimizer is not None else None
+    training = Training(optimizer, loss, opts.step) if optimizer is not None else None
 
     symbols: dict = {}
     target: torch.nn.Module | Blueprint

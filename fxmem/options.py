@@ -70,6 +70,11 @@ class AnalysisOptions:
             and the inner blocks' memory events are the second's, repeated (the second and third
             are checked to match event by event; where they do not, every block is simulated).
             ``False`` simulates every block: the same numbers, slower.
+        step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
+            gradient accumulation, clipping, a GradScaler, ``zero_grad(set_to_none=False)``, several
+            losses ...), with ``optimizer=``: the training formulas are of that function's steady
+            state (its second call), not of the default step (forward, ``loss(output).backward()``,
+            ``optimizer.step()``, ``zero_grad(set_to_none=True)``). See :mod:`fxmem.training`.
     """
 
     device: str = "cpu"
@@ -85,6 +90,7 @@ class AnalysisOptions:
     kernels: Mapping[Any, Callable] | None = None
     autocast: torch.dtype | None = None
     repeats: bool = True
+    step: Callable[..., Any] | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -130,6 +136,20 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         raise SpecError("loss= describes a training step; pass optimizer= as well")
     if opts.loss is not None and not callable(opts.loss):
         raise SpecError("loss= must be a function of the model's output, e.g. loss=lambda out: out.pow(2).mean()")
+    if opts.step is not None:
+        if not callable(opts.step):
+            raise SpecError("step= must be your training step, a function fn(model, optimizer, *inputs)")
+        if opts.optimizer is None:
+            raise SpecError("step= is a training step: pass optimizer= as well (fxmem builds the optimizer your "
+                            "step receives)")
+        if opts.loss is not None:
+            raise SpecError("step= computes its own loss: pass loss= or step=, not both")
+        if not opts.grad:
+            raise SpecError("step= is a training step: it needs grad=True")
+        import inspect
+
+        if inspect.isgeneratorfunction(opts.step) or inspect.iscoroutinefunction(opts.step):
+            raise SpecError("step= must run the step when called: a generator or async function runs nothing")
     if opts.optimizer is not None and not callable(opts.optimizer):
         raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
     for name in ("hints", "hparams", "init", "kernels"):

@@ -30,7 +30,7 @@ from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
-from ..training import StepHooks, Training, train_step
+from ..training import StepHooks, Training, train_step, user_step
 from .autograd import Autograd
 from .data_dims import DataDims
 from .events import EventLog
@@ -41,6 +41,7 @@ from .recorder import Recorder
 from .repeats import find_chain, shorten
 from .unroll import unroll
 from .storages import StorageTable
+from .user_step import Router, objects_kept, register_leftovers
 from .outside import outside_dispatch
 from .values import tracing_checks
 
@@ -71,7 +72,8 @@ class _Run(StepHooks):
         self.forward_end = -1
 
     def forward(self, module: Any, inputs: tuple) -> Any:
-        out = self.run_forward(list(inputs))
+        with self.log.at(self.log.node, Phase.FORWARD):  # a user's step calls it from its own code
+            out = self.run_forward(list(inputs))
         table = self.recorder.table
         self.recorder.end_node()
         for t in tc.tree_leaves(out):
@@ -80,8 +82,14 @@ class _Run(StepHooks):
                 if index is not None:
                     table.storages[index].is_output = True
         self.recorder.poll()
-        self.forward_end = self.log.mark()
+        if self.forward_end < 0:  # the forward formulas are of the first call (a user's step may make more)
+            self.forward_end = self.log.mark()
         return out
+
+    @contextlib.contextmanager
+    def user_step(self, module: Any, optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+        with Router(self).routing(module, optimizer) as model:
+            yield model
 
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
@@ -132,7 +140,8 @@ def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], sym
     :mod:`.repeats`, :mod:`.unroll`); where the three do not match event by event, the whole graph
     is simulated.
     """
-    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule):
+    user_loop = training is not None and training.step is not None  # may call the model several times
+    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule) and not user_loop:
         chain = find_chain(model)
         if chain is not None:
             short = simulate_once(shorten(model, chain), specs, symbols, hints, device, grad, training, mode, **options)
@@ -226,9 +235,14 @@ def simulate_once(
                 out = hooks.forward(fake_model, tuple(inputs))
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
-            else:
+            elif training.step is None:
                 optimizer = _steady_state_optimizer(training, named_params, recorder)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
+            else:
+                with objects_kept(training.step):
+                    optimizer = _warm_user_step(training, fake_model, named_params, specs, recorder, fake_mode,
+                                                symint, device, log)
+                    user_step(fake_model, tuple(inputs), optimizer, training.step, hooks)
         del inputs, fake_model
     recorder.autograd.close()
     facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
@@ -278,6 +292,32 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+    return optimizer
+
+
+def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_params: list, specs: Sequence[InputSpec],
+                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog) -> torch.optim.Optimizer:
+    """Build the optimizer and call the user's step once, quietly, on inputs of its own: the
+    recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`)."""
+    params = [p for _, p in named_params if p.requires_grad]
+    if not params:
+        raise FxMemError("no parameter requires grad, so there is nothing to train")
+    with recorder.quiet(), failures("your step= function (its first, warm-up call)", recorder.rename):
+        optimizer = training.make_optimizer(params)
+        warm = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                            requires_grad=spec.requires_grad) for spec in specs]
+        for i, spec in enumerate(specs):
+            if spec.fill is not None:
+                recorder.values.set(warm[i], spec.fill)
+        result = training.step(fake_model, optimizer, *warm)
+        del warm  # the next call's inputs are fresh
+    if result is not None and not isinstance(result, (torch.Tensor, float, int)) and hasattr(result, "__next__"):
+        raise SpecError("step= is a generator function: it must run the step when called (no yield)")
+    del result
+    kept = register_leftovers(recorder.table, named_params, optimizer, fake_mode)
+    if kept:
+        log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "
+                 f"(resident in the steady state, counted in train_resident)")
     return optimizer
 
 

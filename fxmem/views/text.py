@@ -197,6 +197,12 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append(f"capture: {report.capture.text}")
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
+    if report.training:
+        from ..training import Training, describe
+
+        options = getattr(report, "options", None)
+        lines.append("training step: " + describe(Training(options.optimizer, options.loss, options.step))
+                     if options is not None else "training step: the default step")
     for k in FORMULA_KEYS + (TRAIN_KEYS if report.training else ()):
         line = f"  {k:<15} = {getattr(report, k)}"
         if evaluation is not None:

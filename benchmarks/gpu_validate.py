@@ -122,7 +122,7 @@ def main() -> None:
             report = fxmem.analyze(model, *specs, device="cuda")
             xs = _inputs(report, dims, makers, "cuda")
             v = fxmem.validate(model, *specs, dims=dims, device="cuda", inputs=xs, optimizer=adamw)
-            row = {"model": name, **v.to_dict(), "exact": all(r.diff == 0 for r in v.rows),
+            row = {**v.to_dict(), "model": name, "class": v.model, "exact": all(r.diff == 0 for r in v.rows),
                    "report_exact": report.exact, "seconds": round(time.perf_counter() - t0, 2)}
         except Exception as exc:  # a refusal or a failure is a row too
             row = {"model": name, "dims": dims, "error": f"{type(exc).__name__}: {str(exc)[:400]}",

@@ -60,6 +60,7 @@ __all__ = [
     "storage_key",
     "plain_sympy",
     "fake_cuda_is_safe",
+    "matmul_decomposition",
     "op_name",
     "op_packet_name",
     "python_number_in_tensor_slot",
@@ -462,6 +463,16 @@ def plain_number(value: Any) -> Any:
     if isinstance(value, torch.SymFloat):
         return 1.0
     return value
+
+
+def matmul_decomposition() -> Any:
+    """ATen's Python decomposition of ``matmul`` (the C++ algorithm, written with symbolic sizes), or
+    None where this torch has none."""
+    try:
+        from torch._decomp import decompositions
+    except ImportError:
+        return None
+    return getattr(decompositions, "matmul", None)
 
 
 def fake_cuda_is_safe() -> tuple[bool, str]:

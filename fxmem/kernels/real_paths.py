@@ -25,7 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import _torch_compat as tc
 from .registry import ANY, REGISTRY, Kind, rule
+
+
+@dataclasses.dataclass
+class AsIs:
+    """A rule's result that is what the function itself returned (the real and fake paths agreed),
+    so the rule did not shape the numbers."""
+
+    value: Any
 
 
 @dataclasses.dataclass
@@ -109,6 +118,21 @@ def _is_full(e: Any) -> bool:
     return isinstance(e, slice) and e.start in (None, 0) and e.stop is None and e.step in (None, 1)
 
 
+@rule(Kind.REAL_PATH, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, device=ANY)
+def _matmul(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """ATen's matmul folds an N-d @ 2-d product into one ``mm``; before the fix of its folded path
+    for symbolic sizes (torch 2.11 and older) that path calls ``numel()``, which symbolic sizes do
+    not have. Where it does, ATen's own Python decomposition of the same algorithm (the same
+    reshape copies and products, so the same allocations) is followed instead."""
+    try:
+        return AsIs(func(*args, **kwargs))
+    except RuntimeError as exc:
+        decomposition = tc.matmul_decomposition()
+        if "Cannot call numel() on tensor with symbolic sizes" not in str(exc) or kwargs or decomposition is None:
+            raise
+        return decomposition(*args)
+
+
 def _gpu_choice(why: str) -> Callable:
     def note(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
         if not ctx.gpu:
@@ -143,6 +167,8 @@ class RealPaths(TorchFunctionMode):
         found = REGISTRY.lookup(Kind.REAL_PATH, func, self.ctx.device) if _hashable(func) else None
         if found is not None:
             result = found.fn(func, self.ctx, *args, **kwargs)
+            if isinstance(result, AsIs):
+                return result.value
             if result is not NotImplemented:
                 self.used.add(found)
                 return result

@@ -100,3 +100,35 @@ def test_a_failed_write_is_a_spec_error_naming_the_file(tmp_path):
     with pytest.raises(fxmem.SpecError, match="out.svg.*No space left"):
         with writing(str(tmp_path / "out.svg")):
             raise OSError(28, "No space left on device")
+
+
+class SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, sparse=True)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+def _optimizer_cases() -> list:
+    cases = [("ASGD", lambda p: torch.optim.ASGD(p), "decides on the values")]
+    if hasattr(torch.optim, "Adafactor"):
+        cases.append(("Adafactor", lambda p: torch.optim.Adafactor(p), "decides on the values"))
+    return cases
+
+
+@pytest.mark.parametrize("name, make, fragment", _optimizer_cases(), ids=[c[0] for c in _optimizer_cases()])
+def test_optimizers_that_read_their_values_are_refused_in_plain_words(name, make, fragment):
+    with pytest.raises(fxmem.UnsupportedOpError, match=fragment) as info:
+        fxmem.analyze(Small(), ("B", 4), optimizer=make)
+    message = str(info.value)
+    assert f"torch.optim.{name}" in message
+    assert not __import__("re").search(r"\b(?:zuf|zf|[su])\d+\b", message), message  # no torch symbol
+
+
+@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SparseAdam(p), lambda p: torch.optim.Adam(p)],
+                         ids=["SparseAdam", "Adam"])
+def test_sparse_gradients_are_refused_clearly(optimizer):
+    with pytest.raises(fxmem.UnsupportedOpError, match="sparse gradients.*sparse=False"):
+        fxmem.analyze(SparseEmbedding(), fxmem.TensorSpec(("B",), dtype=torch.int64), optimizer=optimizer)

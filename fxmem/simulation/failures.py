@@ -20,7 +20,7 @@ class NotModelled(RuntimeError):
     """Something the simulation saw that fxmem does not model (raised inside a run, so that the
     runner names the fx node or source line; :func:`failure` makes it an UnsupportedOpError)."""
 
-_SYMBOL = re.compile(r"\b[su]\d+\b")
+_SYMBOL = re.compile(r"\b(?:zuf|zf|[su])\d+\b")  # backed (s41), unbacked (u3) and float (zuf0) symbols
 
 
 def renamer(names: Mapping[str, str]) -> Callable[[str], str]:
@@ -64,3 +64,25 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"(TensorSpec(..., fill=...)); otherwise analyse each branch as a model of its own.")
     return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(text)}\n"
                       f"  what to do: {advice}.")
+
+
+SPARSE_GRADS = ("sparse gradients (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True), torch.optim.SparseAdam) "
+                "are not modelled: a sparse gradient has index and value storages whose sizes the data decides; "
+                "analyse with sparse=False and a dense optimizer (Adam) for the dense figures")
+
+
+def optimizer_failure(optimizer: object, exc: BaseException) -> FxMemError | None:
+    """The error for an optimizer whose ``step()`` cannot run on fake tensors, in the user's words
+    (None: not an optimizer's own limitation)."""
+    name = type(optimizer).__name__
+    if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
+        return UnsupportedOpError(
+            f"torch.optim.{name}: its step() decides on the values of its own tensors (a step count, learning "
+            f"rate or norm it keeps as a tensor and reads into Python), which fake tensors do not have, so fxmem "
+            f"cannot simulate this optimizer. What to do: analyse with an optimizer of the same state size "
+            f"(e.g. Adam keeps two tensors per parameter, SGD with momentum one) or measure with "
+            f"fxmem.validate(..., optimizer=...) on a real device")
+    if "sparse" in str(exc).lower():
+        return UnsupportedOpError(
+            f"torch.optim.{name} with sparse gradients: {SPARSE_GRADS}")
+    return None

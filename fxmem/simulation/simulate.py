@@ -25,7 +25,7 @@ import torch.fx
 from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
-from ..errors import DeviceError, FxMemError, ModelError, SpecError
+from ..errors import DeviceError, FxMemError, ModelError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
@@ -34,7 +34,7 @@ from ..training import StepHooks, Training, train_step, user_step
 from .autograd import Autograd
 from .data_dims import DataDims
 from .events import EventLog
-from .failures import failure, renamer
+from .failures import SPARSE_GRADS, failure, optimizer_failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
@@ -203,6 +203,8 @@ def simulate_once(
             if spec.fill is not None:  # the user stated the values: the real run's path follows them
                 recorder.values.set(t, spec.fill)
         _refuse_sparse(model)
+        if training is not None:
+            _refuse_sparse_grads(model)
         source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
@@ -258,6 +260,13 @@ def simulate_once(
                      facts, data)
 
 
+def _refuse_sparse_grads(model: torch.nn.Module) -> None:
+    """A training step with sparse gradients is not modelled (see ``SPARSE_GRADS``)."""
+    for qual, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            raise UnsupportedOpError(f"'{qual or type(m).__name__}' is {type(m).__name__}(sparse=True): {SPARSE_GRADS}")
+
+
 def _refuse_sparse(model: torch.nn.Module) -> None:
     """Sparse parameters and buffers have several storages (indices, values); not modelled."""
     for qual, t in [*model.named_parameters(), *model.named_buffers(), *tc.tensor_attributes(model)]:
@@ -283,10 +292,11 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
         raise FxMemError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with optimizer_errors(optimizer):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     name_of = {id(p): qual for qual, p in named_params}
     for p, state in optimizer.state.items():
         for key, value in state.items():
@@ -309,7 +319,8 @@ def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_param
         for i, spec in enumerate(specs):
             if spec.fill is not None:
                 recorder.values.set(warm[i], spec.fill)
-        result = training.step(fake_model, optimizer, *warm)
+        with optimizer_errors(optimizer):
+            result = training.step(fake_model, optimizer, *warm)
         del warm  # the next call's inputs are fresh
     if result is not None and not isinstance(result, (torch.Tensor, float, int)) and hasattr(result, "__next__"):
         raise SpecError("step= is a generator function: it must run the step when called (no yield)")
@@ -332,6 +343,20 @@ def _note_versions(used: set, log: EventLog) -> None:
     users = sorted({r.name for r in used if r.user})
     if users:
         log.note(f"the allocations of {', '.join(users)} are as the kernels= rules describe them (not checked by fxmem)")
+
+
+@contextlib.contextmanager
+def optimizer_errors(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """An optimizer that cannot run on fake tensors is named as such (not as a shape problem)."""
+    try:
+        yield
+    except FxMemError:
+        raise
+    except Exception as exc:
+        error = optimizer_failure(optimizer, exc)
+        if error is None:
+            raise
+        raise error from None
 
 
 @contextlib.contextmanager

@@ -132,3 +132,27 @@ def test_optimizers_that_read_their_values_are_refused_in_plain_words(name, make
 def test_sparse_gradients_are_refused_clearly(optimizer):
     with pytest.raises(fxmem.UnsupportedOpError, match="sparse gradients.*sparse=False"):
         fxmem.analyze(SparseEmbedding(), fxmem.TensorSpec(("B",), dtype=torch.int64), optimizer=optimizer)
+
+
+@pytest.mark.parametrize("kw", [{"batch_first": True}, {"num_layers": 2, "bidirectional": True}])
+def test_lstm_with_symbolic_sizes_is_a_torch_limit_not_a_shape_error(kw):
+    with pytest.raises(fxmem.UnsupportedOpError, match="your shapes are not the problem"):
+        fxmem.analyze(torch.nn.LSTM(4, 8, **kw), ("B", "L", 4))
+
+
+def test_lstm_at_concrete_sizes_is_not_called_exact():
+    # oneDNN's LSTM workspace: measured 48,392 B peak where the fake kernel allocates 1,296 B
+    report = fxmem.analyze(torch.nn.LSTM(4, 8, batch_first=True), torch.randn(3, 5, 4))
+    assert not report.exact and any("oneDNN's LSTM" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("kw", [{"batch_first": True}, {"num_layers": 2, "bidirectional": True}])
+@pytest.mark.parametrize("symbolic", [False, True], ids=["concrete", "symbolic"])
+def test_gru_matches_a_real_run(kw, symbolic):
+    from fxmem.measure import measure
+
+    torch.manual_seed(0)
+    gru, x = torch.nn.GRU(4, 8, **kw), torch.randn(3, 5, 4)
+    pred = fxmem.analyze(gru, ("B", "L", 4)).evaluate(B=3, L=5) if symbolic else fxmem.analyze(gru, x).evaluate()
+    m = measure(lambda: gru(x))
+    assert (m.peak_above_start, m.retained) == (pred["peak_above_resident"], pred["retained"])

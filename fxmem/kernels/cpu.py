@@ -327,3 +327,16 @@ def _index_bool_mask_cpu(call: Call) -> list:
     mask = indices[masks[0]]
     nbytes = 8 * call.outputs[0].shape[masks[0]] * mask.dim()
     return [nbytes, OUT, -nbytes]
+
+
+# --- recurrent layers --------------------------------------------------------------------------
+_RNN_OPS = tuple(getattr(aten, n) for n in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward") if hasattr(aten, n))
+
+
+@hidden(*_RNN_OPS, device="cpu")
+def _onednn_rnn(call: Call) -> list:
+    """nn.LSTM on CPU runs oneDNN's RNN primitive: a workspace (kept for backward) and scratch whose
+    sizes oneDNN decides (an LSTM(4, 8) on (3, 5, 4) measured 48,392 B at its peak, the fake kernel
+    1,296 B); not modelled, so the numbers are marked as not exact rather than given as exact."""
+    return [OUT, Unknown(call.op, "oneDNN's LSTM kernel (nn.LSTM on CPU) keeps a workspace and scratch whose "
+                                  "sizes oneDNN decides; not modelled yet")]

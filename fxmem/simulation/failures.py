@@ -55,6 +55,13 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
             f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "
             f"Register one with torch.library.register_fake (it only computes output shapes).")
+    if "with symbolic sizes" in text:  # C++ inside torch read a size as a number: torch's limit, not the shapes'
+        return UnsupportedOpError(
+            f"{where}: PyTorch's own C++ code here reads sizes as plain numbers ({first_line(text)}), so it cannot "
+            f"run with the symbolic sizes fxmem analyses in; your shapes are not the problem. Known cases: "
+            f"nn.LSTM, nn.GRU and nn.RNN (their CPU kernels), not modelled yet. What to do: analyse the model "
+            f"without the recurrent layer, or with concrete inputs (real tensors as specs) for numbers at one size "
+            f"(exact for nn.GRU and nn.RNN; nn.LSTM's oneDNN workspace is not modelled and is marked so)")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         # sizes the data decides are dims (K1, ...); what is left is a Python decision on values
         return UnsupportedOpError(

@@ -43,8 +43,9 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``: each is documented once, on :class:`fxmem.AnalysisOptions`.
-            ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step.
+            ``autocast``, ``repeats``, ``step``: each is documented once, on :class:`fxmem.AnalysisOptions`.
+            ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
+            ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.
 
     The report keeps the options (``report.options``): whatever re-analyses it later (a region
     outside the formulas, recomputation planning) uses the same ones.

@@ -24,8 +24,8 @@ import warnings
 from typing import Any
 
 from ._layout import ensure_passes
-from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: F401
-                     TraceError, UnsupportedOpError)
+from .errors import (DeviceError, FxMemError, InternalError, KernelError, ModelError, ShapeError,  # noqa: F401
+                     SpecError, TraceError, UnsupportedOpError)
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
     "format_bytes", "kernels", "passes",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
-    "KernelError",
+    "KernelError", "InternalError",
 ]
 
 
@@ -60,7 +60,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # the public API only (not the modules and helpers this file imports for itself)
+    return sorted(set(__all__) | {"__version__"})
 
 
 class _Package(types.ModuleType):

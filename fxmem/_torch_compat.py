@@ -38,6 +38,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from .view_strides import size_one_strides
 
 try:  # torch >= 2.1
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -124,6 +125,11 @@ class _FakeMode(FakeTensorMode):
         self.cache_enabled = False
         out = super().dispatch(func, types, args, {})
         a = args[0]
+        if isinstance(out, FakeTensor) and isinstance(a, FakeTensor) and out is not a:
+            # ATen's strides at size-1 dims, which kernels read to pick a memory format
+            fixed = size_one_strides(a.shape, a.stride(), out.shape, out.stride())
+            if fixed is not None:
+                out = torch.ops.aten.as_strided.default(a, out.shape, fixed, out.storage_offset())
         if (key is not None and isinstance(out, FakeTensor) and out is not a and out.fake_mode is self
                 and out.untyped_storage()._cdata == a.untyped_storage()._cdata):
             self._views[key] = (out.size(), out.stride(), out.storage_offset())
@@ -400,6 +406,17 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
         for k, v in m.__dict__.items():
             if isinstance(v, torch.Tensor):
                 found.append((f"{prefix}.{k}" if prefix else k, v))
+    return found
+
+
+def module_attribute_values(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(qualified name, value)`` of every attribute, buffer and parameter of every submodule."""
+    found = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        own = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
+        own.update({**m.__dict__.get("_buffers", {}), **m.__dict__.get("_parameters", {})})
+        for k, v in own.items():
+            found.append((f"{prefix}.{k}" if prefix else k, v))
     return found
 
 

@@ -16,7 +16,7 @@ from .isolation import ambient_grad_note, isolated
 from .accounting import MemoryPlan
 from .capture import forward_parameters, trace
 from .capture import Capture, fallback
-from .errors import FxMemError, ModelError, TraceError
+from .errors import FxMemError, InternalError, ModelError, ShapeError, TraceError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import check_device, simulate
@@ -123,32 +123,68 @@ def analyze(
                       hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
                       reanalyze=run, capture=capture)
 
-    report = _analyze_at(run, chosen, symbols)
+    def at_sizes(chosen: dict) -> Report:
+        special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
+        if not special:
+            return run(chosen)
+        # PyTorch fixes a dim whose example size is 0 or 1 for good: formulas made there hold at that
+        # size only. Analyse at general sizes instead (evaluate() at the special size re-analyses
+        # there); only a model that runs at nothing but the special size is analysed at it (pinned).
+        general = choose_hints(symbols, {k: v for k, v in chosen.items() if k not in special})
+        try:
+            report = run(general)
+        except FxMemError:
+            return run(chosen)
+        given = ", ".join(f"{k}={v}" for k, v in special.items())
+        report.notes.insert(0, f"hints {given}: PyTorch treats sizes 0 and 1 specially and would fix the dim there, so "
+                               f"the formulas were made at {', '.join(f'{k}={general[k]}' for k in special)} "
+                               f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
+                               f"re-analyses at those sizes")
+        return report
+
+    report = _within_the_domain(at_sizes, chosen, dict(hints or {}))
     note = ambient_grad_note(grad)
     if note:
         report.notes.insert(0, note)
     return report
 
 
-def _analyze_at(run: Callable[[Mapping[str, int]], Report], chosen: dict, symbols: dict) -> Report:
-    """``run`` at the chosen hints, or at general sizes where a hint is one PyTorch specialises."""
-    special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
-    if not special:
-        return run(chosen)
-    # PyTorch fixes a dim whose example size is 0 or 1 for good: formulas made there hold at that
-    # size only. Analyse at general sizes instead (evaluate() at the special size re-analyses
-    # there); only a model that runs at nothing but the special size is analysed at it (pinned).
-    general = choose_hints(symbols, {k: v for k, v in chosen.items() if k not in special})
+# other example sizes for the dims the user gave no hint for, tried in turn when the defaults fail:
+# powers of two (UNets halve and double sizes), then small primes (a position table of 77 entries)
+_OTHER_EXAMPLES = ((32, 64, 16, 128, 8, 256, 4, 512, 1024, 2048), (17, 19, 23, 29, 31, 37, 41, 43, 47, 53))
+
+
+def _within_the_domain(at_sizes: Callable[[dict], Report], chosen: dict, given: dict) -> Report:
+    """``at_sizes(chosen)``; where fxmem's own example sizes are outside the model's domain (a
+    ShapeError or InternalError there), the same analysis at other example sizes, with a note.
+    A failure at every size tried names the sizes and ``hints=``."""
     try:
-        report = run(general)
-    except FxMemError:
-        return run(chosen)
-    given = ", ".join(f"{k}={v}" for k, v in special.items())
-    report.notes.insert(0, f"hints {given}: PyTorch treats sizes 0 and 1 specially and would fix the dim there, so "
-                           f"the formulas were made at {', '.join(f'{k}={general[k]}' for k in special)} "
-                           f"(region: {', '.join(report.region) or 'every size'}); evaluate() at {given} "
-                           f"re-analyses at those sizes")
-    return report
+        return at_sizes(chosen)
+    except (ShapeError, InternalError) as exc:
+        first = exc
+    tried = [chosen]
+    free = [k for k in chosen if k not in given]
+    for values in _OTHER_EXAMPLES if free else ():
+        pool = iter(v for v in values if v not in given.values())
+        other = {**chosen, **{k: next(pool) for k in free}}
+        log.info("the example sizes %s fail; trying %s", _sizes(chosen), _sizes(other))
+        try:
+            report = at_sizes(other)
+        except (ShapeError, InternalError):
+            tried.append(other)
+            continue
+        reason = str(first).splitlines()[0]
+        report.notes.insert(0, f"fxmem's example sizes {_sizes(chosen)} are outside what the model accepts "
+                               f"({reason[:200]}{'...' if len(reason) > 200 else ''}); the formulas were made at "
+                               f"{_sizes(other)} instead (pass hints= to choose the example sizes)")
+        return report
+    which = "the example sizes" if not free else "fxmem's example sizes"
+    raise type(first)(f"{first}\n  {which} tried: {'; '.join(_sizes(t) for t in tried)}; if the model accepts "
+                      f"only some sizes, pass hints= with sizes it accepts (e.g. hints={{{', '.join(f'{k!r}: ...' for k in chosen)}}})") from first
+
+
+def _sizes(values: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items()) or "(none)"
 
 
 def check_runnable(model: torch.nn.Module) -> None:

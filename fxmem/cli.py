@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--diagram", metavar="PATH", help="write the liveness diagram (.svg, .png, .pdf); numbers at --dims")
     a.add_argument("--timeline", metavar="PATH",
                    help="write the memory timeline (.svg, .png, .pdf); needs --dims and matplotlib")
+    a.add_argument("--snapshot", metavar="PATH",
+                   help="write the predicted run as a PyTorch memory snapshot (a .pickle for pytorch.org/memory_viz "
+                        "or torch.cuda._memory_viz); numbers at --dims; the training step with --optimizer")
     a.add_argument("--group", choices=["module"], help="--diagram: one box per module (blocks.3) instead of per node")
     v = sub.add_parser("validate", help="run for real and compare with the prediction (exit 1 if off)",
                        description="Run the model for real at --dims and print fxmem's prediction next to "
@@ -330,6 +333,8 @@ def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
         if path:
             output_format(path)  # a bad extension or place fails before the analysis, not after
             _writable(path, option)
+    if args.snapshot:
+        _writable(args.snapshot, "--snapshot")
     if args.timeline and not args.dims:
         raise SpecError("--timeline draws bytes at concrete sizes: give them with --dims, e.g. --dims B=4,N=500")
     dims = parse_assignments(args.dims, "--dims") or None
@@ -362,6 +367,10 @@ def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
     if args.timeline:
         progress.say(f"drawing {args.timeline}")
         print(f"fxmem: wrote {report.render(args.timeline, 'timeline', dims)}", file=sys.stderr)
+    if args.snapshot:
+        progress.say(f"writing {args.snapshot}")
+        report.snapshot(dims, path=args.snapshot, train=report.training)
+        print(f"fxmem: wrote {args.snapshot}", file=sys.stderr)
     return 0
 
 

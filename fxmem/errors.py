@@ -30,6 +30,11 @@ class ModelError(FxMemError, TypeError):
     """The thing given as a model is not something fxmem can analyse."""
 
 
+class InternalError(FxMemError):
+    """A failure inside PyTorch (an internal assert, a fake kernel that rejects what the real kernel
+    accepts), a library or fxmem itself while simulating - not a problem of the user's input."""
+
+
 class KernelError(FxMemError):
     """The model cannot run: a real kernel rejects a call its fake kernel accepted (a dtype or
     layout the kernel does not implement, operands of different dtypes)."""

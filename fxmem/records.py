@@ -74,8 +74,9 @@ class Storage:
 
     ``step`` is the index of the aten step that allocated it, None for storages that exist before
     the run (parameters, buffers, inputs, constants, optimizer state). ``freed_at`` (the fx node by
-    whose end it had been freed; None if alive when the forward returns, ``"<return>"`` if freed
-    as a training step returns) and ``module`` are filled in by the accounting.
+    whose end it had been freed - in a training step, by backward or later; None if never freed,
+    ``"<return>"`` if freed as the run returns), ``kept_after_forward`` and ``module`` are filled in
+    by the accounting.
     """
 
     index: int
@@ -92,6 +93,7 @@ class Storage:
     is_output: bool = False
     freed_at: str | None = None
     module: str = ""
+    kept_after_forward: bool = False  # allocated by the forward and alive when it returns (training too)
     copy_of: int | None = None  # for a copy (aten.clone, aten._to_copy): the storage it copies
 
     @property
@@ -109,6 +111,7 @@ class Storage:
                 "dtype": str(self.dtype).replace("torch.", ""), "shape": [str(d) for d in self.shape],
                 "role": self.role.value, "name": self.name, "node": self.node, "op": self.op,
                 "saved_by": [str(s) for s in self.saved_by], "freed_at": self.freed_at, "is_output": self.is_output,
+                "kept_after_forward": self.kept_after_forward,
                 "copy_of": self.copy_of}
 
 

@@ -18,7 +18,7 @@ import sympy
 import torch
 
 from . import views
-from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, max_size
+from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, cuda_block_bytes, max_size
 from .accounting.symbolic import evaluate
 from .capture import Capture
 from .errors import SpecError
@@ -255,12 +255,12 @@ class Report:
         keys = FORMULA_KEYS + (TRAIN_KEYS if self.training else ())
         return {k: getattr(self, k) for k in keys}
 
-    def by_line(self, dims: Mapping[str, int] | None = None) -> list:
+    def by_line(self, dims: Mapping[str, int] | None = None) -> views.LineTable:
         """Seed 002's per-line table, automatic: per source line, bytes allocated, freed, and live
         after it (formulas, or numbers at ``dims``). Eager mode has every executed line; graph mode
         merges the fx nodes of each line. See :mod:`fxmem.views.lines`.
 
-        >>> print(fxmem.views.format_lines(report.by_line(dict(B=64, L=32))))   # doctest: +SKIP
+        >>> print(report.by_line(dict(B=64, L=32)))        # an aligned table   # doctest: +SKIP
         """
         if not dims:
             return views.by_line(self)
@@ -285,6 +285,33 @@ class Report:
         if not dims:
             return views.module_rows(self)
         return views.module_rows(*self._at(dims))
+
+    def snapshot(self, dims: Mapping[str, int] | None = None, path: str | None = None, train: bool = False) -> dict:
+        """The predicted run as a PyTorch memory snapshot (the dict ``torch.cuda.memory._snapshot()``
+        returns), for pytorch.org/memory_viz or ``torch.cuda._memory_viz``; ``path``: also written as
+        the pickle those open. ``train=True``: the training step. See :mod:`fxmem.views.snapshot`.
+
+        >>> snap = report.snapshot({"B": 4, "N": 500}, path="gat.pickle")   # doctest: +SKIP
+        """
+        if train and not self.training:
+            raise SpecError("snapshot(train=True) needs a training step: analyse with optimizer=...")
+        report, _ = self._at(dims or None, check=bool(dims))
+        values = dict(dims) if dims else dict(self.hints)
+        plan = report._plan
+        events, forward = plan.trace({report.symbols[k]: v for k, v in values.items() if k in report.symbols})
+        sizes = {}
+        for action, what, nbytes, _ in events:  # the storages' bytes as the walk counted them
+            if action == "alloc" and isinstance(what, int):
+                sizes[what] = nbytes
+        cuda = self.device == "cuda"
+        for s in plan.rec.storages:
+            if s.index not in sizes:
+                n = evaluate(plan.sizes[s.index], {report.symbols[k]: v for k, v in values.items()
+                                                   if k in report.symbols})
+                sizes[s.index] = cuda_block_bytes(n) if cuda else n
+        return views.snapshot(events, forward, [sizes[i] for i in range(len(plan.rec.storages))],
+                              plan.rec.storages, plan.rec.steps, report.nodes, train=train, path=path,
+                              meta={"model": self.model_name, "device": self.device, "dims": values})
 
     def summary(self, dims: Mapping[str, int] | None = None) -> str:
         """The headline formulas (and numbers at ``dims``) as text."""

@@ -81,7 +81,12 @@ def test_eager_mode_follows_autocast_inside_forward():
     x = torch.randn(48, 64)
     real = measure(lambda: model(x))
     at = report.evaluate(B=48)
-    assert (at["peak_above_resident"], at["retained"]) == (real.peak_above_start, real.retained)
+    assert at["retained"] == real.retained
+    if report.exact:
+        assert at["peak_above_resident"] == real.peak_above_start
+    else:  # oneDNN's bfloat16 matmul scratch differs between CPUs (none on one Xeon, 14,080 B on an EPYC)
+        assert any("aten.addmm" in note for note in report.notes), report.notes
+        assert at["peak_above_resident"] <= real.peak_above_start  # "the peak may be higher": never lower
 
 
 class Checkpointed(nn.Module):

@@ -13,6 +13,7 @@ import types
 import xml.etree.ElementTree as ET
 
 import graphviz
+import torch
 import pytest
 import sympy
 
@@ -101,6 +102,17 @@ def test_kept_for_backward_is_marked_on_exactly_those_nodes(layer):
     assert marked == kept_nodes(layer)
     assert marked >= {"cat", "softmax", "dropout"}
     assert f"kept for backward {pretty(layer.saved)}" in nodes["output"].text
+
+
+def test_kept_for_backward_rows_stay_with_an_optimizer(layer):
+    """A report with optimizer= records backward too (which frees what the forward kept); its
+    diagram marks the same nodes as the forward's, and says the same kept-for-backward total."""
+    train = fxmem.analyze(gat.GraphAttentionLayer(6, 128), ("B", "N", 6), ("B", "N", "N"),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    nodes = items(train.diagram().svg(), "node")
+    marked = {name for name, n in nodes.items() if "kept for the backward of" in n.text}
+    assert marked == kept_nodes(layer)
+    assert [n.saved for n in train.nodes[:len(layer.nodes)]] == [n.saved for n in layer.nodes]
 
 
 def test_numbers_at_dims(layer):

@@ -145,10 +145,12 @@ class MemoryPlan:
     def _user_records(self, after_node: list) -> tuple[list, list]:
         rec = self.rec
         freed_at = self._freed_at()
+        alive = set(self.alive)
         module_of = {n.name: n.module for n in rec.nodes}
         storages = [dataclasses.replace(
             s, bytes=self.sizes[s.index], shape=tuple(self.to_user(d) for d in s.shape), saved_by=list(s.saved_by),
-            freed_at=freed_at.get(s.index), module=module_of.get(s.node, "") if s.node else "") for s in rec.storages]
+            freed_at=freed_at.get(s.index), module=module_of.get(s.node, "") if s.node else "",
+            kept_after_forward=s.index in alive) for s in rec.storages]
         by_node: dict[str, list] = {}
         for s in storages:
             if s.node is not None:
@@ -161,7 +163,7 @@ class MemoryPlan:
                 n, shapes=[tuple(self.to_user(d) for d in shape) for shape in n.shapes],
                 value=self.to_user(n.value) if n.value is not None else None, allocations=allocs,
                 allocated=sympy.Add(*[a.bytes for a in allocs]) if allocs else sympy.Integer(0),
-                saved=(sympy.Add(*[a.bytes for a in allocs if a.saved_by and a.freed_at is None])
+                saved=(sympy.Add(*[a.bytes for a in allocs if a.saved_by and a.kept_after_forward])
                        if allocs else sympy.Integer(0)),
                 live_after=to_expr(live)))
         return storages, nodes
@@ -228,6 +230,24 @@ class MemoryPlan:
         return out
 
     # --- numbers --------------------------------------------------------------------------------
+    def trace(self, values: Mapping[sympy.Symbol, int]) -> tuple[list, int]:
+        """Every allocation and free of the run at ``values``, in order, as ``(action, what, bytes,
+        step)`` (see :func:`~fxmem.accounting.replay.walk`; on CUDA storages in 512-byte blocks),
+        and how many of them the forward made (the rest are the training step's). The same walk as
+        :meth:`evaluate`, so its running sum reaches exactly the peaks ``evaluate`` gives."""
+        cuda = self.device == "cuda"
+        block = [cuda_block_bytes(n) if cuda else n for n in (evaluate(e, values) for e in self.sizes)]
+        events: list = []
+
+        def hear(action: str, what: Any, nbytes: int, step: int | None) -> None:
+            events.append((action, what, int(nbytes), step))  # hidden scratch as evaluate() counts it
+
+        walk(self.rec, lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0, operator.add,
+             operator.neg, lambda d: d > 0, mark=self.rec.forward_end, trace=hear)
+        marks = [k for k, e in enumerate(events) if e[0] == "mark"]
+        forward = marks[0] if marks else len(events)
+        return [e for e in events if e[0] != "mark"], forward
+
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
         """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
         cuda = self.device == "cuda"

@@ -34,18 +34,27 @@ class Walk:
 
 def walk(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any], zero: Any,
          add: Callable[[Any, Any], Any], neg: Callable[[Any], Any], positive: Callable[[Any], bool],
-         mark: int | None = None) -> Walk:
-    """Walk every event of ``rec``; ``mark`` is an event index whose live bytes are kept (``at_mark``)."""
+         mark: int | None = None, trace: Callable[[str, Any, Any, int | None], None] | None = None) -> Walk:
+    """Walk every event of ``rec``; ``mark`` is an event index whose live bytes are kept (``at_mark``).
+
+    ``trace(action, what, bytes, step)``, if given, hears every allocation and free in order:
+    ``action`` is ``"alloc"`` or ``"free"``, ``what`` a storage index or ``("scratch", step, k)``
+    for a kernel's hidden buffer (freed last-in first-out, the rest when its call returns); and
+    ``"mark"`` when the walk reaches ``mark``.
+    """
     allocated = [s.step is not None for s in rec.storages]
+    hear = trace or (lambda *_: None)
     live = zero
     candidates, after_node = [], []
     at_mark, before_mark = None, None
     for k, (kind, i) in enumerate(rec.events):
         if k == mark:
             at_mark, before_mark = live, len(candidates)
+            hear("mark", None, zero, None)
         if kind == FREE:
             if allocated[i]:
                 live = add(live, neg(size(i)))
+                hear("free", i, size(i), None)
         elif kind == STEP:
             step = rec.steps[i]
             placed = {p.storage for p in step.program if isinstance(p, Placed)}
@@ -55,18 +64,33 @@ def walk(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any]
                 if s not in placed:
                     out = add(out, size(s))
             cur = live
+            scratch: list = []  # (key, bytes) of the hidden buffers alive inside this call
+            made = 0
             for p in step.program or [OUT]:
                 if p is OUT:
                     cur = add(cur, out)
                     candidates.append((i, cur))
+                    for s in step.allocs:
+                        if s not in placed:
+                            hear("alloc", s, size(s), i)
                 elif isinstance(p, Placed):
                     cur = add(cur, size(p.storage))
                     candidates.append((i, cur))
+                    hear("alloc", p.storage, size(p.storage), i)
                 else:
                     d = delta(p)
                     cur = add(cur, d)
                     if positive(d):
                         candidates.append((i, cur))
+                        scratch.append((("scratch", i, made), d))
+                        made += 1
+                        hear("alloc", scratch[-1][0], d, i)
+                    elif trace is not None and scratch:
+                        same = [n for n, (_, b) in enumerate(scratch) if b == neg(d)]
+                        key, b = scratch.pop(same[-1] if same else -1)
+                        hear("free", key, b, i)
+            for key, b in reversed(scratch):  # what the call did not free itself is gone when it returns
+                hear("free", key, b, i)
             live = add(live, total)
         else:
             after_node.append(live)

@@ -109,7 +109,119 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
         raise
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _check_state(model, twin)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _keep_unread_tensors(gm, tracer.root)
+    return gm
+
+
+def _keep_unread_tensors(gm: torch.fx.GraphModule, root: torch.nn.Module) -> None:
+    """Put on ``gm`` the parameters and buffers of ``root`` its graph never reads.
+
+    fx copies only what the graph uses, but the user's model holds the rest in memory all the
+    same (a head never called, a pooler): they are resident, and an optimizer built over
+    ``model.parameters()`` sees them. The graph's code is unchanged.
+    """
+    have = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    for kind, named in (("parameter", root.named_parameters(remove_duplicate=False)),
+                        ("buffer", root.named_buffers(remove_duplicate=False))):
+        for qual, t in list(named):
+            if id(t) in have:
+                continue
+            have.add(id(t))
+            *path, leaf = qual.split(".")
+            owner: torch.nn.Module = gm
+            for part in path:
+                child = getattr(owner, part, None)
+                if child is None:
+                    child = torch.nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            if not isinstance(owner, torch.nn.Module) or hasattr(owner, leaf):
+                continue  # the name means something else on gm: leave gm's own
+            if kind == "parameter":
+                owner.register_parameter(leaf, t)
+            else:
+                owner.register_buffer(leaf, t, persistent=False)
+
+
+def _check_state(model: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Refuse a trace whose forward stored a newly computed tensor on a module (``self.seen += 1``
+    on a buffer, ``self.cache = h * 2``): the graph does not record the assignment, so it neither
+    keeps the stored tensor alive after the call (the model does) nor updates it. Raises
+    :class:`TraceError` (mode='auto' then analyses the original forward).
+
+    What costs no memory is allowed - an input kept (``self.last_input = x``), a size or dtype
+    (``self.history.append(x.shape[0])``) - and the module gets its value from before the call
+    back, so that no proxy of the finished trace is left for the graph to read."""
+    stored = [(name, value) for name, value in tc.module_attribute_values(twin) if _proxies(value)]
+    allocating = [(name, p) for name, value in stored for p in _proxies(value) if not _costs_nothing(p.node)]
+    if allocating:
+        name, proxy = allocating[0]
+        line = _user_line(proxy.node.stack_trace or "")
+        names = ", ".join(dict.fromkeys(f"self.{n}" for n, _ in allocating))
+        raise TraceError(
+            f"cannot trace {type(model).__name__} faithfully{f' at {line}' if line else ''}\n  forward stores a "
+            f"tensor computed from its inputs on the module ({names}); an fx graph does not record that "
+            f"assignment, so it would free (and never update) what the model keeps after the call\n  what to do: "
+            f"analyse with mode='eager' (the model's own forward; the default mode='auto' falls back to it by "
+            f"itself)")
+    originals = dict(tc.module_attribute_values(model))
+    for name, _ in stored:
+        path, _, attr = name.rpartition(".")
+        owner = twin.get_submodule(path) if path else twin
+        if name in originals:
+            setattr(owner, attr, originals[name])
+        else:
+            delattr(owner, attr)
+
+
+# a node whose value is a Python size or a tensor's metadata (no storage of its own)
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "is_contiguous",
+                               "get_device", "element_size"})
+
+
+def _costs_nothing(node: torch.fx.Node) -> bool:
+    """Whether storing ``node``'s value on a module keeps no memory the graph would free: an input,
+    a parameter or buffer read as it is, or sizes and metadata (and arithmetic on them)."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) > 1 and node.args[1] in _METADATA
+        if getattr(node.target, "__module__", None) in ("_operator", "operator", "builtins"):
+            args = [a for a in tc.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+            return all(a.op != "placeholder" and a.op != "get_attr" and _costs_nothing(a) for a in args)
+    return False
+
+
+def _proxies(value: Any) -> list:
+    """The fx proxies in ``value`` (itself, or inside a list, tuple or dict)."""
+    if isinstance(value, torch.fx.Proxy):
+        return [value]
+    if isinstance(value, (list, tuple, dict)):
+        try:
+            return [v for v in tc.tree_leaves(value) if isinstance(v, torch.fx.Proxy)]
+        except Exception:  # noqa: BLE001 - a container pytree cannot flatten holds no traced value we know of
+            return []
+    return []
+
+
+def _user_line(stack_trace: str) -> str:
+    """The last ``file:line: code`` of the user's own files in an fx node's stack trace."""
+    found = ""
+    lines = stack_trace.splitlines()
+    for i, text in enumerate(lines):
+        text = text.strip()
+        if text.startswith('File "'):
+            path, _, rest = text[6:].partition('", line ')
+            if is_user_file(path):
+                code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                found = f"{short_path(path)}:{rest.split(',')[0]}: {code}"
+    return found
 
 
 def private_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,12 +28,12 @@ from typing import Any
 from .. import _torch_compat as tc
 
 from . import calibrate, cpu, engine, fused, real_paths, scalars, symbolic  # noqa: F401 - registers the built-in rules
-from .accepts import KernelRefuses, check_call
+from .accepts import FakeKernelFails, KernelRefuses, check_call, real_accepts
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister
 
 __all__ = ["environment", "hidden_program", "output_layout", "output_storage", "engine_takes_over", "symbolic_impl",
-           "check_call", "KernelRefuses", "RealPaths", "register", "unregister", "REGISTRY", "Rule", "Kind", "Call", "Keep",
+           "check_call", "KernelRefuses", "FakeKernelFails", "real_accepts", "RealPaths", "register", "unregister", "REGISTRY", "Rule", "Kind", "Call", "Keep",
            "Unknown", "OUT", "OutAt", "ANY", "CHECKED"]
 
 

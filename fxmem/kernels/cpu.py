@@ -329,6 +329,156 @@ def _index_bool_mask_cpu(call: Call) -> list:
     return [nbytes, OUT, -nbytes]
 
 
+# --- sorting and selection (aten/src/ATen/native/Sorting.cpp, cpu/SortingKernel.cpp) ---------------
+# Only allocations through ATen's allocator count: the kernels' std::vector buffers (x86-simd-sort's
+# strided rows, fbgemm's radix sort, topk's and mode's per-row queues, median's index vector) come
+# from malloc and are invisible to the allocator (and to the memory the user reads from torch).
+# argsort and msort are composites of sort; quantile is a composite whose pieces are rules here.
+require_args(aten.sort.default, "self", "dim")
+require_args(aten.sort.stable, "self", "dim")
+require_args(aten.kthvalue.default, "self", "dim")
+require_args(aten.median.dim, "self", "dim")
+require_args(aten.nanmedian.dim, "self", "dim")
+require_args(aten.median.default, "self")
+require_args(aten.nanmedian.default, "self")
+
+
+@hidden(aten.sort, device="cpu")
+def _sort_cpu(call: Call) -> list | None:
+    """sort_kernel first fills the indices from an int64 ``arange`` of the sorted dim's length
+    (_fill_indices, made after the outputs and freed on return), whatever path sorts them after;
+    a 0-dim input takes no kernel (indices.zero_())."""
+    x = call.arg("self")
+    if x.dim() == 0:
+        return None
+    n = 8 * x.shape[call.arg("dim", -1) % x.dim()]
+    return [OUT, n, -n]
+
+
+@hidden(aten.kthvalue, device="cpu")
+def _kthvalue_cpu(call: Call) -> list | None:
+    """kthvalue_out_impl_cpu quick-selects in a contiguous clone of the input and an int64 index
+    tensor of the input's shape, both made after the outputs and freed on return (index first)."""
+    x = call.arg("self")
+    if x.dim() == 0:
+        return None
+    clone, index = x.numel() * x.element_size(), 8 * x.numel()
+    return [OUT, clone, index, -index, -clone]
+
+
+@hidden(aten.median.dim, aten.nanmedian.dim, device="cpu")
+def _median_dim_cpu(call: Call) -> list | None:
+    """median_with_indices_impl makes the reduced dim contiguous when its stride is above 1: a
+    contiguous copy with that dim last, made after the outputs, freed on return."""
+    x = call.arg("self")
+    if x.dim() == 0 or not x.stride()[call.arg("dim") % x.dim()] > 1:
+        return None
+    copy = x.numel() * x.element_size()
+    return [OUT, copy, -copy]
+
+
+def _evenly_distributed(call: Call) -> list:
+    # evenly_distribute_backward (the backward of max(), min(), median(), nanmedian() over all
+    # elements) builds its mask with other ops for tensor subclasses, which fake tensors are: the
+    # simulated backward allocates what the real one does not, and the other way round
+    x = call.arg("self")
+    if call.grad_enabled and isinstance(x, torch.Tensor) and x.requires_grad:
+        return [Unknown(call.op, "its backward (evenly_distribute_backward) takes another sequence of ops for real "
+                                 "tensors than for fake ones: the training step's peak may differ by a few "
+                                 "input-sized masks")]
+    return []
+
+
+require_args(aten.max.default, "self")
+require_args(aten.min.default, "self")
+
+
+@hidden(aten.median.default, aten.nanmedian.default, device="cpu")
+def _median_all_cpu(call: Call) -> list:
+    """median_impl partitions a clone of the whole input (made before the 0-dim output, freed on
+    return); in training, the backward is flagged (see _evenly_distributed)."""
+    x = call.arg("self")
+    clone = x.numel() * x.element_size()
+    return [clone, OUT, -clone, *_evenly_distributed(call)]
+
+
+@hidden(aten.max.default, aten.min.default, device="cpu")
+def _max_all_cpu(call: Call) -> list | None:
+    """max()/min() over all elements: nothing hidden forward; in training their backward is
+    flagged (see _evenly_distributed)."""
+    flag = _evenly_distributed(call)
+    return [OUT, *flag] if flag else None
+
+
+# --- reductions (aten/src/ATen/native/ReduceOps.cpp, TensorIteratorReduce.cpp) ---------------------
+# On CPU, make_reduction reduces in the output's dtype: an input of another dtype (a bool or int32
+# sum, sum(dtype=torch.float64)) is first cast whole, after the output is allocated. A kernel that
+# reduces through TensorIterator::parallel_reduce to ONE element, over at least GRAIN_SIZE inputs on
+# more than one thread, takes the two-pass path: a (threads,) buffer of the output's dtype.
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE
+_CASTING_REDUCTIONS = (aten.sum, aten.nansum, aten.prod, aten.cumsum, aten.cumprod, aten.mean)
+_TWO_PASS_REDUCTIONS = (aten.sum, aten.nansum, aten.prod, aten.amax, aten.amin, aten.all, aten.any, aten.mean)
+for _op in (aten.sum.default, aten.sum.dim_IntList, aten.prod.default, aten.cumsum.default, aten.amax.default):
+    require_args(_op, "self")
+
+
+def reduction_scratch(call: Call) -> tuple[Any, Any]:
+    """(bytes of the input cast to the output's dtype, bytes of the two-pass buffer) of a CPU reduction."""
+    x, out = call.arg("self"), call.outputs[0]
+    packet = call.func.overloadpacket
+    cast = 0
+    if packet in _CASTING_REDUCTIONS and x.dtype != out.dtype and not (x.is_complex() or out.is_complex()):
+        cast = x.numel() * out.element_size()
+    buffer = 0
+    threads = torch.get_num_threads()
+    if packet in _TWO_PASS_REDUCTIONS and threads > 1 and out.numel() == 1 and x.numel() >= GRAIN_SIZE:
+        buffer = threads * out.element_size()
+    return cast, buffer
+
+
+@hidden(*(op for op in {*_CASTING_REDUCTIONS, *_TWO_PASS_REDUCTIONS} if op is not aten.mean), device="cpu")
+def _reduction_cpu(call: Call) -> list | None:
+    """A reduction over an input of another dtype casts the input to the output's dtype first; one
+    to a single element over >= GRAIN_SIZE inputs on several threads keeps a per-thread result buffer."""
+    cast, buffer = reduction_scratch(call)
+    inner = _nonzero([cast, buffer])
+    flag = _prod_backward(call) if call.func.overloadpacket is aten.prod else []
+    return [OUT, *inner, *[-c for c in reversed(inner)], *flag] if inner or flag else None
+
+
+def _prod_backward(call: Call) -> list:
+    # prod_backward takes prod_safe_zeros_backward (cumprods of the flattened input) for tensor
+    # subclasses, fake tensors included, and for real ones a path decided by whether the input
+    # holds zeros (a value)
+    x = call.arg("self")
+    if call.grad_enabled and isinstance(x, torch.Tensor) and x.requires_grad:
+        return [Unknown(call.op, "its backward (prod_backward) takes another path for real tensors than for fake "
+                                 "ones, chosen by whether the input holds zeros: the training step's peak may differ "
+                                 "by a few input-sized tensors")]
+    return []
+
+
+require_args(aten._trilinear.default, "i1", "i2", "i3", "expand1", "expand2", "expand3", "sumdim", "unroll_dim")
+_BILINEAR = ((1, 3), (0,), (1, 2), (2, 3), 1)  # how F.bilinear calls _trilinear: expand1..3, sumdim, unroll_dim
+
+
+@hidden(aten._trilinear.default, device="cpu")
+def _trilinear_scratch(call: Call) -> list | Unknown:
+    """_trilinear's CPU kernel (nn.Bilinear's forward: x1 (N, I), weight (O, I, J), x2 (N, J)) fills
+    its zeroed output one output feature at a time: per feature, sumproduct_pair makes an (N, J)
+    bmm result and then an (N, 1) one, both freed before the next (measured on real runs).
+    Other calls (its own backward's) are not described: the report says so."""
+    i1, w, i3 = call.arg("i1"), call.arg("i2"), call.arg("i3")
+    pattern = (tuple(call.arg("expand1")), tuple(call.arg("expand2")), tuple(call.arg("expand3")),
+               tuple(call.arg("sumdim")), call.arg("unroll_dim", 1))
+    if pattern != _BILINEAR or not all(t.is_contiguous() for t in (i1, w, i3)) or w.dim() != 3 \
+            or not isinstance(w.shape[0], int):
+        return Unknown(call.op, "its per-slice scratch is described for nn.Bilinear's forward only")
+    esize = i1.element_size()
+    first, second = i1.shape[0] * w.shape[2] * esize, i1.shape[0] * esize
+    return [OUT] + [first, second, -first, -second] * int(w.shape[0])
+
+
 # --- recurrent layers --------------------------------------------------------------------------
 _RNN_OPS = tuple(getattr(aten, n) for n in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward") if hasattr(aten, n))
 

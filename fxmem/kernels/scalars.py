@@ -132,8 +132,13 @@ def foreach_numbers(call: Call) -> list:
 
 @hidden(aten.mean, device="cpu")
 def _mean_cpu(call: Call) -> list | None:
-    """sum, then div_ by the element count: an int64 wrapped scalar copied to the result dtype."""
+    """sum (with a reduction's cast and two-pass buffer, see cpu.reduction_scratch), then div_ by the
+    element count: an int64 wrapped scalar copied to the result dtype."""
+    from .cpu import reduction_scratch  # the sum inside mean is a reduction like any other
+
     out = call.outputs[0]
     if not out.dtype.is_floating_point:
         return None
-    return [OUT, 8, out.element_size(), -out.element_size(), -8]
+    cast, buffer = reduction_scratch(call)
+    inner = [c for c in (cast, buffer) if not (isinstance(c, int) and c == 0)]
+    return [OUT, *inner, *[-c for c in reversed(inner)], 8, out.element_size(), -out.element_size(), -8]

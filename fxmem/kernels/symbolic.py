@@ -56,6 +56,50 @@ def _negative(p: Any) -> bool:
     return bool(p < 0)
 
 
+require_args(aten._trilinear.default, "i1", "i2", "i3", "expand1", "expand2", "expand3", "sumdim", "unroll_dim")
+
+
+@rule(Kind.SYMBOLIC, aten._trilinear.default, device=ANY)
+def _trilinear(i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, expand1: Any, expand2: Any, expand3: Any,
+               sumdim: Any, unroll_dim: int = 1) -> torch.Tensor:
+    """_trilinear (nn.Bilinear): one zero-filled output, the summed dims squeezed away (a
+    metadata change); its fake kernel hits an internal assert on symbolic sizes (torch 2.13).
+    The per-slice scratch of the CPU kernel is :func:`fxmem.kernels.cpu._trilinear_scratch`."""
+    total = i1.dim() + len(expand1)
+    ops = [i1, i2, i3]
+    for k, expand in enumerate((expand1, expand2, expand3)):
+        for d in sorted(expand):
+            ops[k] = ops[k].unsqueeze(d)
+    shape = []
+    for d in range(total):
+        if d in sumdim:
+            continue
+        expanded = [d in e for e in (expand1, expand2, expand3)]
+        shape.append(next(t.shape[d] for t, e in zip(ops, expanded) if not e))
+    out = torch.empty(shape, dtype=i1.dtype, device=i1.device)
+    out.zero_()
+    return out
+
+
+@rule(Kind.SYMBOLIC, aten._grouped_mm.default, device="cpu")
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
+    """_grouped_mm (F.grouped_mm: transformers' MoE experts) on CPU: one contiguous output, no
+    scratch (measured: float32 runs on CPU); its fake kernel demands bfloat16, as the CUDA kernel
+    does. Row groups (2-D x 3-D: (M, K) @ (E, K, N) -> (M, N)), batched (3-D x 3-D -> (E, M, N)) and
+    the weight gradient's (2-D x 2-D, K grouped: (K, M) @ (M, N) -> (E, K, N)); others go to the
+    fake kernel. Which rows go to which expert is data (offs): the output's size is not."""
+    dtype = out_dtype or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        return aten._grouped_mm.default(a, b, offs, bias, out_dtype)
+    return torch.empty(shape, dtype=dtype, device=a.device)
+
+
 # --- mixed precision normalisation ----------------------------------------------------------------
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -2,18 +2,27 @@
 
 Both runners (graph mode's fx nodes, eager mode's source lines) and the training step's phases
 report failures through :func:`failure`: a missing fake kernel, a size that depends on tensor
-values, or a shape the model does not accept - each with where it happened and what to do.
+values, a failure inside PyTorch, a library or fxmem (:func:`internal_cause`: never blamed on the
+user's input), or a shape the model does not accept - each with where it happened and what to do.
+Only a shape check (torch's own, or the model's ``assert``) blames the input specs; a fake kernel
+that raises where the real one accepts the call is a limit of fake tensors
+(:class:`~fxmem.kernels.FakeKernelFails`, decided by running the real kernel).
 
 >>> raise failure(exc, "fx node 'matmul' from model.py:12", shapes="; operand shapes ...")   # doctest: +SKIP
 """
 from __future__ import annotations
 
+import os
 import re
+import traceback
 from typing import Callable, Mapping
 
+import torch
+
 from .. import _torch_compat as tc
-from ..errors import FxMemError, KernelError, ShapeError, UnsupportedOpError
-from ..kernels import KernelRefuses
+from ..capture.source import is_user_file, short_path
+from ..errors import FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError
+from ..kernels import FakeKernelFails, KernelRefuses
 
 
 class NotModelled(RuntimeError):
@@ -45,6 +54,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     text = rename(str(exc))
     if isinstance(exc, NotModelled):
         return UnsupportedOpError(f"{where}: {text}")
+    if isinstance(exc, KernelRefuses) and exc.crashed:
+        return KernelError(f"{where}: {text}.\n  this is not a problem of the input specs: the kernel dies instead "
+                           f"of raising an error, so the model would crash at these sizes too.\n  what to do: fix or "
+                           f"guard the kernel of {exc.op} (it must raise on inputs it cannot take), or analyse a "
+                           f"model without it")
     if isinstance(exc, KernelRefuses):
         return KernelError(f"{where}: the model cannot run on these inputs: {text}.\n  what to do: check the "
                            f"dtypes (and layouts) of the input specs and parameters reaching this op")
@@ -69,8 +83,75 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"{re.sub(r'[(]unhinted.*', '', _SYMBOL.sub('<value>', first_line(text))).strip()}), which fake "
             f"tensors do not have; fxmem gives formulas in sizes. If the input's values are known, state them "
             f"(TensorSpec(..., fill=...)); otherwise analyse each branch as a model of its own.")
+    cause = internal_cause(exc)
+    if cause is not None:
+        error = exc.error if isinstance(exc, FakeKernelFails) else exc
+        return InternalError(
+            f"{where}{detail}: {type(error).__name__}: {first_line(rename(str(error)))}\n  this is not your input: "
+            f"{cause[0]}.\n  what to do: {cause[1]}")
     return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(text)}\n"
                       f"  what to do: {advice}.")
+
+
+_FXMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# texts of PyTorch's C++ kernels that cannot work on symbolic sizes (a limit of fake tensors)
+_SYMBOLIC_LIMITS = ("symbolic sizes", "symbolic shapes", "SymInt", "SymIntArrayRef", "FakeTensor", "fake tensor",
+                    "Cannot access data pointer", "meta tensor", "Meta device", "'meta'")
+_REPORT = "please report it to fxmem with this message"
+_OP_ADVICE = (f"nothing in the input specs; try other example sizes (hints=), or describe the op to fxmem "
+              f"(fxmem.kernels.register); {_REPORT}")
+
+
+def internal_cause(exc: BaseException) -> tuple[str, str] | None:
+    """``(why, what to do)`` when ``exc`` is a failure inside PyTorch, a library or fxmem rather
+    than a problem of the user's input; None when it is torch's or the model's own check of the
+    shapes it was given.
+
+    Shape checks raise RuntimeError / ValueError / IndexError (torch's kernels and ``torch._check``)
+    or AssertionError (the model's own ``assert``). Anything else - an internal assert, a
+    NotImplementedError of a meta kernel, an AttributeError in a library wrapper (FSDP's
+    ``'FSDPParam' object has no attribute 'param_dtype'``), an error raised in fxmem's own code - is
+    not about the shapes."""
+    if isinstance(exc, FakeKernelFails):
+        return (f"PyTorch's fake (meta) kernel of {exc.op} rejects a call that its real kernel accepts at the same "
+                f"shapes (run for real at {exc.sizes}): a limit of fake tensors", _OP_ADVICE)
+    text = str(exc)
+    if "INTERNAL ASSERT" in text:
+        return "an internal assertion of PyTorch failed on fake tensors (a PyTorch bug)", _OP_ADVICE
+    if isinstance(exc, NotImplementedError):
+        return ("PyTorch (or a library) does not implement this case for fake (meta) tensors",
+                f"nothing in the input specs; register a fake kernel for the op (torch.library.register_fake), or "
+                f"try mode='eager' / other example sizes (hints=); {_REPORT}")
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    last = frames[-1] if frames else None
+    if last is not None and last.filename.startswith(_FXMEM_DIR) and not _runner(last.filename):
+        return (f"fxmem itself failed at {short_path(last.filename)}:{last.lineno} (a bug of fxmem)",
+                f"try mode='eager' (or mode='graph'); {_REPORT}")
+    if any(t in text for t in _SYMBOLIC_LIMITS) and not isinstance(exc, AssertionError):
+        return "PyTorch's kernel cannot run this call on fake tensors with symbolic sizes", _OP_ADVICE
+    if isinstance(exc, (RuntimeError, ValueError, IndexError)):
+        return None
+    user = last is not None and is_user_file(last.filename)
+    if isinstance(exc, AssertionError) and (user or last is None):
+        return None  # the model's own check of its input
+    if last is not None and not user:
+        return (f"{'PyTorch' if _in_torch(last.filename) else 'library code'} fails on fxmem's fake tensors at "
+                f"{short_path(last.filename)}:{last.lineno} ({type(exc).__name__} is not a shape check)",
+                "analyse the model without that wrapper or library layer (e.g. the module before fully_shard / "
+                f"DDP), or with mode='eager'; {_REPORT}")
+    return (f"the model's code fails on fxmem's fake tensors ({type(exc).__name__} is not a shape check: the code "
+            f"may need real values, a data pointer or a real device)",
+            "state values the code reads with TensorSpec(..., fill=...), or analyse the parts around this line as "
+            "models of their own")
+
+
+def _in_torch(filename: str) -> bool:
+    return filename.startswith(os.path.dirname(torch.__file__))
+
+
+def _runner(filename: str) -> bool:
+    """fxmem's frames that only call the model (its errors are the model's)."""
+    return os.path.basename(filename) in ("graph_runner.py", "line_runner.py", "simulate.py", "real_paths.py")
 
 
 SPARSE_GRADS = ("sparse gradients (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True), torch.optim.SparseAdam) "

@@ -66,7 +66,16 @@ class Recorder(tc.DispatchMode):
             if not self._quiet:
                 self.used.add(symbolic)
         else:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
+                if isinstance(exc, tc.DATA_DEPENDENT_ERRORS + tc.UNSUPPORTED_OP_ERRORS):
+                    raise
+                # the user's shapes, or a limit of the fake kernel? The real kernel decides
+                at = kernels.real_accepts(Call(func, args, kwargs, (), self.device), self.table.env)
+                if at is None:
+                    raise
+                raise kernels.FakeKernelFails(tc.op_name(func), exc, at) from exc
         out = self._real_layout(func, args, kwargs, out)
         if self.table.data_dims is not None:  # a size only the values decide becomes a named dim
             self.table.data_dims.found(func, args, out, lambda: running_line() or f"fx node '{self.log.node}'",

@@ -70,6 +70,8 @@ class _Run(StepHooks):
         self.run_forward = run_forward
         self.named_params = named_params
         self.forward_end = -1
+        self.optimizer: torch.optim.Optimizer | None = None  # a training step's, its state not yet in the table
+        self.eager_state: set[int] = set()  # ids of parameters whose state the optimizer made when built
 
     def forward(self, module: Any, inputs: tuple) -> Any:
         with self.log.at(self.log.node, Phase.FORWARD):  # a user's step calls it from its own code
@@ -98,6 +100,7 @@ class _Run(StepHooks):
             yield
             if phase == Phase.BACKWARD:
                 self._mark_gradients()
+                self._keep_state_of_trained()
             self.recorder.end_node()
         self.log.ended(Node(phase.value, "phase", phase.value, "", None, [], [], [], first, self.log.next_step))
 
@@ -109,6 +112,22 @@ class _Run(StepHooks):
 
     def before_backward(self, loss: torch.Tensor) -> None:
         self.recorder.autograd.watch_engine(loss)
+
+    def _keep_state_of_trained(self) -> None:
+        """The optimizer's state, as torch.optim keeps it: made lazily by ``step()`` for the parameters
+        whose ``.grad`` is not None after backward (an output the loss does not read - a pooler - trains
+        nothing, so its parameters have no state), plus what the optimizer made when built (Adagrad)."""
+        if self.optimizer is None:
+            return
+        optimizer, self.optimizer = self.optimizer, None
+        name_of = {id(p): qual for qual, p in self.named_params}
+        for p in list(optimizer.state):
+            if p.grad is None and id(p) not in self.eager_state:
+                del optimizer.state[p]  # never created in a real run: the step skips p as it would
+                continue
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    self.recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
 
     def _mark_gradients(self) -> None:
         table = self.recorder.table
@@ -238,7 +257,7 @@ def simulate_once(
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             elif training.step is None:
-                optimizer = _steady_state_optimizer(training, named_params, recorder)
+                optimizer = _steady_state_optimizer(training, named_params, recorder, hooks)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
             else:
                 with objects_kept(training.step):
@@ -285,23 +304,23 @@ def _under_autocast(run_forward: Any, device: str, dtype: torch.dtype) -> Any:
     return run
 
 
-def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder) -> torch.optim.Optimizer:
-    """Build the optimizer and let it create its state (as after a first step), quietly."""
+def _steady_state_optimizer(training: Training, named_params: list, recorder: Recorder,
+                            hooks: _Run) -> torch.optim.Optimizer:
+    """Build the optimizer and let it create its state (as after a first step), quietly, for every
+    parameter; ``hooks`` keeps (and puts in the table) only the state a real run has, once backward
+    has said which parameters get a gradient."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise FxMemError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
+        hooks.eager_state = {id(p) for p, state in optimizer.state.items() if state}
         with optimizer_errors(optimizer):
             for p in params:
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    name_of = {id(p): qual for qual, p in named_params}
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+    hooks.optimizer = optimizer
     return optimizer
 
 

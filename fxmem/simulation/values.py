@@ -48,6 +48,15 @@ _READS = frozenset({aten._local_scalar_dense, aten.is_nonzero})
 # values): (module, function). Checked only where the module is already imported.
 TRACING_CHECKS = (("transformers.utils.import_utils", "is_fake_tensor"),)
 
+# Callers of those checks whose real path decides only whether to log a warning: what they read
+# (a token column or two, a few bytes freed at once, before the forward allocates anything else)
+# changes no allocation of the model, so their traced path is not a source of inexactness.
+# (module, function) -> what the real path does.
+WARNING_ONLY = {
+    ("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask"):
+        "looks for a pad token in the first and last token columns to decide whether to warn",
+}
+
 
 class KnownValues:
     """Fake tensors known to hold a single value everywhere (from ``TensorSpec(fill=...)``)."""
@@ -142,6 +151,12 @@ def tracing_checks(values: KnownValues) -> Iterator[None]:
             if not fake or not isinstance(x, torch.Tensor):
                 return fake
             caller = _caller()
+            warning = WARNING_ONLY.get(_caller_key())
+            if warning is not None and not values.known(x):
+                values.note(f"{caller} asked whether a tensor is traced ({_name}); its real path only {warning}, "
+                            f"(a few bytes, freed before the model allocates anything else: peak and retained are unchanged); the "
+                            f"traced path was taken")
+                return fake
             if values.known(x):
                 values.note(f"{caller} asked whether a tensor is traced ({_name}); its values are known "
                             f"(all {values.value_of(x)!r}), so it was answered as for the real tensor and the "
@@ -160,6 +175,16 @@ def tracing_checks(values: KnownValues) -> Iterator[None]:
     finally:
         for module, name, original in reversed(patched):
             setattr(module, name, original)
+
+
+def _caller_key() -> tuple[str, str] | None:
+    """``(module, function)`` of the library function that called the tracing check."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name in ("is_tracing", "check", "is_fake_tensor", "_caller_key"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return frame.f_globals.get("__name__", ""), frame.f_code.co_name
 
 
 def _caller() -> str:

@@ -10,11 +10,12 @@ Views receive data - a report's public records and formulas, and an
 from .diagram import diagram
 from .figure import Figure, output_format
 from .html import report_html
-from .lines import LineRow, by_line, format_lines
+from .lines import LineRow, LineTable, by_line, format_lines
 from .modules import ModuleRow, ModuleTable, module_rows
+from .snapshot import snapshot
 from .text import format_bytes, formula_text, node_table, summary
 from .timeline import Chart, timeline
 
-__all__ = ["diagram", "timeline", "by_line", "format_lines", "LineRow", "report_html", "node_table", "summary",
+__all__ = ["diagram", "timeline", "by_line", "format_lines", "LineRow", "LineTable", "report_html", "node_table", "summary",
            "format_bytes", "formula_text", "Figure", "Chart", "output_format",
-           "module_rows", "ModuleRow", "ModuleTable"]
+           "module_rows", "ModuleRow", "ModuleTable", "snapshot"]

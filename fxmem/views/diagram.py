@@ -270,14 +270,14 @@ def _allocation_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
     for s in big:
         what = storage_text(s, n, inputs, report.storages)
         line = f"{num.storages([s])}  {what}" if len(n.allocations) > 1 else f"allocates {num.storages([s])} ({what})"
-        kept = s.saved_by and s.freed_at is None
+        kept = s.saved_by and s.kept_after_forward
         rows.append(_row(lines_html(wrap(line, 52)), size=11 if len(n.allocations) == 1 else 10,
                          bold=len(n.allocations) == 1, bg=SAVED if kept else None))
         if kept:
             by = ", ".join(sorted({str(b) for b in s.saved_by}))
             rows.append(_row(lines_html(wrap(f"kept for the backward of {by}", 60)), size=8, bg=SAVED))
     if small:
-        kept = [s for s in small if s.saved_by and s.freed_at is None]
+        kept = [s for s in small if s.saved_by and s.kept_after_forward]
         text = f"+ {num.storages(small)} in {len(small)} small tensor{'s' if len(small) > 1 else ''}"
         text += " (Python numbers as tensors)" if all(not s.shape for s in small) else ""
         text += f", {len(kept)} kept for backward" if kept else ""
@@ -292,7 +292,7 @@ def _small(s: Storage) -> bool:
 
 def _group_rows(nodes: list[Node], box: _Box, num: _Numbers) -> list[str]:
     allocations = [s for n in nodes for s in n.allocations]
-    kept = [s for s in allocations if s.saved_by and s.freed_at is None]
+    kept = [s for s in allocations if s.saved_by and s.kept_after_forward]
     rows = [_row(esc(f"{len(nodes)} nodes"), size=9, color=INK_SOFT),
             _row(lines_html(wrap(f"allocates {num.storages(allocations)}", 46)), size=11, bold=True)]
     if kept:

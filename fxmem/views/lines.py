@@ -35,13 +35,32 @@ class LineRow:
     nodes: list  # the fx nodes / line records merged into this row
 
     def __str__(self) -> str:
-        def f(v: Any) -> str:
-            return format_bytes(v) if isinstance(v, int) else str(v)
-
-        return f"{self.location:<24} {self.code[:48]:<48} +{f(self.allocated):>12} -{f(self.freed):>12}  memory {f(self.memory)}"
+        return (f"{_cut(self.location, 24):<24} {_cut(self.code, 48):<48} +{_cut(_text(self.allocated), 16):>16} "
+                f"-{_cut(_text(self.freed), 16):>16}  memory {_cut(_text(self.memory), 48)}")
 
 
-def by_line(report: Any, evaluation: Evaluation | None = None) -> list[LineRow]:
+def _text(v: Any) -> str:
+    return format_bytes(v) if isinstance(v, int) else str(v)
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` within ``width`` characters (a long formula ends in '…'; the full one is on the row)."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+class LineTable(list):
+    """The rows of the per-line table (a list of :class:`LineRow`); ``str()`` prints it aligned, each
+    column width-capped (long formulas end in '…': the rows keep them whole)."""
+
+    def __str__(self) -> str:
+        head = f"{'line':<24} {'code':<48} {'+allocated':>17} {'-freed':>17}  memory after"
+        return "\n".join([head, "-" * len(head)] + [str(r) for r in self])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def by_line(report: Any, evaluation: Evaluation | None = None) -> LineTable:
     """Rows of the per-line table of ``report`` (numbers of ``evaluation``, else formulas)."""
     groups: list[list[int]] = []
     key_of: list[Any] = []
@@ -78,7 +97,7 @@ def by_line(report: Any, evaluation: Evaluation | None = None) -> list[LineRow]:
         live_after = after(group[-1])
         rows.append(LineRow(location, code, allocated, freed, live_after, _total([resident, live_after]),
                             [n.name for n in nodes]))
-    return rows
+    return LineTable(rows)
 
 
 def _location(node: Any) -> str:
@@ -97,5 +116,5 @@ def _total(values: Any) -> Any:
 
 
 def format_lines(rows: list[LineRow]) -> str:
-    """The rows as an aligned text table."""
-    return "\n".join(str(r) for r in rows)
+    """The rows as an aligned text table (what ``str(report.by_line())`` prints)."""
+    return str(LineTable(rows))

@@ -93,7 +93,7 @@ def module_rows(report: Any, evaluation: Evaluation | None = None) -> ModuleTabl
         return path == "" or module == path or module.startswith(path + ".")
 
     params = [s for s in report.storages if s.role == Role.PARAMETER]
-    alive = [s for s in report.storages if s.step is not None and s.freed_at is None]
+    alive = [s for s in report.storages if s.kept_after_forward]
     rows = []
     for path in order:
         positions = [k for k, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output", "phase")

@@ -125,7 +125,28 @@ def edges_kept(inputs: list) -> dict:
     edge_index = inputs[1]
     return {"K1": int((edge_index[0] != edge_index[1]).sum())}
 
+class PatchifyStem(nn.Module):
+    """ConvNeXt's stem: a 4x4 stride-4 patchify conv, then channels-last LayerNorm and Linear."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, stride=4)
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 2 * dim)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.fc(self.norm(self.stem(image).permute(0, 2, 3, 1)))
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
 CORPUS: dict[str, Entry] = {
+    "convnext-stem": Entry(PatchifyStem, (("B", 3, "S", "S"),), [dict(B=1, S=16), dict(B=2, S=36)], "torch"),
+    "mixtral-moe": Entry(_hf("MixtralConfig", "MixtralModel", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=256, **SMALL), (IDS,), SIZES, "transformers"),
+    "clip-text": Entry(_hf("CLIPTextConfig", "CLIPTextModel", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77, bos_token_id=0,
+                           eos_token_id=1, pad_token_id=1, **SMALL), (IDS,), SIZES, "transformers"),
     "gpt2": Entry(_hf("GPT2Config", "GPT2Model", n_embd=32, n_layer=2, n_head=4, n_positions=256,
                       bos_token_id=0, eos_token_id=0, **SMALL), (IDS,), SIZES, "transformers"),
     "bert": Entry(_hf("BertConfig", "BertModel", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

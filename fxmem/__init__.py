@@ -33,13 +33,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
     "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
-    "backend": ".backend", "AnalysisOptions": ".options",
+    "backend": ".backend", "AnalysisOptions": ".options", "world_sizes": ".distributed.world_sizes",
     "passes": None,
 }
 
 __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
-    "format_bytes", "kernels", "passes",
+    "format_bytes", "kernels", "passes", "world_sizes",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError", "InternalError",
 ]

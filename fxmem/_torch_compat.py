@@ -764,3 +764,208 @@ def is_higher_order_op(target: Any) -> bool:
     from torch._ops import HigherOrderOperator
 
     return isinstance(target, HigherOrderOperator)
+
+
+
+# --- torch.distributed: the fake process group, DTensor internals (fxmem.distributed) ---
+
+def distributed_available() -> bool:
+    import torch.distributed as dist
+    return dist.is_available()
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[Any]:
+    """torch's in-process fake process group (backend ``"fake"``: collectives do nothing) of
+    ``world_size`` ranks, seen from ``rank``, with a 1-D CPU device mesh over it; destroyed on exit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor_type() -> type | None:
+    """DTensor's class (None where torch.distributed is not built)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4 or no distributed
+        return None
+    return DTensor
+
+
+def dtensor_type_if_loaded() -> type | None:
+    """DTensor's class if ``torch.distributed.tensor`` was imported (else no DTensor can exist;
+    importing it costs a fifth of a second)."""
+    import sys
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's data: a DTensor's local shard, else ``t`` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+@contextlib.contextmanager
+def dtensor_propagation_quiet(quiet: Any) -> Iterator[None]:
+    """DTensor's sharding propagation runs each op once on global-shape fake tensors to learn the
+    output's metadata; no real run allocates those. ``quiet()`` (a context manager) is entered
+    around it, through the hook DTensor itself offers for that section (``_fake_mode_lock``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    old = ShardingPropagator.__dict__.get("_fake_mode_lock")
+    if old is None:
+        raise RuntimeError("this torch's DTensor has no ShardingPropagator._fake_mode_lock")
+
+    class _Quiet:
+        def __enter__(self) -> None:
+            self._cm = quiet()
+            self._cm.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self._cm.__exit__(*exc)
+
+    ShardingPropagator._fake_mode_lock = _Quiet()
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = old
+
+
+def fsdp1_type() -> type | None:
+    import sys
+    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP1 module can exist: skip the import
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def fsdp2_state(module: torch.nn.Module) -> Any:
+    """FSDP2's state of a module ``fully_shard`` was applied to (None if it was not)."""
+    import sys
+    if "torch.distributed.fsdp" not in sys.modules:  # fully_shard was never imported
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        return None
+    return _get_module_fsdp_state(module)
+
+
+def fsdp2_managed(module: torch.nn.Module) -> set[int]:
+    """``id()`` of every sharded parameter FSDP2 manages in ``module``'s tree (its own DTensors)."""
+    ids: set[int] = set()
+    for sub in module.modules():
+        state = fsdp2_state(sub)
+        if state is None:
+            continue
+        groups = list(getattr(state, "_fsdp_param_groups", None) or [])
+        if not groups and getattr(state, "_fsdp_param_group", None) is not None:  # torch < 2.10
+            groups = [state._fsdp_param_group]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                ids.add(id(fsdp_param.sharded_param))
+    return ids
+
+
+@contextlib.contextmanager
+def on_storage_resize(callback: Any) -> Iterator[None]:
+    """Call ``callback(storage, old_nbytes, new_nbytes)`` after every ``UntypedStorage.resize_``.
+
+    Resizing a storage in place is an allocation (or a free) no aten op shows: FSDP2 frees its
+    unsharded parameters with ``untyped_storage().resize_(0)`` and allocates them again with
+    ``resize_(nbytes)``. The method is restored on exit."""
+    cls = torch.UntypedStorage
+    original = cls.__dict__.get("resize_")
+    base = cls.resize_
+
+    def resize_(self: Any, size: Any) -> Any:
+        old = self.nbytes()
+        out = base(self, size)
+        callback(self, old, int(size))
+        return out
+
+    cls.resize_ = resize_
+    try:
+        yield
+    finally:
+        if original is None:
+            del cls.resize_
+        else:
+            cls.resize_ = original
+
+
+def storage_weakref(storage: Any) -> StorageWeakRef:
+    """The weak reference :func:`storage_key` gives for a tensor of ``storage``."""
+    return StorageWeakRef(storage)
+
+
+@contextlib.contextmanager
+def ddp_on_fake_tensors() -> Iterator[None]:
+    """Let ``DistributedDataParallel(...)`` be built on fake tensors: its start-up checks that every
+    rank's parameters have the same shapes and broadcasts rank 0's values (C++ reading the data,
+    which fake tensors do not have). Neither keeps memory; both are skipped while building."""
+    import torch.nn.parallel.distributed as ddp
+
+    saved = {name: getattr(ddp, name) for name in ("_verify_param_shape_across_processes", "_sync_module_states")
+             if hasattr(ddp, name)}
+    for name in saved:
+        setattr(ddp, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ddp, name, fn)
+
+
+class _ReducerWithoutRebuild:
+    """DDP's reducer, except that it keeps its first bucket assignment: rebuilding it (in the order
+    gradients arrived) broadcasts bucket indices as data fake tensors do not have. The rebuilt
+    buckets hold the same parameters' bytes, allocated once; only their grouping differs."""
+
+    def __init__(self, reducer: Any):
+        object.__setattr__(self, "_reducer", reducer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def ddp_keep_buckets(model: torch.nn.Module) -> None:
+    """See :class:`_ReducerWithoutRebuild` (``model`` is fxmem's fake DDP copy)."""
+    model.reducer = _ReducerWithoutRebuild(model.reducer)
+
+
+def fsdp_mem_tracker() -> type:
+    """torch's ``FSDPMemTracker`` (``torch.distributed._tools``): its per-rank figures are what
+    benchmarks/fsdp.py sets fxmem's beside."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    return FSDPMemTracker
+
+
+def record_function_ops() -> frozenset:
+    """The ops ``torch.profiler.record_function`` enters and exits a label with (every overload)."""
+    packets = [getattr(torch.ops.profiler, name, None) for name in ("_record_function_enter_new",
+                                                                    "_record_function_exit")]
+    return frozenset(getattr(p, n) for p in packets if p is not None for n in p.overloads())
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a real DDP model's gradient buckets, as DDP's own logging data counts them (0 if
+    ``model`` is not DDP)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(v) for v in sizes.split(",") if v.strip())

@@ -22,6 +22,7 @@ from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .options import AnalysisOptions
+from .distributed import Parallel, refuse_wrapped
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
@@ -43,7 +44,8 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``, ``step``: each is documented once, on :class:`fxmem.AnalysisOptions`.
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``: each is
+            documented once, on :class:`fxmem.AnalysisOptions`.
             ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
             ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.
 
@@ -63,9 +65,11 @@ def analyze(
         raise ModelError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
+    training = Training(optimizer, loss, opts.step) if optimizer is not None else None
+    parallel = Parallel(opts.world_size, opts.rank, opts.parallelize) if opts.parallelize is not None else None
     if isinstance(model, torch.nn.Module):
         check_runnable(model)
-    training = Training(optimizer, loss, opts.step) if optimizer is not None else None
+        refuse_wrapped(model)
 
     symbols: dict = {}
     target: torch.nn.Module | Blueprint
@@ -92,6 +96,10 @@ def analyze(
     check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
     capture = Capture(mode, "the original forward" if mode == "eager" else "the GraphModule as given"
                       if isinstance(example, torch.fx.GraphModule) else "torch.fx symbolic trace")
+    if parallel is not None:  # FSDP2's and DDP's hooks work through the modules' own calls
+        capture = Capture("eager", f"the original forward, parallelised by parallelize= over "
+                                   f"{parallel.world_size} ranks (rank {parallel.rank})")
+        mode = "eager"
     if isinstance(target, torch.nn.Module) and mode != "eager":
         log.info("tracing %s with torch.fx", name)
         try:
@@ -108,7 +116,7 @@ def analyze(
         try:
             rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
                            mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
-                           autocast=autocast, repeats=repeats)
+                           autocast=autocast, repeats=repeats, parallel=parallel)
         except TraceError as exc:  # a model built from hparams is traced inside the simulation
             if capture.mode != "auto":
                 raise

@@ -70,6 +70,14 @@ class AnalysisOptions:
             and the inner blocks' memory events are the second's, repeated (the second and third
             are checked to match event by event; where they do not, every block is simulated).
             ``False`` simulates every block: the same numbers, slower.
+        world_size: the number of ranks (GPUs) ``parallelize`` shards the model over; the report
+            is one rank's memory (bytes per rank). See :mod:`fxmem.distributed`.
+        parallelize: ``fn(model, mesh)`` - your training script's code that applies
+            ``fully_shard`` (FSDP2, per block and on the root) or wraps the model in
+            ``DistributedDataParallel``, returning the model to run. fxmem calls it on its own fake
+            copy, with a 1-D ``DeviceMesh`` over torch's fake process group of ``world_size`` ranks
+            (the original forward runs: eager mode).
+        rank: which rank's memory to report (default 0).
         step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
             gradient accumulation, clipping, a GradScaler, ``zero_grad(set_to_none=False)``, several
             losses ...), with ``optimizer=``: the training formulas are of that function's steady
@@ -90,6 +98,9 @@ class AnalysisOptions:
     kernels: Mapping[Any, Callable] | None = None
     autocast: torch.dtype | None = None
     repeats: bool = True
+    world_size: int | None = None
+    parallelize: Callable[..., torch.nn.Module] | None = None
+    rank: int = 0
     step: Callable[..., Any] | None = None
 
     @classmethod
@@ -146,6 +157,9 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
             raise SpecError("step= computes its own loss: pass loss= or step=, not both")
         if not opts.grad:
             raise SpecError("step= is a training step: it needs grad=True")
+        if getattr(opts, "parallelize", None) is not None:
+            raise SpecError("step= together with parallelize= is not supported yet: analyse your step on one "
+                            "device, or the default step with parallelize=")
         import inspect
 
         if inspect.isgeneratorfunction(opts.step) or inspect.iscoroutinefunction(opts.step):
@@ -156,6 +170,20 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         value = getattr(opts, name)
         if value is not None and not isinstance(value, Mapping):
             raise SpecError(f"{name}= must be a dict, got {type(value).__name__} {value!r:.60}")
+    if (opts.world_size is None) != (opts.parallelize is None):
+        raise SpecError("world_size= and parallelize= go together: parallelize=fn shards the model over world_size "
+                        "ranks (fn(model, mesh) calls fully_shard or wraps in DistributedDataParallel)")
+    if opts.parallelize is not None:
+        from .distributed import Parallel
+        Parallel(opts.world_size, opts.rank, opts.parallelize).check()
+        if opts.device != "cpu":
+            raise SpecError(f"device={opts.device!r} with parallelize=: not modelled yet; fxmem simulates FSDP2 and DDP "
+                            f"on CPU only (device='cpu'; gloo's numbers, not CUDA's 512-byte blocks or NCCL's)")
+        if opts.mode == "graph":
+            raise SpecError("mode='graph' with parallelize=: FSDP2 and DDP work through the module's own call "
+                            "(hooks), so the original forward runs; use mode='auto' or 'eager'")
+    elif opts.rank != 0:
+        raise SpecError(f"rank={opts.rank!r} needs world_size= and parallelize=")
     leaves = check_leaf_modules(opts.leaf_modules)
     if leaves != opts.leaf_modules:
         opts = dataclasses.replace(opts, leaf_modules=leaves)

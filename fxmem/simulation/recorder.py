@@ -20,6 +20,7 @@ import torch
 from .. import _torch_compat as tc
 from .. import kernels
 from ..capture import running_line
+from ..distributed.labels import collective_name
 from ..kernels import OUT, Call, Keep, OutAt, Unknown
 from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
@@ -39,6 +40,8 @@ _COPIES = frozenset({aten.clone, aten._to_copy})
 # ``t.device`` of a fake tensor: the most frequent call by far, a query whose answer is no tensor
 # (no value, no size, no storage, nothing to record), answered before any of the bookkeeping below
 _DEVICE = torch.ops.prim.device.default
+# torch.profiler.record_function: FSDP2 labels each step of its schedule with the group's module
+_LABEL_OPS = tc.record_function_ops()
 
 
 class Recorder(tc.DispatchMode):
@@ -52,10 +55,35 @@ class Recorder(tc.DispatchMode):
         self._quiet = 0
         self._last_op: str | None = None
         self._checked: dict = {}  # calls run for real once (see fxmem.kernels.accepts)
+        self._labels: list = []  # open record_function labels: (handle, the name they give buffers)
+        # a DTensor op (FSDP2's sharded parameters, gradients, optimizer state) is declined: DTensor's
+        # own dispatch then runs it as ops on the local shards, and those are what this rank allocates
+        self._dtensor = tc.dtensor_type_if_loaded()
+
+    def _label(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Follow profiler labels; storages allocated inside a collective's are named after it."""
+        out = func(*args, **kwargs)
+        if "enter" in func.name():
+            self._labels.append((out, collective_name(str(args[0])) if args else None))
+        elif self._labels:  # record_function is a context manager: labels close innermost first
+            self._labels.pop()
+        return out
+
+    @property
+    def buffer_name(self) -> str | None:
+        """The collective whose buffers are being allocated (None: the model's own code)."""
+        for _, name in reversed(self._labels):
+            if name is not None:
+                return name
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _DEVICE:
             return func(*args, **(kwargs or {}))
+        if self._dtensor is not None and self._dtensor in types:
+            return NotImplemented
+        if func in _LABEL_OPS:
+            return self._label(func, args, kwargs)
         kwargs = kwargs or {}
         known, value = self.values.read(func, args)
         if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads
@@ -130,6 +158,20 @@ class Recorder(tc.DispatchMode):
         if index is not None:
             log.step(name, [index], [])
 
+    def resized(self, storage: Any, old: int, new: int) -> None:
+        """A storage resized in place: a free of its old bytes and an allocation of its new ones."""
+        if self._quiet or old == new:
+            return
+        table, log = self.table, self.log
+        self.poll()
+        freed, index = table.resized(storage, old, new, Role.ACTIVATION, self.buffer_name or log.node, node=log.node,
+                                     step=log.next_step,
+                                     op="resize_", phase=log.phase)
+        if freed is not None:
+            log.freed([freed])
+        if index is not None:
+            log.step("resize_", [index], [])
+
     def poll(self) -> None:
         """Record every storage that died since the last poll."""
         self.log.freed(self.table.dead())
@@ -178,7 +220,8 @@ class Recorder(tc.DispatchMode):
         position: dict[int, int] = {}  # output position -> its new storage
         for k, t in enumerate(outs):
             if table.counts(t) and table.lookup(t) is None:
-                index = table.add(t, Role.ACTIVATION, log.node, node=log.node, step=step, op=name, phase=log.phase)
+                index = table.add(t, Role.ACTIVATION, self.buffer_name or log.node, node=log.node, step=step, op=name,
+                                  phase=log.phase)
                 if index is not None and table.storages[index].bytes == 0:
                     table.forget(t)
                     continue

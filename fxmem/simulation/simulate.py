@@ -127,12 +127,14 @@ class _Run(StepHooks):
                 continue
             for key, value in optimizer.state[p].items():
                 if isinstance(value, torch.Tensor):
-                    self.recorder.table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+                    self.recorder.table.add(tc.local_tensor(value), Role.OPTIMIZER_STATE,
+                                            f"{name_of.get(id(p), '?')}.{key}")
 
     def _mark_gradients(self) -> None:
         table = self.recorder.table
         for _, p in self.named_params:
-            index = table.lookup(p.grad) if p.grad is not None and table.counts(p.grad) else None
+            g = tc.local_tensor(p.grad) if p.grad is not None else None
+            index = table.lookup(g) if g is not None and table.counts(g) else None
             if index is not None:
                 table.storages[index].role = Role.GRADIENT
 
@@ -184,8 +186,12 @@ def simulate_once(
     kernels: dict | None = None,
     concrete_args: dict | None = None,
     autocast: torch.dtype | None = None,
+    parallel: Any = None,
 ) -> Recording:
-    """One simulation of all of ``model`` (see :func:`simulate`)."""
+    """One simulation of all of ``model`` (see :func:`simulate`).
+
+    ``parallel``: a :class:`fxmem.distributed.Parallel` - the fake copy is parallelised by the
+    user's function in torch's fake process group, and one rank's step is recorded (eager mode)."""
     check_device(device)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")
@@ -215,7 +221,8 @@ def simulate_once(
     # torch's symbols in messages as the user's dims, and as the names of sizes the data decides
     recorder.rename = lambda text: renamer({**names, **{str(s): d for d, s in table.data_dims.named().items()}})(text)
     table.rename = recorder.rename
-    with fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
+    world = parallel.world() if parallel is not None else contextlib.nullcontext()
+    with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
         for spec, t in zip(specs, inputs):
@@ -228,11 +235,16 @@ def simulate_once(
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad and grad))
+        warm = None
+        if parallel is not None:
+            fake_model = parallel.apply(fake_model, mesh)
+            if training is not None:  # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state
+                warm = _warm_up(fake_model, inputs, training, recorder)
         for spec, t in zip(specs, inputs):
             table.add(t, Role.INPUT, spec.arg)
         named_params = list(fake_model.named_parameters(remove_duplicate=True))
         for qual, p in named_params:
-            table.add(p, Role.PARAMETER, qual)
+            table.add(tc.local_tensor(p), Role.PARAMETER, qual)
         for qual, b in fake_model.named_buffers(remove_duplicate=True):
             table.add(b, Role.BUFFER, qual)
         for qual, t in tc.tensor_attributes(fake_model):
@@ -250,22 +262,33 @@ def simulate_once(
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()  # not the caller's ambient mode
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
+        sharded = contextlib.ExitStack()
+        if parallel is not None:  # FSDP2 resizes storages in place; DTensor probes shapes on fakes
+            sharded.enter_context(tc.dtensor_propagation_quiet(recorder.quiet))
+            sharded.enter_context(tc.on_storage_resize(recorder.resized))
         with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
-                recorder:
+                sharded, recorder:
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
-            elif training.step is None:
-                optimizer = _steady_state_optimizer(training, named_params, recorder, hooks)
-                train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
-            else:
+            elif training.step is not None:
                 with objects_kept(training.step):
                     optimizer = _warm_user_step(training, fake_model, named_params, specs, recorder, fake_mode,
                                                 symint, device, log)
                     user_step(fake_model, tuple(inputs), optimizer, training.step, hooks)
-        del inputs, fake_model
+            else:
+                if warm is not None:  # a real step made its state already: all of it is kept
+                    optimizer = hooks.optimizer = warm
+                    hooks.eager_state = {id(p) for p in warm.state}
+                else:
+                    optimizer = _steady_state_optimizer(training, named_params, recorder, hooks)
+                train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
+        del inputs, fake_model, warm
     recorder.autograd.close()
+    if parallel is not None:
+        for text in parallel.notes(table.storages):
+            log.note(text)
     facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
@@ -348,6 +371,20 @@ def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_param
     if kept:
         log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "
                  f"(resident in the steady state, counted in train_resident)")
+    return optimizer
+
+
+def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder: Recorder) -> torch.optim.Optimizer:
+    """One whole training step, quietly, so the recorded step is a steady-state one: FSDP2 and DDP
+    set themselves up lazily in the first step (DDP rebuilds its gradient buckets in the order the
+    gradients arrived), and the optimizer creates its state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise FxMemError("no parameter requires grad, so there is nothing to train")
+    with recorder.quiet(), failures("a first (warm-up) training step", recorder.rename):
+        optimizer = training.make_optimizer(params)
+        with tc.optimizers_treat_fake_as_real():
+            train_step(model, tuple(inputs), optimizer, training.loss_fn)
     return optimizer
 
 

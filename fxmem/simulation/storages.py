@@ -71,6 +71,25 @@ class StorageTable:
         (self._live if step is not None else self._resident)[ref.cdata] = (ref, record.index)
         return record.index
 
+    def resized(self, storage: Any, old: int, new: int, role: Role, name: str, *, node: str, step: int, op: str,
+                phase: Phase) -> tuple[int | None, int | None]:
+        """A storage resized in place (``untyped_storage().resize_``): its old bytes are freed and
+        its new bytes allocated, as the real allocator does. Returns (freed index, new index)."""
+        ref = tc.storage_weakref(storage)
+        freed = None
+        for table in (self._live, self._resident):
+            hit = table.pop(ref.cdata, None)
+            if hit is not None and old > 0:
+                freed = hit[1]
+        index = None
+        if new > 0:
+            record = Storage(len(self.storages), sympy.Integer(new), torch.uint8, (sympy.Integer(new),), role, name, node=node,
+                             op=op, step=step, phase=phase)
+            self.storages.append(record)
+            self._live[ref.cdata] = (ref, record.index)
+            index = record.index
+        return freed, index
+
     def forget(self, t: torch.Tensor) -> None:
         """Drop the record just added for ``t`` (an empty storage: nothing to count)."""
         ref = tc.storage_key(t)

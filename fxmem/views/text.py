@@ -15,6 +15,7 @@ import sympy
 from sympy.printing.str import StrPrinter
 
 from ..accounting import FORMULA_KEYS, TRAIN_KEYS
+from ..distributed.labels import is_collective_buffer
 from ..specs import dim_symbol
 
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
@@ -113,6 +114,8 @@ def storage_text(s: Any, node: Any, inputs: list, storages: list) -> str:
     named after the input it copies only when exactly one input is a view of the copied storage
     with the copy's shape (otherwise after the storage itself).
     """
+    if is_collective_buffer(s.name):  # FSDP2's buffers: "all-gather layers.0", "reduce-scatter layers.0"
+        return s.name
     if s.index in (node.outputs or []):
         return "output"
     if s.copy_of is not None:

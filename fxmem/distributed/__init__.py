@@ -1,0 +1,14 @@
+"""Many GPUs: one rank's memory under PyTorch's FSDP2 (``fully_shard``) or DDP, simulated in one process.
+
+``fxmem.analyze(model, *specs, world_size=8, parallelize=fn, optimizer=...)`` runs the user's own
+``fn(model, mesh)`` on fxmem's private fake copy of the model, inside torch's fake process group of
+``world_size`` ranks (collectives do nothing; every buffer FSDP2 and DDP allocate around them is
+real code on fake tensors), and records rank ``rank``'s training step like any other.
+
+* :mod:`.parallel` - the option (world size, rank, the user's function) and the fake world it runs in.
+* :mod:`.wrappers` - models wrapped already, and what fxmem does not model: refused with what to do.
+"""
+from .parallel import Parallel
+from .wrappers import refuse_wrapped
+
+__all__ = ["Parallel", "refuse_wrapped"]

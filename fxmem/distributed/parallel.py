@@ -1,0 +1,116 @@
+"""The distributed option of an analysis: world size, rank, and the user's ``parallelize(model, mesh)``.
+
+The user's function is the code of their training script that shards or wraps the model
+(``fully_shard`` per block and on the root, or ``DistributedDataParallel``). fxmem applies it to its
+own fake copy of the model, inside torch's in-process fake process group, so the user's model and
+process-group state are never touched.
+
+>>> def fsdp(model, mesh):                                                # doctest: +SKIP
+...     for block in model.layers:
+...         fully_shard(block, mesh=mesh)
+...     return fully_shard(model, mesh=mesh)
+>>> Parallel(8, 0, fsdp).check()                                         # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import _torch_compat as tc
+from ..errors import FxMemError, ModelError, SpecError
+
+
+def late_bytes(gathers: list[int], reduces: list[int]) -> int:
+    """The most an asynchronous backend can add to a synchronous schedule's live bytes (bytes).
+
+    Only the collectives' own buffers can outlive their synchronous free: each all-gather's flat
+    buffer, which its work holds until the collective completes, with gloo's two temporaries of
+    its size (one on the calling thread, one on its worker), and each reduce-scatter's input. At
+    worst all of them of one step are alive at once: their sum. (On gloo, rank 0 of a 4-block
+    decoder on 2 ranks held three all-gather buffers past the end of the step.)"""
+    return 3 * sum(gathers) + sum(reduces)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Rank ``rank`` of ``world_size`` ranks, the model parallelised by ``fn(model, mesh)``."""
+
+    world_size: int
+    rank: int
+    fn: Callable[[torch.nn.Module, Any], torch.nn.Module]
+
+    def check(self) -> None:
+        """Refuse what cannot mean anything, naming the argument."""
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise SpecError(f"world_size must be a positive int (the number of ranks), got {self.world_size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise SpecError(f"rank={self.rank!r}: use a rank from 0 to world_size - 1 = {self.world_size - 1}")
+        if not callable(self.fn):
+            raise SpecError("parallelize= must be a function fn(model, mesh) that applies fully_shard or "
+                            "DistributedDataParallel and returns the model to run")
+        if not tc.distributed_available() or tc.dtensor_type() is None:  # (imports DTensor for the recorder)
+            raise FxMemError("this torch was built without torch.distributed: world_size=/parallelize= need it")
+
+    @contextlib.contextmanager
+    def world(self) -> Iterator[Any]:
+        """torch's fake process group for this rank, with a 1-D device mesh; removed on exit.
+
+        A process group the user started is never replaced: fxmem refuses instead (torch has one
+        default group per process)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise FxMemError(
+                "a default process group is already initialised in this process (torch.distributed."
+                "init_process_group was called); fxmem simulates ranks in a fake process group of its own and "
+                "will not replace yours. Run the analysis before init_process_group, or in a separate process")
+        with tc.fake_process_group(self.world_size, self.rank) as mesh:
+            yield mesh
+
+    def notes(self, storages: list) -> list[str]:
+        """What the report says about the collectives: the schedule its numbers are for, and how
+        much an asynchronous backend can hold beyond it (bytes)."""
+        gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
+        reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
+        out = [f"rank {self.rank} of {self.world_size}, parallelised by parallelize=: torch's fake process group "
+               f"ran the collectives (they allocate nothing of their own there)"]
+        if gathers:
+            late = late_bytes(gathers, reduces)
+            out.append(
+                f"FSDP2's collectives as a synchronous schedule (each buffer freed when its collective's result "
+                f"is used); with asynchronous ones (gloo on CPU) a buffer is freed when its collective completes, "
+                f"and gloo allocates temporaries of an all-gather's size: a rank's peak (and what the step leaves "
+                f"allocated) can then exceed these numbers by up to {late:,} bytes (3 x the step's {len(gathers)} "
+                f"all-gather buffers, {sum(gathers):,} B, + its {len(reduces)} reduce-scatter buffers, "
+                f"{sum(reduces):,} B)")
+        return out
+
+    def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""
+        try:
+            with tc.ddp_on_fake_tensors():
+                out = self.fn(model, mesh)
+        except FxMemError:
+            raise
+        except tc.DATA_DEPENDENT_ERRORS as exc:
+            raise ModelError(
+                "parallelize= read the values of a tensor fxmem only has as a fake one (a DeviceMesh built inside "
+                "it - fully_shard(..., reshard_after_forward=<int>) builds one - or a check on parameter values); "
+                "not modelled yet: use reshard_after_forward=True or False, and build meshes from the one fxmem "
+                "passes in") from exc
+        except Exception as exc:
+            raise ModelError(f"parallelize= raised {type(exc).__name__}: {exc}".splitlines()[0] +
+                             "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with a 1-D "
+                             f"DeviceMesh of {self.world_size} ranks over torch's fake process group") from exc
+        if out is None:
+            out = model  # fully_shard works in place: returning nothing means the model itself
+        if not isinstance(out, torch.nn.Module):
+            raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
+                             f"model after fully_shard, or the DistributedDataParallel wrapper)")
+        from .ddp import install_allreduce
+        from .wrappers import refuse_unmodelled
+        refuse_unmodelled(out, "parallelize=")
+        return install_allreduce(out)

@@ -1,0 +1,73 @@
+"""What fxmem does not model in distributed training, refused by name with what to do instead.
+
+A model the user wrapped already (DDP, FSDP2, FSDP1) belongs to their own process group, which
+fxmem must not use or touch: the analysis takes the unwrapped model and the wrapping code as
+``parallelize=``. Tensor parallelism (DTensor parameters the user placed, ``parallelize_module``),
+FSDP1's ``FullyShardedDataParallel``, pipeline stages and DeepSpeed engines are not modelled.
+
+>>> refuse_wrapped(torch.nn.Linear(2, 2))   # an ordinary model passes                # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _torch_compat as tc
+from ..errors import ModelError
+
+_UNWRAP = ("analyse the unwrapped model and pass the wrapping code as parallelize=fn, fn(model, mesh) returning "
+           "the model to run, with world_size= (fxmem applies it to its own fake copy, in a fake process group)")
+
+
+def _library(module: torch.nn.Module) -> str:
+    return type(module).__module__.split(".")[0]
+
+
+def refuse_wrapped(model: torch.nn.Module) -> None:
+    """Refuse a model already wrapped for distributed training (its process group is the user's)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    for qual, module in model.named_modules():
+        where = f"'{qual}'" if qual else "the model"
+        if isinstance(module, DistributedDataParallel):
+            raise ModelError(f"{where} is wrapped in DistributedDataParallel; {_UNWRAP}, e.g. "
+                             f"parallelize=lambda m, mesh: DistributedDataParallel(m) (with your bucket_cap_mb=...)")
+        if isinstance(module, DataParallel):
+            raise ModelError(f"{where} is wrapped in DataParallel (one process, several GPUs), which fxmem does not "
+                             f"model; analyse the unwrapped model per GPU, or use DistributedDataParallel via "
+                             f"parallelize=")
+        if tc.fsdp2_state(module) is not None:
+            raise ModelError(f"fully_shard (FSDP2) was applied to {where} already; {_UNWRAP}, e.g. a function "
+                             f"that calls fully_shard(block, mesh=mesh) per block and fully_shard(model, mesh=mesh)")
+        if _library(module) == "deepspeed":
+            raise ModelError(f"{where} is a DeepSpeed {type(module).__name__}; fxmem does not model DeepSpeed "
+                             f"(ZeRO). Analyse the bare model; FSDP2 (fully_shard) via parallelize= is modelled")
+    refuse_unmodelled(model, "the model")
+
+
+def refuse_unmodelled(model: torch.nn.Module, source: str) -> None:
+    """Refuse what ``source`` produced that fxmem does not model: FSDP1, pipeline stages, DTensor
+    parameters FSDP2 does not manage (tensor parallelism), FSDP2 over a 2-D mesh (HSDP)."""
+    fsdp1 = tc.fsdp1_type()
+    dtensor = tc.dtensor_type_if_loaded()
+    managed = tc.fsdp2_managed(model)
+    for qual, module in model.named_modules():
+        where = f"'{qual}'" if qual else "the model"
+        if fsdp1 is not None and isinstance(module, fsdp1):
+            raise ModelError(f"{source}: {where} is FSDP1's FullyShardedDataParallel, which fxmem does not model; use "
+                             f"FSDP2 (torch.distributed.fsdp.fully_shard, per block and on the root) in "
+                             f"parallelize=, which fxmem models exactly")
+        if "pipelining" in type(module).__module__:
+            raise ModelError(f"{source}: {where} is a pipeline-parallel {type(module).__name__}, which fxmem does "
+                             f"not model; analyse one stage's submodule (with its input specs) instead")
+    for qual, p in model.named_parameters():
+        if dtensor is None or not isinstance(p, dtensor):
+            continue
+        if id(p) not in managed:
+            raise ModelError(
+                f"{source}: parameter '{qual}' is a DTensor fully_shard does not manage (tensor parallelism, "
+                f"parallelize_module or distribute_tensor), which fxmem does not model; analyse with "
+                f"fully_shard (FSDP2) or DistributedDataParallel in parallelize=")
+        if p.device_mesh.ndim != 1:
+            raise ModelError(f"{source}: parameter '{qual}' is sharded over a {p.device_mesh.ndim}-D mesh (HSDP or "
+                             f"FSDP with tensor parallelism), which fxmem does not model; use fully_shard over the "
+                             f"1-D mesh fxmem passes to parallelize=")

@@ -16,6 +16,14 @@ dispatch, for the 12-block transformer).
 
     python benchmarks/analyze_speed.py            # writes benchmarks/results/analyze_speed.{json,md}
     python benchmarks/analyze_speed.py --quick    # fewer repetitions, no files written
+    python benchmarks/analyze_speed.py --reported # only the cases users reported slow (issue 26):
+                                                  # writes benchmarks/results/analyze_speed_reported.{json,md}
+
+The reported cases: a 1000-layer MLP (Linear 16->16 + ReLU), forward and forward + AdamW step
+(reported 26 s, 8x its forward); a small model chaining cdist -> baddbmm -> cumprod -> unbind
+(reported not finishing in 190 s; the reporter's exact model is not known, this is a reconstruction
+with those ops). Each is timed next to the plain forward analysis of the same model: the goal is no
+analysis slower than ~10x the forward's.
 """
 from __future__ import annotations
 
@@ -164,7 +172,72 @@ def fake_share() -> dict:
             "fxmem_accounting": round(cum("plan.py:__init__") / total, 3)}
 
 
+class DeepMLP(nn.Module):
+    def __init__(self, depth: int = 1000, width: int = 16):
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class PairChain(nn.Module):
+    """cdist -> baddbmm -> cumprod -> unbind (a reconstruction of the reported 10-op model)."""
+
+    def __init__(self, f: int = 6):
+        super().__init__()
+        self.proj = nn.Linear(f, f)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        d = torch.cdist(x, y)
+        z = torch.baddbmm(d, self.proj(x), y.transpose(1, 2))
+        c = torch.cumprod(z.tanh(), dim=-1)
+        first, *rest = c.unbind(1)
+        return first + rest[-1]
+
+
+def reported() -> None:
+    """Time the reported cases (forward, then forward + AdamW) and write their results."""
+    import fxmem
+
+    adamw = {"optimizer": lambda p: torch.optim.AdamW(p, lr=1e-3)}
+    cases = {"mlp-1000": (DeepMLP(), (("B", 16),)), "cdist-baddbmm-cumprod-unbind": (PairChain(), (("B", "N", 6),
+                                                                                                     ("B", "K", 6)))}
+    fxmem.analyze(nn.Linear(2, 2), ("B", 2), **adamw)  # warm torch's lazy set-up
+    rows = {}
+    for name, (model, specs) in cases.items():
+        row = {}
+        for what, kw in (("forward", {}), ("adamw", adamw)):
+            t = time.perf_counter()
+            fxmem.analyze(model, *specs, **kw)
+            row[f"{what}_s"] = round(time.perf_counter() - t, 2)
+        row["adamw_over_forward"] = round(row["adamw_s"] / row["forward_s"], 2)
+        rows[name] = row
+        print(name, row, flush=True)
+    from fxmem.measure import machine_name
+
+    meta = {"machine": machine_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "command": "python benchmarks/analyze_speed.py --reported", "date": time.strftime("%Y-%m-%d")}
+    out = os.path.join(HERE, "results")
+    with open(os.path.join(out, "analyze_speed_reported.json"), "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=2)
+    lines = ["# fxmem.analyze speed: the cases users reported slow", "",
+             f"Machine: {meta['machine']}, {meta['threads']} threads (shared with other jobs); torch {meta['torch']}; "
+             f"{meta['date']}. Command: `{meta['command']}`. One run each, after a warm-up analysis.", "",
+             "| model | forward analysis (s) | forward + AdamW step (s) | ratio |", "|---|---|---|---|"]
+    lines += [f"| {n} | {r['forward_s']} | {r['adamw_s']} | {r['adamw_over_forward']}x |" for n, r in rows.items()]
+    with open(os.path.join(out, "analyze_speed_reported.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return
+    if "--reported" in sys.argv:
+        reported()
+        return
     if len(sys.argv) == 3 and sys.argv[1] == "--first":
         import fxmem  # noqa: F401 - imported before the clock starts, as a user's script does
         print(json.dumps({"seconds": time_once(sys.argv[2])}))

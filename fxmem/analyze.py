@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .isolation import ambient_grad_note, isolated
 from .accounting import MemoryPlan
 from .capture import forward_parameters, trace
 from .capture import Capture, fallback
@@ -26,6 +27,7 @@ from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
+@isolated
 def analyze(
     model: torch.nn.Module | type | Callable[..., torch.nn.Module],
     *input_specs: Any,
@@ -42,9 +44,10 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``: each is documented
-            once, on :class:`fxmem.AnalysisOptions`.
-            ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step.
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``: each is
+            documented once, on :class:`fxmem.AnalysisOptions`.
+            ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
+            ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.
 
     The report keeps the options (``report.options``): whatever re-analyses it later (a region
     outside the formulas, recomputation planning) uses the same ones.
@@ -62,9 +65,10 @@ def analyze(
         raise ModelError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
-    training = Training(optimizer, loss) if optimizer is not None else None
+    training = Training(optimizer, loss, opts.step) if optimizer is not None else None
     parallel = Parallel(opts.world_size, opts.rank, opts.parallelize) if opts.parallelize is not None else None
     if isinstance(model, torch.nn.Module):
+        check_runnable(model)
         refuse_wrapped(model)
 
     symbols: dict = {}
@@ -146,7 +150,11 @@ def analyze(
                                f"re-analyses at those sizes")
         return report
 
-    return _within_the_domain(at_sizes, chosen, dict(hints or {}))
+    report = _within_the_domain(at_sizes, chosen, dict(hints or {}))
+    note = ambient_grad_note(grad)
+    if note:
+        report.notes.insert(0, note)
+    return report
 
 
 # other example sizes for the dims the user gave no hint for, tried in turn when the defaults fail:
@@ -185,3 +193,22 @@ def _within_the_domain(at_sizes: Callable[[dict], Report], chosen: dict, given: 
 
 def _sizes(values: Mapping[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items()) or "(none)"
+
+
+def check_runnable(model: torch.nn.Module) -> None:
+    """Refuse models whose ``forward`` is not Python code that runs when called: a TorchScript
+    module (compiled code fx and the fake-tensor simulation cannot run), and a generator or
+    ``async`` forward (calling it runs nothing, so a number for it would describe nothing)."""
+    import inspect
+
+    name = type(model).__name__
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelError(f"{name} is a TorchScript module (torch.jit.script / torch.jit.trace): its forward is "
+                         f"compiled code fxmem cannot run on fake tensors; analyse the original nn.Module instead")
+    forward = getattr(type(model), "forward", None)
+    if inspect.isgeneratorfunction(forward) or inspect.isasyncgenfunction(forward) \
+            or inspect.iscoroutinefunction(forward):
+        kind = "a generator (it yields)" if inspect.isgeneratorfunction(forward) else "async"
+        raise ModelError(f"{name}.forward is {kind}: calling it runs none of its code until it is iterated or "
+                         f"awaited, so it has no memory fxmem could state; make forward compute and return its "
+                         f"tensors (a list instead of yield)")

@@ -4,6 +4,9 @@
     fxmem analyze torch.nn:Linear --init in_features=6,out_features=128 --input B,6 --modules
     fxmem analyze examples/seed_gat.py:GraphAttentionLayer --input B,N,6 --input B,N,N --diagram gat.svg --timeline t.png
 
+The model is an nn.Module class or instance, or a factory function written in the file named;
+nothing else is ever called (``os:system`` is refused before it runs).
+
 An input is comma-separated dims (ints or names), optionally ``:dtype`` (``B,N,N:bool``,
 ``2,E:int64``). ``--init`` passes constructor/factory keyword arguments as Python literals.
 
@@ -61,32 +64,65 @@ def parse_assignments(text: str | None, what: str, literal: bool = False, minimu
 
 def load_model(target: str, init: dict[str, Any]) -> Any:
     """``path/to/file.py:Name`` or ``package.module:Name`` -> an nn.Module (a class or factory is
-    called with ``init``)."""
+    called with ``init``).
+
+    Nothing is called before it is known to be a model: ``Name`` must be an ``nn.Module`` (used as
+    it is), an ``nn.Module`` subclass, or a function written in the file given as
+    ``path/to/file.py``. Anything else (``os:system``, ``shutil:rmtree``, ``builtins:exit``, a
+    function imported into the file) is refused without being called."""
     import torch
 
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name:
         raise SpecError(f"model {target!r}: expected path/to/file.py:ClassOrFactory or package.module:ClassOrFactory")
-    module = _load_file(target, where) if _looks_like_file(where) else _load_module(target, where)
+    if not name.isidentifier():
+        raise SpecError(f"model {target!r}: {name!r} is not a Python name; give the class or factory defined there")
+    from_file = _looks_like_file(where)
+    module = _load_file(target, where) if from_file else _load_module(target, where)
     obj = getattr(module, name, None)
     if obj is None:
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, torch.nn.Module))
         raise SpecError(f"model {target!r}: {where} has no {name!r}; modules defined there: {found}")
     if isinstance(obj, torch.nn.Module):
         return obj
-    if callable(obj):
-        try:
-            model = obj(**init)
-        except TypeError as exc:  # missing or unknown constructor arguments
-            raise SpecError(f"model {target!r}: {name}(**{init!r}) failed: {exc}; pass its arguments with "
-                            f"--init NAME=VALUE,...") from None
-        except Exception as exc:  # the constructor's own error
-            raise SpecError(f"model {target!r}: {name}(**{init!r}) failed{_where(exc)}: {type(exc).__name__}: "
-                            f"{exc}") from None
-        if not isinstance(model, torch.nn.Module):
-            raise SpecError(f"model {target!r}: calling {name} returned {type(model).__name__}, not an nn.Module")
-        return model
-    raise SpecError(f"model {target!r}: {name} is a {type(obj).__name__}, not a Module, class or factory")
+    _refuse_unless_model_maker(target, where, name, obj, module if from_file else None)
+    try:
+        model = obj(**init)
+    except TypeError as exc:  # missing or unknown constructor arguments
+        raise SpecError(f"model {target!r}: {name}(**{init!r}) failed: {exc}; pass its arguments with "
+                        f"--init NAME=VALUE,...") from None
+    except Exception as exc:  # the constructor's own error
+        raise SpecError(f"model {target!r}: {name}(**{init!r}) failed{_where(exc)}: {type(exc).__name__}: "
+                        f"{exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(f"model {target!r}: calling {name} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _refuse_unless_model_maker(target: str, where: str, name: str, obj: Any, user_file: Any) -> None:
+    """Refuse, before calling it, anything that is neither an ``nn.Module`` subclass nor a plain
+    function written in the user's own file (``user_file``, the module loaded from the path given)."""
+    import inspect
+
+    import torch
+
+    if isinstance(obj, type):
+        if issubclass(obj, torch.nn.Module):
+            return
+        raise SpecError(f"model {target!r}: {name} is a class but not an nn.Module subclass; fxmem only "
+                        f"constructs torch.nn.Module classes")
+    if user_file is not None and inspect.isfunction(obj) and not inspect.isgeneratorfunction(obj) \
+            and getattr(obj, "__module__", None) == user_file.__name__ \
+            and os.path.abspath(obj.__code__.co_filename) == os.path.abspath(where):
+        return
+    if inspect.isgeneratorfunction(obj):
+        raise SpecError(f"model {target!r}: {name} is a generator function; a factory must return the model "
+                        f"(return Model(...), not yield)")
+    what = "a function" if inspect.isfunction(obj) or inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
+    origin = "" if user_file is None else f" not written in {where}"
+    raise SpecError(f"model {target!r}: {name} is {what}{origin}; fxmem calls only nn.Module classes, and "
+                    f"factory functions written in the file you name (path/to/file.py:make_model), so nothing "
+                    f"else is ever run. Wrap it in a function in your own file: def make_model(): return ...")
 
 
 def _looks_like_file(where: str) -> bool:
@@ -222,11 +258,9 @@ def _tolerance(text: str) -> float:
 
 def _writable(path: str, option: str) -> None:
     """Fail before the analysis, not after it, if ``path`` cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise SpecError(f"{option} {path!r}: the folder {folder!r} does not exist")
-    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise SpecError(f"{option} {path!r}: cannot write there")
+    from .views.figure import check_writable
+
+    check_writable(path, option)
 
 
 def _check_dims_names(dims: dict | None, specs: list, hints: dict | None) -> None:

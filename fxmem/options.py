@@ -78,6 +78,11 @@ class AnalysisOptions:
             copy, with a 1-D ``DeviceMesh`` over torch's fake process group of ``world_size`` ranks
             (the original forward runs: eager mode).
         rank: which rank's memory to report (default 0).
+        step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
+            gradient accumulation, clipping, a GradScaler, ``zero_grad(set_to_none=False)``, several
+            losses ...), with ``optimizer=``: the training formulas are of that function's steady
+            state (its second call), not of the default step (forward, ``loss(output).backward()``,
+            ``optimizer.step()``, ``zero_grad(set_to_none=True)``). See :mod:`fxmem.training`.
     """
 
     device: str = "cpu"
@@ -96,6 +101,7 @@ class AnalysisOptions:
     world_size: int | None = None
     parallelize: Callable[..., torch.nn.Module] | None = None
     rank: int = 0
+    step: Callable[..., Any] | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -141,6 +147,23 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         raise SpecError("loss= describes a training step; pass optimizer= as well")
     if opts.loss is not None and not callable(opts.loss):
         raise SpecError("loss= must be a function of the model's output, e.g. loss=lambda out: out.pow(2).mean()")
+    if opts.step is not None:
+        if not callable(opts.step):
+            raise SpecError("step= must be your training step, a function fn(model, optimizer, *inputs)")
+        if opts.optimizer is None:
+            raise SpecError("step= is a training step: pass optimizer= as well (fxmem builds the optimizer your "
+                            "step receives)")
+        if opts.loss is not None:
+            raise SpecError("step= computes its own loss: pass loss= or step=, not both")
+        if not opts.grad:
+            raise SpecError("step= is a training step: it needs grad=True")
+        if getattr(opts, "parallelize", None) is not None:
+            raise SpecError("step= together with parallelize= is not supported yet: analyse your step on one "
+                            "device, or the default step with parallelize=")
+        import inspect
+
+        if inspect.isgeneratorfunction(opts.step) or inspect.iscoroutinefunction(opts.step):
+            raise SpecError("step= must run the step when called: a generator or async function runs nothing")
     if opts.optimizer is not None and not callable(opts.optimizer):
         raise SpecError("optimizer= must be a function of the parameters, e.g. lambda p: torch.optim.Adam(p)")
     for name in ("hints", "hparams", "init", "kernels"):

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .isolation import isolated
 from .analyze import analyze
 from .errors import ModelError, SpecError
 from .report import Report
@@ -71,6 +72,7 @@ class PrecisionTable(list):
         return table + "".join("\n  note: " + n for n in notes)
 
 
+@isolated
 def precisions(model: torch.nn.Module, *input_specs: Any, precisions: Sequence[str] = DEFAULT,
                dims: Mapping[str, int] | None = None, **analyze_kw: Any) -> PrecisionTable:
     """Analyse ``model`` once per precision (see the module docstring); numbers at ``dims``.

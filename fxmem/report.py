@@ -224,6 +224,7 @@ class Report:
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
         dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
+        A 0 (not even size 1 fits) carries its reason, ``.reason``, and warns with it.
         With recomputation in backward the model is rewritten: ``fxmem.passes.max_size(report,
         dim, budget, **fixed)`` is the largest size whose training step fits then.
 

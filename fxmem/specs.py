@@ -133,6 +133,11 @@ def parse_specs(
     parsed = []
     for arg, spec in zip(arg_names, specs):
         where = f"input spec for argument '{arg}'"
+        rank = len(spec.shape) if isinstance(spec, (torch.Tensor, TensorSpec)) else \
+            len(spec) if isinstance(spec, (tuple, list, torch.Size)) else 0
+        if rank > MAX_RANK:  # far beyond any model; symbolic shape propagation over it takes minutes
+            raise SpecError(f"{where}: {rank} dims; fxmem analyses tensors of at most {MAX_RANK} dims "
+                            f"(CUDA kernels take at most 25): give one spec per tensor with its real dims")
         if isinstance(spec, torch.Tensor):
             if spec.layout != torch.strided:
                 raise SpecError(f"{where}: a {spec.layout} tensor; fxmem models strided (dense) tensors only, and "
@@ -159,6 +164,8 @@ def parse_specs(
         parsed.append(InputSpec(arg, dims, dtype, spec.requires_grad, text, spec.fill))
     return parsed, symbols
 
+
+MAX_RANK = 64  # dims of one input tensor
 
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
 

@@ -7,6 +7,10 @@
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+With ``step=fn`` the step is the user's own function instead, ``fn(model, optimizer, *inputs)``
+(micro-batches with gradient accumulation, ``clip_grad_norm_``, a ``GradScaler``,
+``zero_grad(set_to_none=False)``, several losses ...): see :func:`user_step`.
+
 A *steady-state* step starts with the optimizer's state already created (after a first step)
 and no gradients (``set_to_none=True`` freed them); ``out`` and the loss are locals, freed when
 the step returns. Inputs are fresh each step (their ``.grad``, if any, is not kept).
@@ -51,6 +55,7 @@ class Training:
 
     optimizer: OptimizerFactory
     loss: Callable[[Any], torch.Tensor] | None = None
+    step: Callable[..., Any] | None = None  # the user's own step, fn(model, optimizer, *inputs)
 
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = self.optimizer(params)
@@ -98,6 +103,11 @@ class StepHooks:
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss just before ``backward()``."""
 
+    @contextlib.contextmanager
+    def user_step(self, module: Any, optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+        """Around a user's step: yields the model to hand it (the default: ``module`` itself)."""
+        yield module
+
 
 def train_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer,
                loss: Callable[[Any], torch.Tensor] = default_loss, hooks: StepHooks | None = None) -> None:
@@ -116,6 +126,35 @@ def train_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer,
         optimizer.zero_grad(set_to_none=True)
     with hooks.phase(Phase.RETURN):  # the step's locals (output, loss) die as it returns
         del value, out
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+
+
+DEFAULT_STEP = "forward, loss(output).backward(), optimizer.step(), optimizer.zero_grad(set_to_none=True)"
+
+
+def describe(training: Training) -> str:
+    """The training step a report is of, in words."""
+    if training.step is None:
+        return f"the default step: {DEFAULT_STEP}"
+    return f"your step= function {getattr(training.step, '__qualname__', type(training.step).__name__)}"
+
+
+def user_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
+              hooks: StepHooks | None = None) -> None:
+    """One call of the user's own training step ``step(module, optimizer, *inputs)``.
+
+    Its steady state is its second call: whatever the first leaves behind (optimizer state, the
+    gradients ``zero_grad(set_to_none=False)`` keeps, a ``GradScaler``'s scale) is there when the
+    step starts, as in the loop the user runs. The simulation calls it once quietly, then once
+    recorded, with the hooks' :meth:`StepHooks.user_step` routing the model's calls, ``backward()``,
+    ``optimizer.step()`` and ``zero_grad()`` to the phases of :class:`fxmem.records.Phase`.
+    """
+    hooks = hooks or StepHooks()
+    with hooks.user_step(module, optimizer) as model:
+        step(model, optimizer, *inputs)
+    with hooks.phase(Phase.RETURN):
         for t in inputs:
             if isinstance(t, torch.Tensor):
                 t.grad = None

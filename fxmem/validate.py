@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .isolation import isolated
 from .accounting import cuda_block_bytes
 from .analyze import analyze
 from .capture import trace
@@ -99,6 +100,7 @@ def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
     return m.peak_above_start, m.retained
 
 
+@isolated
 def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int], device: str = "cuda",
              optimized: torch.nn.Module | None = None, optimizer: Callable | None = None,
              loss: Callable[[Any], torch.Tensor] | None = None, inputs: list | None = None,

@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
+from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..analyze import analyze
 from ..options import AnalysisOptions
@@ -82,6 +83,7 @@ class _Memory:
                 f"inference_peak_{suffix}": str(self.inference.peak)}
 
 
+@isolated
 def optimize(
     model: torch.nn.Module,
     *input_specs: Any,

@@ -34,6 +34,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..accounting.budget import parse_bytes
 from ..analyze import analyze
@@ -299,6 +300,7 @@ class _Planner:
                 "inputs and activations": rest}
 
 
+@isolated
 def max_size(report: Report, dim: str, budget: Any, **fixed: int) -> int:
     """The largest ``dim`` whose training step fits ``budget`` (bytes or ``"80GiB"``) with or without
     recomputation in backward: the largest over recomputing nothing, every block whole, and every

@@ -71,6 +71,8 @@ CASES = [
     ("diagram extension", ["analyze", SEED, *GOOD, "--diagram", "out.docx"], [".svg"]),
     ("diagram folder missing", ["analyze", SEED, *GOOD, "--diagram", "no/such/folder/out.svg"], ["does not exist"]),
     ("diagram not writable", ["analyze", SEED, *GOOD, "--diagram", "{d}/readonly/out.svg"], ["cannot write"]),
+    ("diagram into a device", ["analyze", SEED, *GOOD, "--diagram", "/dev/full.svg"], ["system folder"]),
+    ("input with 5000 dims", ["analyze", "torch.nn:ReLU", "--input", ",".join(["B"] + ["1"] * 4999)], ["at most 64"]),
     ("timeline without dims", ["analyze", SEED, *GOOD, "--timeline", "t.png"], ["--dims"]),
     ("validate negative tolerance", ["validate", SEED, *GOOD, "--dims", "B=2,N=3", "--device", "cpu",
                                      "--tolerance", "-1"], ["number >= 0"]),

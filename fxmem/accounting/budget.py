@@ -7,12 +7,18 @@ Each candidate size is checked with the report's exact ``evaluate`` (which re-an
 PyTorch takes another code path), so the answer is an exact integer: the returned size fits and
 the next one does not. Memory is assumed not to shrink as the dim grows.
 
+The answer is a :class:`MaxSize`, an ``int`` that also says why when it is 0 (``.reason``:
+what ``dim=1`` already needs, and how much of that is resident alone - parameters, buffers,
+inputs, and in training gradients and optimizer state); a 0 also warns with that reason.
+
 >>> parse_bytes("32GiB"), parse_bytes("32 GB"), parse_bytes(1024)
 (34359738368, 32000000000, 1024)
 """
 from __future__ import annotations
 
 import re
+import warnings
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import SpecError
@@ -34,18 +40,36 @@ def parse_bytes(budget: Any) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise SpecError(f"budget {budget!r}: write bytes as an int or a number with a unit "
                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '80GiB'")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    value = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float overflow or rounding
     if value <= 0:
         raise SpecError(f"budget {budget!r} is not positive")
     return value
 
 
+class MaxSize(int):
+    """The answer of :func:`max_size`: an ``int``; ``reason`` says why when it is 0 (else None)."""
+
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, value: int, reason: str | None = None) -> "MaxSize":
+        out = cls(value)
+        out.reason = reason
+        return out
+
+
+def _format(n: int) -> str:
+    from ..views.text import format_bytes
+
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
+
+
 def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], dim: str, budget: Any,
-             key: str = "peak", **fixed: int) -> int:
+             key: str = "peak", **fixed: int) -> MaxSize:
     """The largest value of ``dim`` whose ``evaluate(**dims)[key]`` fits ``budget`` (bytes).
 
-    Returns 0 if even ``dim=1`` does not fit. ``dims`` are the analysis' dims; ``fixed`` gives
-    every one but ``dim``.
+    Returns ``MaxSize(0)`` with a ``reason`` (and a warning) if even ``dim=1`` does not fit.
+    ``dims`` are the analysis' dims; ``fixed`` gives every one but ``dim``.
     """
     limit = parse_bytes(budget)
     if dim not in dims:
@@ -57,16 +81,27 @@ def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], di
         return evaluate(**fixed, **{dim: value})[key]
 
     if peak(1) > limit:
-        return 0
+        at_one = evaluate(**fixed, **{dim: 1})
+        resident_key = "train_resident" if key.startswith("train") else "resident"
+        what = "parameters, buffers, inputs and optimizer state" if key.startswith("train") \
+            else "parameters, buffers and inputs"
+        reason = (f"nothing fits: at {dim}=1 the {key.replace('_', ' ')} is already {_format(int(at_one[key]))}, "
+                  f"over the budget of {_format(limit)}; resident alone ({what}) needs "
+                  f"{_format(int(at_one[resident_key]))}")
+        warnings.warn(f"max_size({dim!r}) = 0: {reason}", stacklevel=3)
+        return MaxSize.of(0, reason)
     fits, too_big = 1, 2
     while peak(too_big) <= limit:
         fits, too_big = too_big, too_big * 2
         if too_big > _LIMIT:
-            raise SpecError(f"max_size(): memory does not grow with {dim}; every size fits {budget}")
+            if peak(_LIMIT) > peak(1):
+                raise SpecError(f"max_size(): every {dim} up to 2**48 fits the budget; it is "
+                                f"larger than any memory a size fxmem searches needs")
+            raise SpecError(f"max_size(): memory does not grow with {dim}; every size fits the budget")
     while too_big - fits > 1:
         mid = (fits + too_big) // 2
         if peak(mid) <= limit:
             fits = mid
         else:
             too_big = mid
-    return fits
+    return MaxSize.of(fits)

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
+from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..errors import TraceError
 from .contexts import ModeWatch
@@ -84,6 +85,7 @@ def check_leaf_modules(leaf_modules: Any) -> tuple[type, ...]:
     return tuple(leaf_modules)
 
 
+@isolated
 def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
           concrete_args: Mapping[str, Any] | None = None) -> torch.fx.GraphModule:
     """Symbolically trace ``model`` (as it is called, hooks included) into a GraphModule that

@@ -199,7 +199,9 @@ def real_like(layout: tuple, shape: Sequence[int], dtype: torch.dtype) -> torch.
     dense_shape = [base_shape[i] for i in order]
     if gapped:  # one more element along the innermost dim, sliced off: a gap in every row
         dense_shape[-1] += 1
-    dense = torch.randn(dense_shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(dense_shape, dtype=dtype)
+    values = torch.Generator().manual_seed(0)  # a private generator: calibrating never moves the user's stream
+    dense = torch.randn(dense_shape, dtype=dtype, generator=values) if dtype.is_floating_point \
+        else torch.zeros(dense_shape, dtype=dtype)
     if gapped:
         dense = dense.narrow(len(order) - 1, 0, dense_shape[-1] - 1)
     inverse = [order.index(i) for i in range(len(order))]

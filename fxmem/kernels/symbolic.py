@@ -98,3 +98,40 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = 
     else:
         return aten._grouped_mm.default(a, b, offs, bias, out_dtype)
     return torch.empty(shape, dtype=dtype, device=a.device)
+
+
+# --- mixed precision normalisation ----------------------------------------------------------------
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _float_stats(out: Any, x: torch.Tensor, weight: Any) -> Any:
+    """The CPU kernels' mixed-dtype path: a half-precision input with float32 weights (autocast leaves
+    norms in the input's dtype, the module's weights stay float32) keeps mean and inverse std in
+    float32; the fake kernels give them the input's dtype (half the bytes, and a backward whose
+    real kernel refuses the dtypes)."""
+    if x.dtype not in _HALF or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32:
+        return out
+    y, mean, rstd = out
+    return y, torch.empty_like(mean, dtype=torch.float32), torch.empty_like(rstd, dtype=torch.float32)
+
+
+require_args(aten.native_batch_norm.default, "input", "weight")
+require_args(aten.native_layer_norm.default, "input", "weight")
+
+
+@rule(Kind.SYMBOLIC, aten.native_batch_norm.default, device="cpu")
+def _batch_norm_mixed(*args: Any, **kwargs: Any) -> Any:
+    """native_batch_norm on CPU: save_mean and save_invstd are float32 for a bf16/fp16 input with float32
+    weights (batch_norm_cpu's mixed-type path), as :func:`_float_stats` says."""
+    x, weight = (kwargs.get("input", args[0] if args else None), kwargs.get("weight", args[1] if len(args) > 1
+                                                                             else None))
+    return _float_stats(aten.native_batch_norm.default(*args, **kwargs), x, weight)
+
+
+@rule(Kind.SYMBOLIC, aten.native_layer_norm.default, device="cpu")
+def _layer_norm_mixed(*args: Any, **kwargs: Any) -> Any:
+    """native_layer_norm on CPU: mean and rstd are float32 for a bf16/fp16 input with float32 weights
+    (layer_norm_cpu's mixed-type path), as :func:`_float_stats` says."""
+    x, weight = (kwargs.get("input", args[0] if args else None), kwargs.get("weight", args[2] if len(args) > 2
+                                                                             else None))
+    return _float_stats(aten.native_layer_norm.default(*args, **kwargs), x, weight)

@@ -29,7 +29,7 @@ class NotModelled(RuntimeError):
     """Something the simulation saw that fxmem does not model (raised inside a run, so that the
     runner names the fx node or source line; :func:`failure` makes it an UnsupportedOpError)."""
 
-_SYMBOL = re.compile(r"\b[su]\d+\b")
+_SYMBOL = re.compile(r"\b(?:zuf|zf|[su])\d+\b")  # backed (s41), unbacked (u3) and float (zuf0) symbols
 
 
 def renamer(names: Mapping[str, str]) -> Callable[[str], str]:
@@ -69,6 +69,13 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
             f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "
             f"Register one with torch.library.register_fake (it only computes output shapes).")
+    if "with symbolic sizes" in text:  # C++ inside torch read a size as a number: torch's limit, not the shapes'
+        return UnsupportedOpError(
+            f"{where}: PyTorch's own C++ code here reads sizes as plain numbers ({first_line(text)}), so it cannot "
+            f"run with the symbolic sizes fxmem analyses in; your shapes are not the problem. Known cases: "
+            f"nn.LSTM, nn.GRU and nn.RNN (their CPU kernels), not modelled yet. What to do: analyse the model "
+            f"without the recurrent layer, or with concrete inputs (real tensors as specs) for numbers at one size "
+            f"(exact for nn.GRU and nn.RNN; nn.LSTM's oneDNN workspace is not modelled and is marked so)")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         # sizes the data decides are dims (K1, ...); what is left is a Python decision on values
         return UnsupportedOpError(
@@ -145,3 +152,25 @@ def _in_torch(filename: str) -> bool:
 def _runner(filename: str) -> bool:
     """fxmem's frames that only call the model (its errors are the model's)."""
     return os.path.basename(filename) in ("graph_runner.py", "line_runner.py", "simulate.py", "real_paths.py")
+
+
+SPARSE_GRADS = ("sparse gradients (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True), torch.optim.SparseAdam) "
+                "are not modelled: a sparse gradient has index and value storages whose sizes the data decides; "
+                "analyse with sparse=False and a dense optimizer (Adam) for the dense figures")
+
+
+def optimizer_failure(optimizer: object, exc: BaseException) -> FxMemError | None:
+    """The error for an optimizer whose ``step()`` cannot run on fake tensors, in the user's words
+    (None: not an optimizer's own limitation)."""
+    name = type(optimizer).__name__
+    if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
+        return UnsupportedOpError(
+            f"torch.optim.{name}: its step() decides on the values of its own tensors (a step count, learning "
+            f"rate or norm it keeps as a tensor and reads into Python), which fake tensors do not have, so fxmem "
+            f"cannot simulate this optimizer. What to do: analyse with an optimizer of the same state size "
+            f"(e.g. Adam keeps two tensors per parameter, SGD with momentum one) or measure with "
+            f"fxmem.validate(..., optimizer=...) on a real device")
+    if "sparse" in str(exc).lower():
+        return UnsupportedOpError(
+            f"torch.optim.{name} with sparse gradients: {SPARSE_GRADS}")
+    return None

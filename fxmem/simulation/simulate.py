@@ -22,24 +22,26 @@ import sympy
 import torch
 import torch.fx
 
+from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
-from ..errors import DeviceError, FxMemError, ModelError, SpecError
+from ..errors import DeviceError, FxMemError, ModelError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
-from ..training import StepHooks, Training, train_step
+from ..training import StepHooks, Training, train_step, user_step
 from .autograd import Autograd
 from .data_dims import DataDims
 from .events import EventLog
-from .failures import failure, renamer
+from .failures import SPARSE_GRADS, failure, optimizer_failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .recorder import Recorder
 from .repeats import find_chain, shorten
 from .unroll import unroll
 from .storages import StorageTable
+from .user_step import Router, objects_kept, register_leftovers
 from .outside import outside_dispatch
 from .values import tracing_checks
 
@@ -72,7 +74,8 @@ class _Run(StepHooks):
         self.eager_state: set[int] = set()  # ids of parameters whose state the optimizer made when built
 
     def forward(self, module: Any, inputs: tuple) -> Any:
-        out = self.run_forward(list(inputs))
+        with self.log.at(self.log.node, Phase.FORWARD):  # a user's step calls it from its own code
+            out = self.run_forward(list(inputs))
         table = self.recorder.table
         self.recorder.end_node()
         for t in tc.tree_leaves(out):
@@ -81,8 +84,14 @@ class _Run(StepHooks):
                 if index is not None:
                     table.storages[index].is_output = True
         self.recorder.poll()
-        self.forward_end = self.log.mark()
+        if self.forward_end < 0:  # the forward formulas are of the first call (a user's step may make more)
+            self.forward_end = self.log.mark()
         return out
+
+    @contextlib.contextmanager
+    def user_step(self, module: Any, optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+        with Router(self).routing(module, optimizer) as model:
+            yield model
 
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
@@ -130,6 +139,7 @@ class _Run(StepHooks):
                 table.storages[index].role = Role.GRADIENT
 
 
+@isolated
 def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], symbols: dict, hints: dict,
              device: str = "cpu", grad: bool = True, training: Training | None = None, mode: str = "graph",
              repeats: bool = True, **options: Any) -> Recording:
@@ -151,7 +161,8 @@ def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], sym
     :mod:`.repeats`, :mod:`.unroll`); where the three do not match event by event, the whole graph
     is simulated.
     """
-    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule):
+    user_loop = training is not None and training.step is not None  # may call the model several times
+    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule) and not user_loop:
         chain = find_chain(model)
         if chain is not None:
             short = simulate_once(shorten(model, chain), specs, symbols, hints, device, grad, training, mode, **options)
@@ -218,6 +229,8 @@ def simulate_once(
             if spec.fill is not None:  # the user stated the values: the real run's path follows them
                 recorder.values.set(t, spec.fill)
         _refuse_sparse(model)
+        if training is not None:
+            _refuse_sparse_grads(model)
         source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
@@ -246,7 +259,7 @@ def simulate_once(
         if autocast is not None:
             run_forward = _under_autocast(run_forward, device, autocast)
         hooks = _Run(recorder, run_forward, named_params)
-        grad_ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        grad_ctx = torch.enable_grad() if grad else torch.no_grad()  # not the caller's ambient mode
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
         sharded = contextlib.ExitStack()
@@ -259,6 +272,11 @@ def simulate_once(
                 out = hooks.forward(fake_model, tuple(inputs))
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
+            elif training.step is not None:
+                with objects_kept(training.step):
+                    optimizer = _warm_user_step(training, fake_model, named_params, specs, recorder, fake_mode,
+                                                symint, device, log)
+                    user_step(fake_model, tuple(inputs), optimizer, training.step, hooks)
             else:
                 if warm is not None:  # a real step made its state already: all of it is kept
                     optimizer = hooks.optimizer = warm
@@ -282,6 +300,13 @@ def simulate_once(
                      {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
                      facts, data)
+
+
+def _refuse_sparse_grads(model: torch.nn.Module) -> None:
+    """A training step with sparse gradients is not modelled (see ``SPARSE_GRADS``)."""
+    for qual, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            raise UnsupportedOpError(f"'{qual or type(m).__name__}' is {type(m).__name__}(sparse=True): {SPARSE_GRADS}")
 
 
 def _refuse_sparse(model: torch.nn.Module) -> None:
@@ -313,11 +338,39 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
     with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
         hooks.eager_state = {id(p) for p, state in optimizer.state.items() if state}
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with optimizer_errors(optimizer):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     hooks.optimizer = optimizer
+    return optimizer
+
+
+def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_params: list, specs: Sequence[InputSpec],
+                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog) -> torch.optim.Optimizer:
+    """Build the optimizer and call the user's step once, quietly, on inputs of its own: the
+    recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`)."""
+    params = [p for _, p in named_params if p.requires_grad]
+    if not params:
+        raise FxMemError("no parameter requires grad, so there is nothing to train")
+    with recorder.quiet(), failures("your step= function (its first, warm-up call)", recorder.rename):
+        optimizer = training.make_optimizer(params)
+        warm = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                            requires_grad=spec.requires_grad) for spec in specs]
+        for i, spec in enumerate(specs):
+            if spec.fill is not None:
+                recorder.values.set(warm[i], spec.fill)
+        with optimizer_errors(optimizer):
+            result = training.step(fake_model, optimizer, *warm)
+        del warm  # the next call's inputs are fresh
+    if result is not None and not isinstance(result, (torch.Tensor, float, int)) and hasattr(result, "__next__"):
+        raise SpecError("step= is a generator function: it must run the step when called (no yield)")
+    del result
+    kept = register_leftovers(recorder.table, named_params, optimizer, fake_mode)
+    if kept:
+        log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "
+                 f"(resident in the steady state, counted in train_resident)")
     return optimizer
 
 
@@ -346,6 +399,20 @@ def _note_versions(used: set, log: EventLog) -> None:
     users = sorted({r.name for r in used if r.user})
     if users:
         log.note(f"the allocations of {', '.join(users)} are as the kernels= rules describe them (not checked by fxmem)")
+
+
+@contextlib.contextmanager
+def optimizer_errors(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """An optimizer that cannot run on fake tensors is named as such (not as a shape problem)."""
+    try:
+        yield
+    except FxMemError:
+        raise
+    except Exception as exc:
+        error = optimizer_failure(optimizer, exc)
+        if error is None:
+            raise
+        raise error from None
 
 
 @contextlib.contextmanager

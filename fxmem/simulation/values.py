@@ -40,6 +40,7 @@ _SYMBOLIC = {aten.eq: operator.eq, aten.ne: operator.ne, aten.lt: operator.lt, a
              aten.gt: operator.gt, aten.ge: operator.ge, aten.mul: operator.mul, aten.add: operator.add,
              aten.sub: operator.sub}
 _SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_UNSCALE = getattr(aten, "_amp_foreach_non_finite_check_and_unscale_", None)
 # ops that read a value out of a tensor into Python
 _READS = frozenset({aten._local_scalar_dense, aten.is_nonzero})
 
@@ -85,6 +86,13 @@ class KnownValues:
 
     def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Give ``out`` a known value when it is a function of known values only."""
+        if tc.op_packet(func) is _UNSCALE and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            # a GradScaler's check for inf/nan gradients: the steady state has finite ones, so its
+            # found_inf flag stays 0 and the optimizer steps (a step with inf/nan skips it)
+            self.set(args[1], 0.0)
+            self.note("GradScaler: the step with finite gradients (found_inf = 0, optimizer.step() runs); a step "
+                      "whose gradients overflow skips optimizer.step() and uses less")
+            return
         if not isinstance(out, torch.Tensor) or not self._values:
             return
         tensors = [a for a in tc.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]

@@ -11,9 +11,10 @@ byte counts - is :mod:`.text`'s).
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import graphviz
 
@@ -49,8 +50,9 @@ class Figure(graphviz.Digraph):
         path = os.fspath(path)
         fmt = output_format(path)
         data = self.source.encode() if fmt is None else self._pipe(fmt)
-        with open(path, "wb") as f:
-            f.write(data)
+        with writing(path):
+            with open(path, "wb") as f:
+                f.write(data)
         return path
 
     def svg(self) -> str:
@@ -107,3 +109,32 @@ def heat_bins(top: int) -> list[tuple[str, int, int]]:
     """The scale's bins as ``(colour, low bytes, high bytes)`` for a legend."""
     n = len(HEAT)
     return [(c, -(-top * i // n), -(-top * (i + 1) // n) - (1 if i < n - 1 else 0)) for i, c in enumerate(HEAT)]
+
+
+_SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")  # pseudo-filesystems: a "file" there is a device or kernel state
+
+
+def check_writable(path: str, what: str = "cannot write") -> None:
+    """Raise :class:`SpecError` unless ``path`` can be an ordinary file (before anything slow runs)."""
+    real = os.path.realpath(path)
+    folder = os.path.dirname(real)
+    if not os.path.isdir(folder):
+        raise SpecError(f"{what} {path!r}: the folder {folder!r} does not exist")
+    if any(real == d or real.startswith(d + os.sep) for d in _SYSTEM_FOLDERS):
+        raise SpecError(f"{what} {path!r}: {real} is in a system folder of devices and kernel state, not a place "
+                        f"for a drawing; name a file in an ordinary folder")
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise SpecError(f"{what} {path!r}: it exists and is not an ordinary file")
+    if not os.access(folder, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
+        raise SpecError(f"{what} {path!r}: cannot write there")
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Check ``path`` (:func:`check_writable`) and turn a failed write (disk full, ...) into a
+    :class:`SpecError` naming the file."""
+    check_writable(path)
+    try:
+        yield
+    except OSError as exc:
+        raise SpecError(f"cannot write {path!r}: {exc.strerror or exc}") from None

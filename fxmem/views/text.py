@@ -40,6 +40,8 @@ class FormulaPrinter(StrPrinter):
 
 def format_bytes(n: int) -> str:
     """``1023`` -> ``'1023 B'``, ``1024000000`` -> ``'976.56 MiB'`` (binary units)."""
+    if abs(int(n)) >= 2**100:  # beyond a float's reach; no memory is this large, but a budget may be
+        return f"{int(n) // 2**40:,} TiB"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
@@ -198,6 +200,12 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append(f"capture: {report.capture.text}")
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
+    if report.training:
+        from ..training import Training, describe
+
+        options = getattr(report, "options", None)
+        lines.append("training step: " + describe(Training(options.optimizer, options.loss, options.step))
+                     if options is not None else "training step: the default step")
     for k in FORMULA_KEYS + (TRAIN_KEYS if report.training else ()):
         line = f"  {k:<15} = {getattr(report, k)}"
         if evaluation is not None:

@@ -26,7 +26,7 @@ from typing import Any
 from ..accounting import Evaluation
 from ..errors import FxMemError
 from ..records import Storage
-from .figure import PEAK, output_format
+from .figure import PEAK, output_format, writing
 from .text import dims_text, format_bytes, node_inputs, storage_text
 
 MAX_BARS = 40  # tensors drawn one by one; the rest (the smallest) are counted in the caption
@@ -48,7 +48,8 @@ class Chart:
         fmt = output_format(path)
         if fmt is None:
             raise FxMemError(f"cannot write {path!r}: the timeline is a chart, not a graph; use .svg, .png or .pdf")
-        self.figure.savefig(path, format=fmt, dpi=110)
+        with writing(path):
+            self.figure.savefig(path, format=fmt, dpi=110)
         return path
 
     def svg(self) -> str:

@@ -183,11 +183,15 @@ def run_size(models: dict, reports: dict, inputs: dict, at: dict, device: str, b
     sgd = lambda p: torch.optim.SGD(p, lr=1e-3)  # noqa: E731
     rows, steps = [], {}
     for name, model in models.items():
-        pred = reports[name].evaluate(**at)
-        row = {"variant": name, **at, "predicted_peak": pred["train_peak"] - pred["train_resident"],
-               "predicted_total": pred["train_peak"]}
+        if isinstance(reports[name], str):  # fxmem refused this torch (the reason is kept): measure only
+            row = {"variant": name, **at, "predicted_peak": None, "predicted_total": None,
+                   "prediction_error": reports[name]}
+        else:
+            pred = reports[name].evaluate(**at)
+            row = {"variant": name, **at, "predicted_peak": pred["train_peak"] - pred["train_resident"],
+                   "predicted_total": pred["train_peak"]}
         rows.append(row)
-        if budget is not None and row["predicted_peak"] > budget:
+        if budget is not None and row["predicted_peak"] is not None and row["predicted_peak"] > budget:
             row["status"] = f"skipped: predicted peak above the {budget / 2**30:.0f} GiB budget"
             continue
         opt = sgd(model.parameters())
@@ -212,15 +216,23 @@ def run_size(models: dict, reports: dict, inputs: dict, at: dict, device: str, b
 
 
 def analyse(models: dict, specs: dict, device: str, hints: dict) -> dict:
+    """fxmem's report per variant, or the reason it gave none (a string: the row is then measured only)."""
     sgd = lambda p: torch.optim.SGD(p, lr=1e-3)  # noqa: E731
     dims = lambda spec: {d for s in spec for d in (s.shape if isinstance(s, fxmem.TensorSpec) else s)}  # noqa: E731
-    return {name: fxmem.analyze(m, *specs[name], device=device, mode="eager", optimizer=sgd,
-                                hints={k: v for k, v in hints.items() if k in dims(specs[name])})
-            for name, m in models.items()}
+    out = {}
+    for name, m in models.items():
+        try:
+            out[name] = fxmem.analyze(m, *specs[name], device=device, mode="eager", optimizer=sgd,
+                                      hints={k: v for k, v in hints.items() if k in dims(specs[name])})
+        except fxmem.FxMemError as exc:
+            out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return out
 
 
 def dense_part(device: str, sizes: list[int], budget: int | None, repeats: int, budget_gib: float) -> dict:
-    models = {name: make().to(device) for name, make in dense_variants().items()}
+    # every variant built on the CPU first (fxmem.optimize probes there), then moved: they share weights
+    models, refused = _build(dense_variants())
+    models = {name: m.to(device) for name, m in models.items()}
     spec = (("B", "N", IN), fxmem.TensorSpec(("B", "N", "N"), dtype=torch.bool))
     reports = analyse(models, {name: spec for name in models}, device, {"B": 4, "N": 509})
     rows = []
@@ -236,20 +248,21 @@ def dense_part(device: str, sizes: list[int], budget: int | None, repeats: int, 
         goals["time_ratio_fused_over_densegat_at_500"] = fused["seconds"] / pyg["seconds"]
     largest = {}
     for name in ("hand-decomposed", "fxmem.optimize", "PyG DenseGATConv"):
-        if name in reports:
+        if name in reports and not isinstance(reports[name], str):
             largest[name] = reports[name].max_size("N", budget=f"{budget_gib}GiB", train=True, B=B)
     goals["largest_N_in_budget"] = largest
-    if largest.get("hand-decomposed"):
+    if largest.get("hand-decomposed") and largest.get("fxmem.optimize"):
         goals["largest_N_ratio_fused_over_hand"] = largest["fxmem.optimize"] / largest["hand-decomposed"]
-    entries = models["fxmem.optimize"].meta["fxmem"]
+    entries = models["fxmem.optimize"].meta["fxmem"] if "fxmem.optimize" in models else []
     applied = [r["rule"] for r in entries if r["status"] == "applied"]
     goals["rewrites"] = {rule: applied.count(rule) for rule in dict.fromkeys(applied)}
-    return {"rows": rows, "goals": goals}
+    return {"rows": rows, "goals": goals, "refused": refused}
 
 
 def sparse_part(device: str, repeats: int) -> dict:
     x, adj, edge_index = sparse_graph(device)
-    models = {name: make().to(device) for name, make in sparse_variants().items()}
+    models, refused = _build(sparse_variants())
+    models = {name: m.to(device) for name, m in models.items()}
     sparse_spec = (("N", SPARSE_IN), fxmem.TensorSpec((2, "E"), dtype=torch.int64))
     dense_spec = (("N", SPARSE_IN), fxmem.TensorSpec(("N", "N"), dtype=torch.bool))
     specs = {name: sparse_spec if "edge_index" in name else dense_spec for name in models}
@@ -275,7 +288,19 @@ def sparse_part(device: str, repeats: int) -> dict:
         row["seconds"] = statistics.median(times[row["variant"]])
         row["all_seconds"] = [round(t, 4) for t in times[row["variant"]]]
         row["E"] = edge_index.shape[1]
-    return {"rows": rows}
+    return {"rows": rows, "refused": refused}
+
+
+def _build(variants: dict) -> tuple[dict, dict]:
+    """The variants' models, and the reason for each that could not be built (fxmem.optimize's refusal)."""
+    models, refused = {}, {}
+    for name, make in variants.items():
+        try:
+            models[name] = make()
+        except fxmem.FxMemError as exc:
+            refused[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            print(f"{name}: not built: {refused[name]}", flush=True)
+    return models, refused
 
 
 def _bytes(n) -> str:
@@ -288,8 +313,8 @@ def _table(rows: list[dict], dims: str) -> list[str]:
     for r in rows:
         at = ", ".join(f"{k}={r[k]}" for k in ("B", "N", "E") if k in r)
         measured = r.get("measured_peak")
-        same = "" if measured is None else ("yes" if measured == r["predicted_peak"]
-                                            else f"off by {measured - r['predicted_peak']:,} B")
+        same = "" if measured is None or r["predicted_peak"] is None else (
+            "yes" if measured == r["predicted_peak"] else f"off by {measured - r['predicted_peak']:,} B")
         time_text = f"{r['seconds']:.3f}" if "seconds" in r else ""
         lines.append(f"| {r['variant']} | {at} | {_bytes(r['predicted_peak'])} | "
                      f"{_bytes(measured) if measured is not None else r.get('status', '')} | {same} | {time_text} |")
@@ -335,6 +360,7 @@ def main() -> None:
     if "dense" in result:
         lines += [f"## Dense: B={B}, {IN}->{F_OUT} features, {HEADS} heads, half the pairs are edges", ""]
         lines += _table(result["dense"]["rows"], "size")
+        lines += [f"\n{k}: not measured: {v}" for k, v in result["dense"].get("refused", {}).items()]
         g = result["dense"]["goals"]
         lines += ["", "Goals at N=500 (issue 13): "
                   f"hand-decomposed peak / fused peak = {g.get('peak_ratio_hand_over_fused_at_500', float('nan')):.2f} "
@@ -350,6 +376,7 @@ def main() -> None:
         lines += [f"## Sparse: one graph, N={SPARSE_N}, {DENSITY:.0%} of the pairs are edges (and self loops), "
                   f"{SPARSE_IN}->{SPARSE_F} features, {SPARSE_HEADS} heads", ""]
         lines += _table(result["sparse"]["rows"], "size")
+        lines += [f"\n{k}: not measured: {v}" for k, v in result["sparse"].get("refused", {}).items()]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

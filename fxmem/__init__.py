@@ -27,8 +27,6 @@ from ._layout import ensure_passes
 from .errors import (DeviceError, FxMemError, KernelError, ModelError, ShapeError, SpecError,  # noqa: F401
                      TraceError, UnsupportedOpError)
 
-ensure_passes()
-
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -77,3 +75,6 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+# last: loading the passes from a source checkout imports fxmem.analyze (the module), which must
+# not replace the function of that name (_Package guards the attribute from here on)
+ensure_passes()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite (installs what it needs):
 #   1. the whole suite on torch 2.13.0 (CPU build),
-#   2. the whole suite again on torch 2.14.1 (CUDA build, no GPU needed): this is where the
-#      tests that simulate CUDA with fake tensors run (FXMEM_CUDA_SIM=0 skips this phase).
+#   2. on torch 2.14.1 (CUDA build, no GPU needed): the tests that simulate CUDA with fake tensors,
+#      the CUDA build's own refusals and a smoke set (tests/conftest.py: CUDA_PHASE_FILES); the
+#      first phase already proves the rest (FXMEM_CUDA_SIM=0 skips this phase).
 # graphviz's `dot` is installed with apt when missing, so diagram tests really render.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,5 +33,5 @@ run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider tests "$@"
 if [ "${FXMEM_CUDA_SIM:-1}" != 0 ]; then
   FXMEM_VENV="$here/.venv-cuda" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"
   echo "== phase 2: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.backends.cuda.is_built())')"
-  run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider tests "$@"
+  FXMEM_TEST_PHASE=cuda-build run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider tests "$@"
 fi

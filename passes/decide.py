@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import sympy
 
-from ..accounting.symbolic import Region, terms
+from ..accounting.symbolic import Region, evaluate, terms
 from ..accounting.symbolic import _dominates  # the one dominance test, shared with Max pruning
 
 _LIMIT = 1 << 20  # a ratio or bound beyond this is not one anyone's sizes reach
@@ -118,11 +118,42 @@ def decide(pairs: Sequence[tuple[str, sympy.Expr, sympy.Expr]], region: Region,
         return Decision("decline", f"the same peak for every size ({where}): {shown}")
     if higher:
         return Decision("decline", f"never lower for any size where the analysis holds ({where}): {shown}")
+    if assume is None and any(b.has(*_ATOMS) or a.has(*_ATOMS) for _, b, a in pairs):
+        # floor terms (a kernel's block count) are bounded above, which the proof cannot use: check
+        # the exact numbers on a grid over the region instead, and say so
+        points = _grid(region, [symbols[k] for k in sorted(symbols)])
+        values = [(all(evaluate(a, p) <= evaluate(b, p) for _, b, a in pairs),
+                   any(evaluate(a, p) < evaluate(b, p) for _, b, a in pairs)) for p in points]
+        if points and all(ok for ok, _ in values) and any(lower for _, lower in values):
+            return Decision("keep", f"not proven symbolically (floor terms), but never higher at all {len(points)} "
+                                    f"sizes of a grid over the region ({where}, each dim up to {_GRID_TOP}) and lower "
+                                    f"at some, in exact integers: {shown}")
     found = _conditions(pairs, region, symbols, hints) if assume is None else _stronger(assume, pairs, region, symbols)
     for cond in found:
         return Decision("switch", f"never higher where {cond} (within {where}), higher elsewhere: {shown}", cond)
     return Decision("decline", f"higher somewhere and no condition E >= k*N or N >= c in the dims makes it never "
                                f"higher ({where}): {shown}")
+
+
+_ATOMS = (sympy.floor, sympy.ceiling, sympy.Mod)
+_GRID_TOP = 1 << 14
+
+
+def _grid(region: Region, dims: list) -> list[dict]:
+    """At most ~300 sizes in ``region``: per dim its lower bound, +1, then doublings up to ``_GRID_TOP``."""
+    if not dims:
+        return [{}]
+    per = max(3, int(300 ** (1 / len(dims))))
+    axes = []
+    for d in dims:
+        lo = max(1, int(region.lower.get(d, 1)))
+        vals = [lo, lo + 1]
+        while vals[-1] < _GRID_TOP:
+            vals.append(vals[-1] * 2)
+        step = max(1, len(vals) // per)
+        axes.append(sorted(set(vals[::step] + [vals[-1]])))
+    points = [dict(zip(dims, combo)) for combo in itertools.product(*axes)]
+    return [p for p in points if not region.violations(p)]
 
 
 def _proves(cond: Condition, pairs, region: Region, symbols) -> bool:

@@ -77,6 +77,10 @@ class _Memory:
         """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
         return _decide(other, self, self.report.symbols, self.report.hints, None).verdict == "keep"
 
+    def decision(self, other: "_Memory") -> str:
+        """The formula comparison of this graph's peaks with ``other``'s, in words."""
+        return _decide(other, self, self.report.symbols, self.report.hints, None).text
+
     def formulas(self, suffix: str) -> dict[str, str | None]:
         r = self.report
         return {f"peak_{suffix}": str(r.peak), f"saved_{suffix}": str(r.saved),
@@ -218,8 +222,16 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
             state.log.append(log_entry(rule.name, "no match", name, f"looked for {rule.looks_for}; none in the graph"))
         for _, finding in findings:
             state.log_finding(finding)
-        for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
-            state.try_group(group)
+        unpaid = [g for g in _groups([(r, f) for r, f in findings if f.status == "match"])
+                  if state.try_group(g) == "no gain"]
+        if len(unpaid) > 1:  # sites that pay only together (the heads of a layer, the layers of a model)
+            together = [x for g in unpaid for x in g]
+            if state.try_group(together) == "kept":
+                for _, f in together:
+                    e = state._entries[id(f)]
+                    first = e["reason"] if "no longer built" in e["reason"] else f.reason
+                    e["reason"] = (f"{first}; accepted as a group of {len(together)} {rule.name} sites "
+                                   f"that lower the peak only together (each alone leaves the others' tensors at it)")
     return state
 
 
@@ -379,8 +391,9 @@ class _Search:
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
-    def try_group(self, group: list[tuple[Pass, Finding]]) -> None:
-        """Apply ``group`` on top of what is kept; keep it if it is verified and lowers the peak."""
+    def try_group(self, group: list[tuple[Pass, Finding]]) -> str:
+        """Apply ``group`` on top of what is kept; keep it if it is verified and lowers the peak.
+        Returns ``"kept"``, ``"failed"`` (verification) or ``"no gain"`` (exact, not lower)."""
         entries = [self._entries[id(f)] for _, f in group]
         for e in entries:
             e.update(self.current.formulas("before"))
@@ -390,13 +403,13 @@ class _Search:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group:
                     self.try_group([member])
-                return
+                return "failed"
             _, finding = group[0]
             entries[0]["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the rewrite "
                                     f"does not compute what the original does; dropped")
             warnings.warn(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
                           f"{entries[0]['reason']}", RuntimeWarning, stacklevel=3)
-            return
+            return "failed"
         after = _memory(trial, self.input_specs, self.kw)
         for e in entries:
             e.update(after.formulas("after"))
@@ -412,13 +425,13 @@ class _Search:
             for e, (_, f) in zip(entries, group):
                 e["reason"] = (f"the rewrite is exact ({f.reason}) and lowers the peak only where "
                                f"{decision.condition}: {decision.text}; this form keeps the original")
-            return
+            return "no gain"
         if decision.verdict == "decline":
             together = f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else ""
             for e, (_, f) in zip(entries, group):
                 e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's formulas of the "
                                f"rewrite{together} are {decision.text}; so the original is kept")
-            return
+            return "no gain"
         names = {n.name for n in trial.graph.nodes}
         for e, (_, f) in zip(entries, group):
             e["status"] = "applied"
@@ -428,6 +441,7 @@ class _Search:
         self.accepted += group
         self.kept += len(group)
         self.current, self.best = after, trial
+        return "kept"
 
 
 def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[str, int],
@@ -437,7 +451,10 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
     lower = dict(before.report._plan.region.lower)
     for s, v in after.report._plan.region.lower.items():
         lower[s] = max(lower.get(s, v), v)
-    region = Region(lower, list(before.report._plan.region.guards))
+    # where both analyses hold: a kernel's block count makes its own region (many blocks or one)
+    guards = list(before.report._plan.region.guards)
+    guards += [g for g in after.report._plan.region.guards if g not in guards]
+    region = Region(lower, guards)
     pairs = [("peak", before.report.peak, after.report.peak)]
     if before.report.train_peak is not None and after.report.train_peak is not None:
         pairs.append(("training-step peak", before.report.train_peak, after.report.train_peak))

@@ -176,7 +176,7 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
     torch.manual_seed(0)
     model = BranchOnFlag()
     opt = fxmem.optimize(model, *BranchOnFlag.SPECS)
-    (entry,) = opt.meta["fxmem"]
+    (entry,) = [e for e in opt.meta["fxmem"] if e["status"] != "no match"]  # each rule: "no match", not looked for
     assert entry["status"] == "declined" and entry["rule"] == "train/eval"
     assert "other things in train and in eval mode" in entry["reason"]
     assert set(opt.state_dict()) == set(model.state_dict())

@@ -573,6 +573,14 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     for name, b in model.named_buffers(recurse=False):
         if getattr(out, name, None) is not b:
             out.register_buffer(name, b, persistent=name not in tc.non_persistent_buffers(model))
+    # in the model's order (a graph copies what it reads in the order it reads it): parameters() then
+    # come as the model's do, so an optimizer state loaded by position matches; the graph's own last
+    for table, mine in (("_modules", model._modules), ("_parameters", model._parameters), ("_buffers", model._buffers)):
+        held = out.__dict__[table]
+        ordered = {k: held[k] for k in mine if k in held}
+        ordered.update((k, v) for k, v in held.items() if k not in ordered)
+        held.clear()
+        held.update(ordered)
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:

@@ -77,3 +77,24 @@ def test_a_budget_that_cannot_be_met_is_an_error():
     # and one that is met is said
     opt = fxmem.optimize(TrainOnlyScale(), ("B", 6), budget="1GiB", dims={"B": 4})
     _check_schema(opt.meta["fxmem"])
+
+
+class UsedInAnotherOrder(nn.Module):
+    """Submodules and parameters declared in one order, used by forward in another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+        self.second = nn.Linear(6, 6)
+        self.first = nn.Linear(6, 6)
+        self.bias = nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        return self.second(self.first(x) + self.bias) * self.scale
+
+
+def test_parameters_come_in_the_models_order():
+    model = UsedInAnotherOrder()
+    opt = fxmem.optimize(model, ("B", 6))
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+    assert list(opt.state_dict()) == list(model.state_dict())

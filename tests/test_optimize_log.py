@@ -98,3 +98,26 @@ def test_parameters_come_in_the_models_order():
     opt = fxmem.optimize(model, ("B", 6))
     assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
     assert list(opt.state_dict()) == list(model.state_dict())
+
+
+@torch.fx.wrap
+def add_mask(attn, mask):
+    """A mask add that torch.fx keeps as one call (timm's Attention(fused_attn=False) style)."""
+    return attn + mask
+
+
+class WrappedMaskAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = add_mask((q * 8 ** -0.5) @ k.transpose(-2, -1), mask)
+        return attn.softmax(dim=-1) @ v
+
+
+def test_sdpa_says_why_a_hidden_mask_add_is_not_matched():
+    opt = fxmem.optimize(WrappedMaskAttention(), ("B", "L", 8), ("L", "L"))
+    (entry,) = [e for e in opt.meta["fxmem"] if e["rule"] == "sdpa"]
+    assert entry["status"] == "declined" and "add_mask" in entry["reason"] and "fx.wrap" in entry["reason"], entry

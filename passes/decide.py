@@ -23,10 +23,11 @@ from typing import Mapping, Sequence
 
 import sympy
 
-from ..accounting.symbolic import Region, evaluate, terms
+from ..accounting.symbolic import Region, terms
 from ..accounting.symbolic import _dominates  # the one dominance test, shared with Max pruning
 
-_LIMIT = 1 << 20  # a ratio or bound beyond this is not one anyone's sizes reach
+_LIMIT = 1 << 20
+_ATOMS = (sympy.floor, sympy.ceiling, sympy.Mod)  # a ratio or bound beyond this is not one anyone's sizes reach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +89,48 @@ def never_higher(after: sympy.Expr, before: sympy.Expr, region: Region, substitu
     sub = dict(substitution or {})
     if any(c.has(sympy.Max, sympy.Min) for c in candidates(after) + candidates(before)):
         return False  # a Max inside a sum of Maxes: not written as candidates, so nothing is proven
-    lows = [region.shifted(terms(sympy.expand(c.xreplace(sub)))) for c in candidates(before)]
+    lows = [sympy.expand(c.xreplace(sub)) for c in candidates(before)]
+    shifted_lows = [region.shifted(terms(low)) if not low.has(*_ATOMS) else None for low in lows]
     for c in candidates(after):
-        high = region.shifted(terms(sympy.expand(c.xreplace(sub))))
-        if not any(_dominates(low, high) for low in lows):
+        high = sympy.expand(c.xreplace(sub))
+        if not high.has(*_ATOMS):
+            shifted = region.shifted(terms(high))
+            if any(s is not None and _dominates(s, shifted) for s in shifted_lows):
+                continue
+        if not any(_bounded(low, high, region) for low in lows):
             return False
     return True
+
+
+def _bounded(low: sympy.Expr, high: sympy.Expr, region: Region) -> bool:
+    """``high <= low`` with each ``floor(p/q)`` bounded (``p/q - 1 <= floor(p/q) <= p/q``: above in
+    ``high``, below in ``low``, where its coefficient is positive), as one fraction whose numerator
+    and denominator have no negative coefficient over the region's offsets."""
+    bounded = []
+    for expr, up in ((high, True), (low, False)):
+        if expr.has(sympy.ceiling, sympy.Mod):
+            return False
+        out = sympy.Integer(0)
+        for term in sympy.Add.make_args(expr):
+            atoms = term.atoms(sympy.floor)
+            if atoms:
+                coeff = term.as_coeff_Mul()[0]
+                if len(atoms) > 1 or coeff <= 0:
+                    return False
+                (f,) = atoms
+                term = term.xreplace({f: f.args[0] if up else f.args[0] - 1})
+            out += term
+        bounded.append(out)
+    numer, denom = sympy.fraction(sympy.together(bounded[1] - bounded[0]))
+    numer, denom = sympy.expand(numer), sympy.expand(denom)
+    if numer.has(*_ATOMS) or denom.has(*_ATOMS):
+        return False
+    if denom.is_number:
+        if denom <= 0:
+            return False
+    elif not _dominates(region.shifted(terms(denom)), {}) or not region.shifted(terms(denom)):
+        return False
+    return _dominates(region.shifted(terms(numer)), {})
 
 
 def decide(pairs: Sequence[tuple[str, sympy.Expr, sympy.Expr]], region: Region,
@@ -118,42 +155,11 @@ def decide(pairs: Sequence[tuple[str, sympy.Expr, sympy.Expr]], region: Region,
         return Decision("decline", f"the same peak for every size ({where}): {shown}")
     if higher:
         return Decision("decline", f"never lower for any size where the analysis holds ({where}): {shown}")
-    if assume is None and any(b.has(*_ATOMS) or a.has(*_ATOMS) for _, b, a in pairs):
-        # floor terms (a kernel's block count) are bounded above, which the proof cannot use: check
-        # the exact numbers on a grid over the region instead, and say so
-        points = _grid(region, [symbols[k] for k in sorted(symbols)])
-        values = [(all(evaluate(a, p) <= evaluate(b, p) for _, b, a in pairs),
-                   any(evaluate(a, p) < evaluate(b, p) for _, b, a in pairs)) for p in points]
-        if points and all(ok for ok, _ in values) and any(lower for _, lower in values):
-            return Decision("keep", f"not proven symbolically (floor terms), but never higher at all {len(points)} "
-                                    f"sizes of a grid over the region ({where}, each dim up to {_GRID_TOP}) and lower "
-                                    f"at some, in exact integers: {shown}")
     found = _conditions(pairs, region, symbols, hints) if assume is None else _stronger(assume, pairs, region, symbols)
     for cond in found:
         return Decision("switch", f"never higher where {cond} (within {where}), higher elsewhere: {shown}", cond)
     return Decision("decline", f"higher somewhere and no condition E >= k*N or N >= c in the dims makes it never "
                                f"higher ({where}): {shown}")
-
-
-_ATOMS = (sympy.floor, sympy.ceiling, sympy.Mod)
-_GRID_TOP = 1 << 14
-
-
-def _grid(region: Region, dims: list) -> list[dict]:
-    """At most ~300 sizes in ``region``: per dim its lower bound, +1, then doublings up to ``_GRID_TOP``."""
-    if not dims:
-        return [{}]
-    per = max(3, int(300 ** (1 / len(dims))))
-    axes = []
-    for d in dims:
-        lo = max(1, int(region.lower.get(d, 1)))
-        vals = [lo, lo + 1]
-        while vals[-1] < _GRID_TOP:
-            vals.append(vals[-1] * 2)
-        step = max(1, len(vals) // per)
-        axes.append(sorted(set(vals[::step] + [vals[-1]])))
-    points = [dict(zip(dims, combo)) for combo in itertools.product(*axes)]
-    return [p for p in points if not region.violations(p)]
 
 
 def _proves(cond: Condition, pairs, region: Region, symbols) -> bool:
@@ -191,11 +197,10 @@ def _conditions(pairs, region: Region, symbols: Mapping[str, sympy.Symbol], hint
         c = _smallest(lambda k, x=x, y=y: Condition(x, k, y), pairs, region, symbols)
         if c is not None:
             found.append(c)
-    if not found:
-        for x in used:
-            c = _smallest(lambda k, x=x: Condition(x, k), pairs, region, symbols)
-            if c is not None:
-                found.append(c)
+    for x in used:  # a bound on one dim too: the hints pick which of them is taken
+        c = _smallest(lambda k, x=x: Condition(x, k), pairs, region, symbols)
+        if c is not None:
+            found.append(c)
     # hints choose where to look first: a condition that holds at them, then the weakest
     found.sort(key=lambda c: (not c.holds(hints) if set(hints) >= {c.dim, c.other or c.dim} else True, c.k))
     yield from found

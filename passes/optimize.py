@@ -448,12 +448,14 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
             assume: Condition | None) -> Decision:
     """The formula comparison of every peak (forward, training step, inference) over the region
     where both analyses hold (the higher lower bound of each dim)."""
-    lower = dict(before.report._plan.region.lower)
-    for s, v in after.report._plan.region.lower.items():
-        lower[s] = max(lower.get(s, v), v)
-    # where both analyses hold: a kernel's block count makes its own region (many blocks or one)
-    guards = list(before.report._plan.region.guards)
-    guards += [g for g in after.report._plan.region.guards if g not in guards]
+    # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
+    regions = [m._plan.region for m in (before.report, before.inference, after.report, after.inference)]
+    lower: dict = {}
+    guards: list = []
+    for r in regions:
+        for sym, v in r.lower.items():
+            lower[sym] = max(lower.get(sym, v), v)
+        guards += [g for g in r.guards if g not in guards]
     region = Region(lower, guards)
     pairs = [("peak", before.report.peak, after.report.peak)]
     if before.report.train_peak is not None and after.report.train_peak is not None:

@@ -313,10 +313,12 @@ def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list
             forms.fxmem_forms.force = side
             diff = compare(model, forms, main.verify_inputs)
             if not diff.ok:
-                why = f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in {diff.where})"
+                why = (f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in "
+                       f"{diff.where})")
                 break
         forms.fxmem_forms.force = None
-    entry = log_entry("switch", "applied" if why is None else "declined", name, (f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from "
+    entry = log_entry("switch", "applied" if why is None else "declined", name, (
+                       f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from "
                         f"the inputs' sizes, each verified against the model on its side. Decided by the formulas "
                         f"over the whole region, not at the example sizes: {alt.switch_text}. The hints only chose "
                         f"where to look first; they decide nothing") if why is None else

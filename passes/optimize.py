@@ -267,7 +267,9 @@ def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwis
     forms = best._modules.pop("fxmem_forms")
     _share_modules(best, model)
     best.add_module("fxmem_forms", forms)
-    best.train(model.training)
+    # the flags of the wrappers only: the modules inside are the model's, whose flags are the user's
+    for m in (best, forms, forms.when, forms.otherwise):
+        m.training = model.training
     return best
 
 

@@ -85,5 +85,5 @@ def build(condition: Condition, where: Mapping[str, tuple[int, int]], when: torc
     root = torch.nn.Module()
     root.fxmem_forms = Forms(condition, where, when, otherwise)
     gm = torch.fx.GraphModule(root, graph, name)
-    gm.training = otherwise.training
+    gm.training = otherwise.training  # its own flag only (train() would reach the model's modules)
     return gm

@@ -138,7 +138,8 @@ def test_spelling_is_rewritten(cls, specs):
     # the attention after the split is fused where that saves memory (not at a constant N of 5 or 6)
     for r in entries(opt, "fused-attention"):
         # (or only for some sizes: then the returned module carries both forms, see test_decide.py)
-        assert (r["status"] == "applied" or r["reason"].startswith(("no memory saved", "LeakyReLU's input is sum"))
+        assert (r["status"] in ("applied", "no match")
+                or r["reason"].startswith(("no memory saved", "LeakyReLU's input is sum"))
                 or "lowers the peak only where" in r["reason"])
     entry = opt.meta["fxmem"][0]
     assert entry["rule"] == "pair-linear" and "no longer built" in entry["reason"]

@@ -84,11 +84,12 @@ def assert_unchanged(model: torch.nn.Module, before: tuple) -> None:
 
 
 def statuses(opt: torch.fx.GraphModule, rule: str = "pair-linear") -> list[tuple[str, str]]:
-    return [(r["where"].split(" ")[0], r["status"]) for r in opt.meta["fxmem"] if r["rule"] == rule]
+    return [(r["where"].split(" ")[0], r["status"]) for r in opt.meta["fxmem"]
+            if r["rule"] == rule and r["status"] != "no match"]  # the sites found (a line may find none)
 
 
 def entries(opt: torch.fx.GraphModule, rule: str = "pair-linear") -> list[dict]:
-    return [r for r in opt.meta["fxmem"] if r["rule"] == rule]
+    return [r for r in opt.meta["fxmem"] if r["rule"] == rule and r["status"] != "no match"]
 
 
 def largest_activation(report: fxmem.Report, at: dict[str, int]) -> int:

@@ -60,3 +60,28 @@ class Pass:
     find: Callable[[torch.fx.GraphModule, Sequence[Probe], Mapping[str, Any]], list[Finding]]
     rewrite: Callable[[torch.fx.Graph, dict, Finding, torch.fx.GraphModule], torch.fx.Node]
     settings: Mapping[str, str] = dataclasses.field(default_factory=dict)  # what can be set, in words
+    # what ``find`` looks for, in words: the record of a call where nothing of the kind was found
+    looks_for: str = ""
+
+
+# The keys every ``meta["fxmem"]`` entry has, whichever pass wrote it (a rule, reorder, recompute,
+# the switch between two forms); a pass may add its own after them (recompute: "plan", "budget").
+LOG_KEYS = ("rule", "status", "where", "reason", "when", "decision", "peak_before", "peak_after", "saved_before",
+            "saved_after", "train_peak_before", "train_peak_after", "inference_peak_before", "inference_peak_after")
+# applied: in the returned module; declined: found and not kept (reason says why); no match:
+# nothing of the kind in the graph (reason says what was looked for)
+STATUSES = ("applied", "declined", "no match")
+
+
+def log_entry(rule: str, status: str, where: str, reason: str, **extra: Any) -> dict:
+    """One ``meta["fxmem"]`` entry with every key of :data:`LOG_KEYS` (None where it does not apply).
+
+    >>> log_entry("sdpa", "no match", "Net", "no softmax(q @ k^T) @ v")["peak_after"] is None
+    True
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    out = dict.fromkeys(LOG_KEYS)
+    out.update(rule=rule, status=status, where=where, reason=reason)
+    out.update(extra)
+    return out

@@ -95,7 +95,8 @@ def _merge(train: torch.fx.GraphModule, evals: torch.fx.GraphModule) -> torch.fx
     if len(a) != len(b):
         return None
     index_a, index_b = {n: k for k, n in enumerate(a)}, {n: k for k, n in enumerate(b)}
-    flags: list[tuple[int, tuple, bool]] = []  # (node, path into (args, kwargs), True: flag / False: not flag)
+    # (node, path into (args, kwargs), True: flag / False: not flag / (train value, eval value))
+    flags: list[tuple[int, tuple, Any]] = []
     for k, (x, y) in enumerate(zip(a, b)):
         if x.op != y.op or x.name != y.name or not _same_target(x.target, y.target):
             return None
@@ -112,10 +113,14 @@ def _merge(train: torch.fx.GraphModule, evals: torch.fx.GraphModule) -> torch.fx
         # create_node: get_attr() warns for attributes that are neither tensors nor modules
         flag = graph.create_node("get_attr", FLAG)
     with graph.inserting_after(flag):
-        negated = graph.call_function(operator.not_, (flag,)) if any(not p for _, _, p in flags) else None
+        negated = graph.call_function(operator.not_, (flag,)) if any(p is False for _, _, p in flags) else None
     for k, path, polarity in flags:
         node = a[k]
-        value = flag if polarity else negated
+        if isinstance(polarity, tuple):  # a number: (train value, eval value)
+            with graph.inserting_before(node):
+                value = graph.call_function(by_flag, (flag, *polarity))
+        else:
+            value = flag if polarity else negated
         node.args, node.kwargs = _replace((node.args, node.kwargs), path, value)
     graph.lint()
     train.recompile()
@@ -160,7 +165,15 @@ def _differences(x: Any, y: Any, ia: dict, ib: dict, path: tuple) -> list[tuple[
         same = type(x) is type(y) and bool(x == y)
     except Exception:  # constants that do not compare (tensors): the graphs are not the same
         return None
+    if not same and isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        # `p if self.training else 0` (0.1 / 0, or 0.0 / 0): the number the flag picks, read when the graph runs
+        return [(path, (x, y))]
     return [] if same else None
+
+
+def by_flag(training: bool, when_training: Any, otherwise: Any) -> Any:
+    """The constant a forward wrote as ``a if self.training else b``, picked by the flag at run time."""
+    return when_training if training else otherwise
 
 
 def _replace(value: Any, path: tuple, new: Any) -> Any:

@@ -38,13 +38,16 @@ from ..inputs import random_inputs
 from ..report import Report
 from ..capture.whole_graph import capture
 from ..specs import InputSpec, check_dims, check_input_sizes, choose_hints, parse_specs
-from .base import Finding, Pass, Probe
+from .base import LOG_KEYS, STATUSES, Finding, Pass, Probe, log_entry
 from ..accounting.budget import parse_bytes
 from .modes import in_mode, trace_modes
-from .recompute import fit_budget
+from .recompute import BudgetError, fit_budget
 from .reorder import reorder
 from .registry import PASSES
 from .verify import compare
+from . import switch
+from .decide import Condition, Decision, decide
+from ..accounting.symbolic import Region
 
 # Probe sizes when the user gives none: dim k (in order of appearance) is base+k for each base of
 # a rung; probes run at the first and last base, rewrites are verified at all three. Small, so a
@@ -72,9 +75,12 @@ class _Memory:
     points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) per point
 
     def lower_than(self, other: "_Memory") -> bool:
-        """No peak higher than ``other``'s at any point, and one lower."""
-        pairs = list(zip(self.points, other.points))
-        return all(a <= b for p, q in pairs for a, b in zip(p, q)) and any(a < b for p, q in pairs for a, b in zip(p, q))
+        """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
+        return _decide(other, self, self.report.symbols, self.report.hints, None).verdict == "keep"
+
+    def decision(self, other: "_Memory") -> str:
+        """The formula comparison of this graph's peaks with ``other``'s, in words."""
+        return _decide(other, self, self.report.symbols, self.report.hints, None).text
 
     def formulas(self, suffix: str) -> dict[str, str | None]:
         r = self.report
@@ -171,38 +177,161 @@ def optimize(
         analyze(gm, *input_specs, options=kw.replace(grad=False))  # a shape error at every size says where, in dims
         raise
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
-    state = _Search(gm, model, input_specs, kw, verify_inputs)
+    state = _Search(gm, model, input_specs, kw, verify_inputs, symbols, choose_hints(symbols, hints), None)
     if traced.capture:
         gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
         _share_modules(gm, model)
-        gm.meta["fxmem"] = [{"rule": "train/eval", "status": "declined", "where": name, "reason": traced.reason}]
+        if budget is not None:  # never silence: the step must fit as it is, or say so
+            _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
+                      check_dims(dict(dims), symbols, "dims"), traced.reason)
+        gm.meta["fxmem"] = [log_entry("train/eval", "declined", name, traced.reason)] + [
+            log_entry(p.name, "no match", name, f"not looked for: {traced.reason}") for p in PASSES]
         return gm
+    hint_sizes = choose_hints(symbols, hints)
+    state = _search(gm, state, probes, specs, name, settings, None)
+    switched = None
+    if state.switch is not None:  # a rewrite that pays only where a condition holds: a second line
+        alt = _Search(gm, model, input_specs, kw, verify_inputs, symbols, hint_sizes, state.switch)
+        alt.switch_text = state.switch_text
+        alt = _search(gm, alt, probes, specs, name, settings, state.switch)
+        switched = _switch(state, alt, model, specs, symbols, name)
+        state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
+    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer)
+    if switched is not None:
+        alt, entry = switched
+        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer)
+        best = _forms(alt.condition, switch.positions(alt.condition, specs, symbols), alt.best, state.best, model)
+        log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
+    else:
+        best, log = state.best, _tagged(state.log, None)
+    _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
+    best.meta["fxmem"] = log
+    if traced.capture:  # what the rewritten graph is a graph of
+        best.meta["fxmem_capture"] = traced.capture
+    return best
+
+
+def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], specs: list[InputSpec], name: str,
+            settings: dict, assume: Condition | None) -> "_Search":
+    """Every pass in registry order over the graph the passes before it made; ``state`` decides."""
     for k, rule in enumerate(PASSES):
         if k:  # each pass sees the graph the passes before it made (fused attention needs decomposed scores)
             if state.rebase():
                 probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
         findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
+        if not findings:  # every call says what it tried, also where nothing was found
+            state.log.append(log_entry(rule.name, "no match", name, f"looked for {rule.looks_for}; none in the graph"))
         for _, finding in findings:
             state.log_finding(finding)
-        for group in _groups([(r, f) for r, f in findings if f.status == "match"]):
-            state.try_group(group)
+        unpaid = [g for g in _groups([(r, f) for r, f in findings if f.status == "match"])
+                  if state.try_group(g) == "no gain"]
+        if len(unpaid) > 1:  # sites that pay only together (the heads of a layer, the layers of a model)
+            together = [x for g in unpaid for x in g]
+            if state.try_group(together) == "kept":
+                for _, f in together:
+                    e = state._entries[id(f)]
+                    first = e["reason"] if "no longer built" in e["reason"] else f.reason
+                    e["reason"] = (f"{first}; accepted as a group of {len(together)} {rule.name} sites "
+                                   f"that lower the peak only together (each alone leaves the others' tensors at it)")
+    return state
+
+
+def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
+            optimizer) -> torch.fx.GraphModule:
+    """Reorder, then (with ``budget=``) recompute, on one line's best graph; their entries go to its log."""
     best = state.best
-    # another order of the nodes, where fxmem's analysis finds it lowers the peak
-    best, entry = reorder(best, verify_inputs[-1], specs, choose_hints(symbols, hints), lambda g: _memory(g, input_specs, kw),
-                          lambda g: compare(model, g, verify_inputs), verify_at)
-    if entry is not None:
-        state.log.append(entry)
-    if budget is not None:  # after the rewrites: recompute what still does not fit
-        dims = check_dims(dict(dims), symbols, "dims")
+    best, entry = reorder(best, state.verify_inputs[-1], specs, choose_hints(symbols, hints),
+                          lambda g: _memory(g, input_specs, kw), lambda g: compare(model, g, state.verify_inputs),
+                          verify_at)
+    state.log.append(entry if entry is not None else log_entry(
+        "reorder", "no match", type(model).__name__, "looked for another order of the nodes with a lower modelled "
+        "peak at the example sizes; none"))
+    runs_at_dims = budget is not None and (state.condition is None or state.condition.holds(dims)) and (
+        state.condition is not None or state.switch is None or not state.switch.holds(dims))
+    if budget is None:
+        state.log.append(log_entry("recompute", "no match", type(model).__name__,
+                                   "no budget= given: nothing is recomputed"))
+    elif not runs_at_dims:  # the other form runs at dims: the budget is its to meet
+        state.log.append(log_entry("recompute", "no match", type(model).__name__,
+                                   f"at dims {dims} the other form runs; the budget is fitted there"))
+    else:  # after the rewrites: recompute what still does not fit
         best, entry = fit_budget(best, model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                                 dims, state.verify_inputs)
+                                 check_dims(dict(dims), symbols, "dims"), state.verify_inputs)
         state.log.append(entry)
-    _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
-    best.meta["fxmem"] = state.log
-    if traced.capture:  # what the rewritten graph is a graph of
-        best.meta["fxmem_capture"] = traced.capture
     return best
+
+
+def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwise: torch.fx.GraphModule,
+           model: torch.nn.Module) -> torch.fx.GraphModule:
+    """:func:`.switch.build`, sharing the model's modules first: ``parameters()`` in the model's order."""
+    best = switch.build(cond, where, when, otherwise, type(model).__name__)
+    forms = best._modules.pop("fxmem_forms")
+    _share_modules(best, model)
+    best.add_module("fxmem_forms", forms)
+    # the flags of the wrappers only: the modules inside are the model's, whose flags are the user's
+    for m in (best, forms, forms.when, forms.otherwise):
+        m.training = model.training
+    return best
+
+
+def _tagged(log: list[dict], when: str | None) -> list[dict]:
+    """``log``'s entries in the one schema (:data:`.base.LOG_KEYS`), each saying for which sizes it
+    holds (``when``: None for every size, one form)."""
+    out = []
+    for e in log:
+        e = {**dict.fromkeys(LOG_KEYS), **e}
+        assert e["status"] in STATUSES, e  # a pass that writes another status is a bug here
+        e["when"] = when if e["when"] is None else e["when"]
+        out.append(e)
+    return out
+
+
+def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any, dims: dict,
+              why: str) -> None:
+    """Raise :class:`BudgetError` unless the model's own training step fits ``budget`` at ``dims``."""
+    report = analyze(model, *input_specs, options=kw.replace(mode="auto"))
+    peak = report.evaluate(**dims)["train_peak"]
+    limit = parse_bytes(budget)
+    if peak > limit:
+        at = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training step at {at} takes {peak:,} bytes, over "
+                          f"the budget, and nothing could be rewritten or recomputed: {why}; what to do: make the "
+                          f"model compute the same graph in train and eval mode, or a larger budget", peak, {})
+
+
+def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list[InputSpec], symbols: Mapping,
+            name: str) -> tuple["_Search", dict] | None:
+    """Both forms, when the conditioned line kept something and both are verified on their side of
+    the condition; the ``meta`` entry saying so. None (and main's entries say why) otherwise."""
+    cond = alt.condition
+    where = switch.positions(cond, specs, symbols)
+    why = None
+    if not alt.kept:
+        why = "no rewrite was kept where the condition holds (see the entries for it)"
+    elif where is None:
+        why = f"{cond.dim} or {cond.other} is not the size of an input axis, so the call cannot read it"
+    if why is None:
+        forms = _forms(cond, where, alt.best, main.best, model)
+        for side in (True, False):  # each form on its own side, and the call's own choice
+            forms.fxmem_forms.force = side
+            diff = compare(model, forms, main.verify_inputs)
+            if not diff.ok:
+                why = (f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in "
+                       f"{diff.where})")
+                break
+        forms.fxmem_forms.force = None
+    entry = log_entry("switch", "applied" if why is None else "declined", name, (
+                       f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from "
+                        f"the inputs' sizes, each verified against the model on its side. Decided by the formulas "
+                        f"over the whole region, not at the example sizes: {alt.switch_text}. The hints only chose "
+                        f"where to look first; they decide nothing") if why is None else
+                       f"rewrites never higher where {cond} were found, but {why}; the original form is kept",
+                      when=str(cond), condition=str(cond), decision=alt.switch_text)
+    if why is not None:
+        main.log.append(entry)
+        return None
+    return alt, entry
 
 
 def _check_settings(settings: Mapping[str, Mapping[str, Any]] | None) -> dict:
@@ -230,8 +359,14 @@ class _Search:
     it is verified and lowers the memory of everything kept before it."""
 
     def __init__(self, gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, kw: dict,
-                 verify_inputs: list) -> None:
+                 verify_inputs: list, symbols: Mapping, hints: Mapping[str, int], condition: Condition | None) -> None:
         self.gm, self.model, self.input_specs, self.kw, self.verify_inputs = gm, model, input_specs, kw, verify_inputs
+        self.symbols, self.hints = symbols, hints
+        # the line's assumption (the conditioned form of a switch): decisions hold where it holds
+        self.condition = condition
+        self.switch: Condition | None = None  # the first condition a rewrite needed (main line)
+        self.switch_text = ""
+        self.kept = 0
         self._current: _Memory | None = None  # analysed when first needed: most models have no finding
         self.best = _build(gm, model, [])
         self.accepted: list[tuple[Pass, Finding]] = []
@@ -258,14 +393,13 @@ class _Search:
 
     def log_finding(self, finding: Finding) -> None:
         """Start the ``meta["fxmem"]`` entry of ``finding`` (declined until it is applied)."""
-        entry = {"rule": finding.rule, "status": "declined", "where": finding.where, "reason": finding.reason,
-                 **self.current.formulas("before"),
-                 **dict.fromkeys(("peak_after", "saved_after", "train_peak_after", "inference_peak_after"))}
+        entry = log_entry(finding.rule, "declined", finding.where, finding.reason, **self.current.formulas("before"))
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
-    def try_group(self, group: list[tuple[Pass, Finding]]) -> None:
-        """Apply ``group`` on top of what is kept; keep it if it is verified and lowers the peak."""
+    def try_group(self, group: list[tuple[Pass, Finding]]) -> str:
+        """Apply ``group`` on top of what is kept; keep it if it is verified and lowers the peak.
+        Returns ``"kept"``, ``"failed"`` (verification) or ``"no gain"`` (exact, not lower)."""
         entries = [self._entries[id(f)] for _, f in group]
         for e in entries:
             e.update(self.current.formulas("before"))
@@ -275,26 +409,35 @@ class _Search:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group:
                     self.try_group([member])
-                return
+                return "failed"
             _, finding = group[0]
             entries[0]["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the rewrite "
                                     f"does not compute what the original does; dropped")
             warnings.warn(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
                           f"{entries[0]['reason']}", RuntimeWarning, stacklevel=3)
-            return
+            return "failed"
         after = _memory(trial, self.input_specs, self.kw)
         for e in entries:
             e.update(after.formulas("after"))
-        if not after.lower_than(self.current):
+        decision = _decide(self.current, after, self.symbols, self.hints, self.condition)
+        for e in entries:
+            e["decision"] = decision.text
+        if decision.verdict == "switch" and self.condition is not None:  # a stronger condition, same dims
+            self.condition = decision.condition
+            self.switch_text = decision.text
+        elif decision.verdict == "switch":
+            if self.switch is None:
+                self.switch, self.switch_text = decision.condition, decision.text
+            for e, (_, f) in zip(entries, group):
+                e["reason"] = (f"the rewrite is exact ({f.reason}) and lowers the peak only where "
+                               f"{decision.condition}: {decision.text}; this form keeps the original")
+            return "no gain"
+        if decision.verdict == "decline":
             together = f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else ""
             for e, (_, f) in zip(entries, group):
-                e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's analysis of the rewrite"
-                               f"{together} gives peak {after.report.peak} (was {self.current.report.peak})"
-                               + (f" and training-step peak {after.report.train_peak} (was "
-                                  f"{self.current.report.train_peak})" if after.report.train_peak is not None else "")
-                               + f" and inference peak {after.inference.peak} (was {self.current.inference.peak})"
-                               + ", so the original is kept")
-            return
+                e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's formulas of the "
+                               f"rewrite{together} are {decision.text}; so the original is kept")
+            return "no gain"
         names = {n.name for n in trial.graph.nodes}
         for e, (_, f) in zip(entries, group):
             e["status"] = "applied"
@@ -302,7 +445,29 @@ class _Search:
             if gone:
                 e["reason"] = f"{f.reason}; no longer built: {', '.join(gone)}"
         self.accepted += group
+        self.kept += len(group)
         self.current, self.best = after, trial
+        return "kept"
+
+
+def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[str, int],
+            assume: Condition | None) -> Decision:
+    """The formula comparison of every peak (forward, training step, inference) over the region
+    where both analyses hold (the higher lower bound of each dim)."""
+    # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
+    regions = [m._plan.region for m in (before.report, before.inference, after.report, after.inference)]
+    lower: dict = {}
+    guards: list = []
+    for r in regions:
+        for sym, v in r.lower.items():
+            lower[sym] = max(lower.get(sym, v), v)
+        guards += [g for g in r.guards if g not in guards]
+    region = Region(lower, guards)
+    pairs = [("peak", before.report.peak, after.report.peak)]
+    if before.report.train_peak is not None and after.report.train_peak is not None:
+        pairs.append(("training-step peak", before.report.train_peak, after.report.train_peak))
+    pairs.append(("inference peak", before.inference.peak, after.inference.peak))
+    return decide(pairs, region, symbols, hints, assume)
 
 
 def _groups(matches: list[tuple[Pass, Finding]]) -> list[list[tuple[Pass, Finding]]]:
@@ -416,6 +581,14 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     for name, b in model.named_buffers(recurse=False):
         if getattr(out, name, None) is not b:
             out.register_buffer(name, b, persistent=name not in tc.non_persistent_buffers(model))
+    # in the model's order (a graph copies what it reads in the order it reads it): parameters() then
+    # come as the model's do, so an optimizer state loaded by position matches; the graph's own last
+    for table, mine in (("_modules", model._modules), ("_parameters", model._parameters), ("_buffers", model._buffers)):
+        held = out.__dict__[table]
+        ordered = {k: held[k] for k in mine if k in held}
+        ordered.update((k, v) for k, v in held.items() if k not in ordered)
+        held.clear()
+        held.update(ordered)
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:

@@ -295,7 +295,8 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
     if not new_mem.lower_than(old_mem):
         entry["reason"] = (f"an order with modelled live bytes {format_bytes(modelled)} instead of "
                            f"{format_bytes(before)} at {at} was found, but fxmem's analysis of it finds no lower "
-                           f"peak (or a higher one), so the original order is kept")
+                           f"peak (or a higher one), so the original order is kept"
+                           + (f": {new_mem.decision(old_mem)}" if hasattr(new_mem, "decision") else ""))
         return gm, entry
     for at_sizes in also_at:
         higher = _higher(old_mem, new_mem, at_sizes)

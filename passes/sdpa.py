@@ -102,6 +102,33 @@ def _dropout_of(node: torch.fx.Node, modules: Mapping) -> tuple[float, Any, str 
     return _dropout(node, modules)
 
 
+def _opaque(scores: torch.fx.Node, modules: Mapping) -> str | None:
+    """Why the scores cannot be read, when they come from code fx did not trace into (a function
+    under ``@torch.fx.wrap``, a leaf module) that is given a matrix product; None otherwise."""
+    seen, todo = set(), [scores]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or len(seen) > 8:
+            continue
+        seen.add(n)
+        target = n.target
+        if n.op == "call_module":
+            owner = type(modules.get(n.target)).__module__ if n.target in modules else ""
+            hidden = not owner.startswith("torch.")
+        elif n.op == "call_function":
+            owner = getattr(target, "__module__", "") or ""
+            hidden = not owner.startswith(("torch", "_operator", "operator", "builtins", "math", "fxmem"))
+        else:
+            hidden = False
+        if hidden and any(isinstance(a, torch.fx.Node) for a in n.args):
+            what = getattr(target, "__name__", str(target))
+            return (f"the scores pass through {what} (node {n.name}), code torch.fx does not trace into (a function "
+                    f"under @torch.fx.wrap or a leaf module): what it does to them cannot be seen, so softmax(q @ k^T "
+                    f"[+ mask]) @ v is not matched; make it traceable to let the rewrite see it")
+        todo += [a for a in n.args if isinstance(a, torch.fx.Node)]
+    return None
+
+
 def _single_user(chain: Sequence[torch.fx.Node], softmax: torch.fx.Node, end: torch.fx.Node) -> str | None:
     """A reason if a node of the attention (scores to weights) is read by anything outside it."""
     inside = set(chain) | {end}
@@ -134,8 +161,8 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> Sd
     if dim is None or not isinstance(softmax.args[0], torch.fx.Node):
         return None  # not attention weights
     chain = fold_chain(softmax.args[0], probes)
-    if chain is None:
-        return None  # softmax of something that is no product: not dot-product attention
+    if chain is None:  # softmax of something that is no product: not dot-product attention, unless hidden
+        return _opaque(softmax.args[0], modules)
     if isinstance(chain, str):
         return chain
     layout = attention_layout(chain.product, node, weights_in, probes)

@@ -172,3 +172,39 @@ class SoftmaxOverRows(DecomposedHead):
 
 SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask]
 LOOKALIKES = [GATv2Attention, AdditiveMask, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
+
+
+# --- composed and multi-head: pair-linear first, then fused attention --------------------------------
+
+class PairHead(nn.Module):
+    """pyGAT's 2017 layer: [h_i || h_j] built with repeat_interleave and repeat, viewed to N x N x 2F,
+    (pair @ a).squeeze(-1), masked_fill(adj == 0, -inf), softmax, @ h."""
+
+    def __init__(self, fin: int = FIN, fout: int = FEAT, concat: bool = True) -> None:
+        super().__init__()
+        self.W, self.a = _param(fin, fout), _param(2 * fout, 1)
+        self.concat = concat
+
+    def forward(self, x, adj):
+        h = x @ self.W
+        n = h.shape[1]
+        pair = torch.cat([h.repeat_interleave(n, dim=1), h.repeat(1, n, 1)], dim=-1).view(h.shape[0], n, n, -1)
+        e = F.leaky_relu((pair @ self.a).squeeze(-1), 0.2)
+        att = torch.softmax(e.masked_fill(adj == 0, float("-inf")), dim=-1)
+        out = att @ h
+        return F.elu(out) if self.concat else out
+
+
+class MultiHeadPairGAT(nn.Module):
+    """pyGAT's GAT: HEADS heads concatenated, then an output attention layer (dropout 0)."""
+
+    SPECS = (("B", "N", FIN), ("B", "N", "N"))
+
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([PairHead() for _ in range(heads)])
+        self.out = PairHead(heads * FEAT, 4, concat=False)
+
+    def forward(self, x, adj):
+        x = torch.cat([head(x, adj) for head in self.heads], dim=-1)
+        return F.log_softmax(F.elu(self.out(x, adj)), dim=-1)

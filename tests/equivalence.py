@@ -37,3 +37,15 @@ def assert_same_in_every_mode(model: nn.Module, opt: nn.Module, xs: list, rtol: 
             for name, w in want.items():
                 torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol, equal_nan=True,
                                            msg=f"{name}, training={training}, grad={grad}")
+
+
+def rewritten(opt):
+    """The rewritten form of an ``fxmem.optimize`` result, with the ``meta["fxmem"]`` entries of that
+    form: the result itself, or, where the rewrites pay only for some sizes and the result carries
+    two forms (``fxmem.passes.switch``), the form taken where the condition holds."""
+    forms = getattr(opt, "fxmem_forms", None)
+    if forms is None:
+        return opt
+    gm = forms.when
+    gm.meta["fxmem"] = [e for e in opt.meta["fxmem"] if e["when"] == str(forms.condition) and e["rule"] != "switch"]
+    return gm

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run, load_example
-from equivalence import assert_same_in_every_mode
+from equivalence import assert_same_in_every_mode, rewritten
 from fxmem.passes import compare
 from fxmem.passes.modes import trace_modes
 from fxmem.passes.verify import MODES
@@ -52,7 +52,7 @@ def test_optimized_seed_layer_follows_eval_and_train():
     torch.manual_seed(1)
     layer.train()
     torch.testing.assert_close(a, layer(x, adj), rtol=1e-6, atol=1e-6)
-    assert "training = self.training" in opt.code
+    assert "training = self.training" in rewritten(opt).code  # (the form where the rewrites are taken)
 
 
 def test_a_graph_frozen_in_train_mode_fails_verification_in_eval_mode():
@@ -176,7 +176,7 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
     torch.manual_seed(0)
     model = BranchOnFlag()
     opt = fxmem.optimize(model, *BranchOnFlag.SPECS)
-    (entry,) = opt.meta["fxmem"]
+    (entry,) = [e for e in opt.meta["fxmem"] if e["status"] != "no match"]  # each rule: "no match", not looked for
     assert entry["status"] == "declined" and entry["rule"] == "train/eval"
     assert "other things in train and in eval mode" in entry["reason"]
     assert set(opt.state_dict()) == set(model.state_dict())

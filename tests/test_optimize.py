@@ -84,11 +84,12 @@ def assert_unchanged(model: torch.nn.Module, before: tuple) -> None:
 
 
 def statuses(opt: torch.fx.GraphModule, rule: str = "pair-linear") -> list[tuple[str, str]]:
-    return [(r["where"].split(" ")[0], r["status"]) for r in opt.meta["fxmem"] if r["rule"] == rule]
+    return [(r["where"].split(" ")[0], r["status"]) for r in opt.meta["fxmem"]
+            if r["rule"] == rule and r["status"] != "no match"]  # the sites found (a line may find none)
 
 
 def entries(opt: torch.fx.GraphModule, rule: str = "pair-linear") -> list[dict]:
-    return [r for r in opt.meta["fxmem"] if r["rule"] == rule]
+    return [r for r in opt.meta["fxmem"] if r["rule"] == rule and r["status"] != "no match"]
 
 
 def largest_activation(report: fxmem.Report, at: dict[str, int]) -> int:
@@ -137,7 +138,10 @@ def test_spelling_is_rewritten(cls, specs):
     assert found and all(status == "applied" for _, status in found), opt.meta["fxmem"]
     # the attention after the split is fused where that saves memory (not at a constant N of 5 or 6)
     for r in entries(opt, "fused-attention"):
-        assert r["status"] == "applied" or r["reason"].startswith(("no memory saved", "LeakyReLU's input is sum"))
+        # (or only for some sizes: then the returned module carries both forms, see test_decide.py)
+        assert (r["status"] in ("applied", "no match")
+                or r["reason"].startswith(("no memory saved", "LeakyReLU's input is sum"))
+                or "lowers the peak only where" in r["reason"])
     entry = opt.meta["fxmem"][0]
     assert entry["rule"] == "pair-linear" and "no longer built" in entry["reason"]
     assert ".py:" in entry["where"]

@@ -92,6 +92,11 @@ def entries(opt: torch.fx.GraphModule, rule: str = "pair-linear") -> list[dict]:
     return [r for r in opt.meta["fxmem"] if r["rule"] == rule and r["status"] != "no match"]
 
 
+def sites(opt: torch.fx.GraphModule) -> list[dict]:
+    """The records of sites some pass found (every call also records each pass that found none)."""
+    return [r for r in opt.meta["fxmem"] if r["status"] != "no match"]
+
+
 def largest_activation(report: fxmem.Report, at: dict[str, int]) -> int:
     return max(report.at(s.bytes, **at) for s in report.storages if s.kind == "activation")
 
@@ -184,7 +189,8 @@ def test_seed_layer_forward_peak_100x_lower():
     torch.manual_seed(0)
     layer = seed_gat.GraphAttentionLayerFixed(6, 128)
     opt = fxmem.optimize(layer, *SEED_SPECS)
-    assert statuses(opt) == [("matmul_1", "applied")]
+    # the pair split, then (composed on its output) the fused attention
+    assert set(statuses(opt)) == {("matmul_1", "applied")}
     before = fxmem.analyze(layer, *SEED_SPECS).evaluate(B=4, N=500)
     after = fxmem.analyze(opt, *SEED_SPECS).evaluate(B=4, N=500)
     assert before["peak_above_resident"] >= 100 * after["peak_above_resident"]
@@ -246,7 +252,7 @@ def test_edge_mlp_that_saves_nothing_is_declined():
     torch.manual_seed(0)
     model = P.EdgeMLPPairsKept()
     opt = optimize_checked(model, P.EdgeMLPPairsKept.SPECS)
-    (entry,) = opt.meta["fxmem"]
+    (entry,) = sites(opt)
     assert entry["status"] == "declined" and entry["reason"].startswith("no memory saved")
     assert entry["peak_after"] is not None
     assert opt.code == trace_modes(model).graph_module.code
@@ -255,7 +261,7 @@ def test_edge_mlp_that_saves_nothing_is_declined():
 def test_unrelated_linear_maps_are_not_reported():
     mlp = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = optimize_checked(mlp, (("B", 6),))
-    assert opt.meta["fxmem"] == []
+    assert sites(opt) == []
 
 
 # --- the optimizer's contract ----------------------------------------------------------------------
@@ -296,17 +302,17 @@ def test_errors_name_the_argument_and_what_to_do():
         fxmem.optimize(P.Expand(), *P.Expand.SPECS, probe_sizes=[{"B": 2, "N": 3}, {"B": 2, "N": 5}])
 
     # too small for the first probes: larger ones are tried
-    assert fxmem.optimize(torch.nn.Conv1d(4, 4, kernel_size=7), ("B", 4, "N")).meta["fxmem"] == []
+    assert sites(fxmem.optimize(torch.nn.Conv1d(4, 4, kernel_size=7), ("B", 4, "N"))) == []
     wide = torch.nn.Conv1d(4, 4, kernel_size=40)  # larger than every default probe
     with pytest.raises(fxmem.ShapeError, match=r"probe_sizes=\[\{\.\.\.\}"):
         fxmem.optimize(wide, ("B", 4, "N"))
     opt = fxmem.optimize(wide, ("B", 4, "N"), probe_sizes=[{"B": 2, "N": 40}, {"B": 3, "N": 41}])
-    assert opt.meta["fxmem"] == []
+    assert sites(opt) == []
 
 
 def test_declined_entries_carry_formulas_before():
     torch.manual_seed(0)
     opt = fxmem.optimize(P.ProductPairs(), *P.ProductPairs.SPECS)
-    (entry,) = opt.meta["fxmem"]
+    (entry,) = sites(opt)
     assert set(entry) >= {"rule", "status", "where", "reason", "peak_before", "peak_after", "saved_before", "saved_after"}
     assert entry["peak_after"] is None and "B*N**2" in entry["peak_before"]

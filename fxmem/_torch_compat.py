@@ -62,6 +62,8 @@ __all__ = [
     "plain_sympy",
     "fake_cuda_is_safe",
     "matmul_decomposition",
+    "order_like",
+    "pop_child",
     "op_name",
     "op_packet_name",
     "python_number_in_tensor_slot",
@@ -418,6 +420,23 @@ def module_attribute_values(module: torch.nn.Module) -> list[tuple[str, Any]]:
         for k, v in own.items():
             found.append((f"{prefix}.{k}" if prefix else k, v))
     return found
+
+
+def order_like(out: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Reorder ``out``'s own children, parameters and buffers so those ``model`` also has come in
+    ``model``'s order (``out``'s others after them): ``out.parameters()`` then lists shared
+    parameters as ``model.parameters()`` does (an optimizer state loaded by position matches)."""
+    for table in ("_modules", "_parameters", "_buffers"):
+        held, mine = out.__dict__[table], model.__dict__[table]
+        ordered = {k: held[k] for k in mine if k in held}
+        ordered.update((k, v) for k, v in held.items() if k not in ordered)
+        held.clear()
+        held.update(ordered)
+
+
+def pop_child(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """Remove the child ``name`` of ``module`` and return it."""
+    return module.__dict__["_modules"].pop(name)
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> set:

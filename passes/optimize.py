@@ -266,7 +266,7 @@ def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwis
            model: torch.nn.Module) -> torch.fx.GraphModule:
     """:func:`.switch.build`, sharing the model's modules first: ``parameters()`` in the model's order."""
     best = switch.build(cond, where, when, otherwise, type(model).__name__)
-    forms = best._modules.pop("fxmem_forms")
+    forms = tc.pop_child(best, "fxmem_forms")
     _share_modules(best, model)
     best.add_module("fxmem_forms", forms)
     # the flags of the wrappers only: the modules inside are the model's, whose flags are the user's
@@ -583,12 +583,7 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
             out.register_buffer(name, b, persistent=name not in tc.non_persistent_buffers(model))
     # in the model's order (a graph copies what it reads in the order it reads it): parameters() then
     # come as the model's do, so an optimizer state loaded by position matches; the graph's own last
-    for table, mine in (("_modules", model._modules), ("_parameters", model._parameters), ("_buffers", model._buffers)):
-        held = out.__dict__[table]
-        ordered = {k: held[k] for k in mine if k in held}
-        ordered.update((k, v) for k, v in held.items() if k not in ordered)
-        held.clear()
-        held.update(ordered)
+    tc.order_like(out, model)
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:

@@ -39,7 +39,8 @@ def test_optimize_rewrites_the_graph_dynamo_captures_where_fx_cannot():
     model = ScatterGCN()
     opt = fxmem.optimize(model, ("N", 16), EDGES, hints={"N": 53, "E": 2003})
     assert "TorchDynamo" in opt.meta["fxmem_capture"] and "zeros" in opt.meta["fxmem_capture"]
-    assert [(r["rule"], r["status"]) for r in opt.meta["fxmem"]] == [("fused-message-passing", "applied")]
+    assert [(r["rule"], r["status"]) for r in opt.meta["fxmem"] if r["status"] != "no match"] == [
+        ("fused-message-passing", "applied")]
     assert sorted(opt.state_dict()) == sorted(model.state_dict())
     assert all(a is b for a, b in zip(opt.parameters(), model.parameters()))
     for train in (True, False):

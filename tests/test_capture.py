@@ -39,8 +39,10 @@ def test_optimize_rewrites_the_graph_dynamo_captures_where_fx_cannot():
     model = ScatterGCN()
     opt = fxmem.optimize(model, ("N", 16), EDGES, hints={"N": 53, "E": 2003})
     assert "TorchDynamo" in opt.meta["fxmem_capture"] and "zeros" in opt.meta["fxmem_capture"]
-    assert [(r["rule"], r["status"]) for r in opt.meta["fxmem"] if r["status"] != "no match"] == [
-        ("fused-message-passing", "applied")]
+    found = [(r["rule"], r["status"]) for r in opt.meta["fxmem"] if r["status"] != "no match"]
+    # the fused form is applied where the formulas prove it pays (E >= k*N; a 'switch' record says where)
+    assert ("fused-message-passing", "applied") in found
+    assert {rule for rule, status in found if status == "applied"} <= {"fused-message-passing", "switch"}
     assert sorted(opt.state_dict()) == sorted(model.state_dict())
     assert all(a is b for a, b in zip(opt.parameters(), model.parameters()))
     for train in (True, False):

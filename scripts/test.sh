@@ -27,8 +27,9 @@ run_pytest() {  # pytest exit 5 = "no tests collected": not a failure of the cod
 }
 
 FXMEM_VENV="$here/.venv" FXMEM_TORCH="${FXMEM_TORCH:-torch==2.13.0}" source "$here/scripts/setup.sh"
-echo "== phase 1: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__)')"
-run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider tests "$@"
+echo "== phase 1: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__)'), ${FXMEM_TEST_WORKERS:-2} test processes"
+# one pytest process per core (pytest-xdist): the tests are independent processes' worth of work
+run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider -n "${FXMEM_TEST_WORKERS:-2}" tests "$@"
 
 if [ "${FXMEM_CUDA_SIM:-1}" != 0 ]; then
   FXMEM_VENV="$here/.venv-cuda" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"

@@ -56,7 +56,10 @@ def size_one_strides(old_shape: Sequence[Any], old_strides: Sequence[Any], new_s
     ones = [i for i, d in enumerate(new_shape) if _is(d, 1)]
     if not ones:
         return None
-    real = aten_view_strides(old_shape, old_strides, new_shape)
+    try:
+        real = aten_view_strides(old_shape, old_strides, new_shape)
+    except RuntimeError:  # a comparison on a size the data decides (x[mask]): leave the strides as they are
+        return None
     if real is None:
         return None
     fixed = list(new_strides)

@@ -21,7 +21,7 @@ AT = ({"N": 6, "E": 11}, {"N": 9, "E": 30})
 
 
 def pair_entries(opt) -> list[dict]:
-    return [r for r in opt.meta["fxmem"] if r["rule"] == "pair-linear"]
+    return [r for r in opt.meta["fxmem"] if r["rule"] == "pair-linear" and r["status"] != "no match"]
 
 
 def inputs(cls, sizes: dict, seed: int = 0) -> list:
@@ -34,8 +34,10 @@ def test_gathered_pairs_are_split(cls):
     torch.manual_seed(0)
     model = cls()
     opt = fxmem.optimize(model, *cls.SPECS)
-    (entry,) = pair_entries(opt)
-    assert entry["status"] == "applied", entry["reason"]
+    # decided by formula: the record of the side where it pays says applied (a switch picks the side)
+    applied = [e for e in pair_entries(opt) if e["status"] == "applied"]
+    assert len(applied) == 1, [e["reason"] for e in pair_entries(opt)]
+    (entry,) = applied
     assert entry["reason"].startswith("gathered pairs") and "edge_index[" in entry["reason"]
     assert not any(n.target is torch.cat for n in opt.graph.nodes)
     for at in AT:

@@ -463,27 +463,35 @@ for _op in (aten.sum.default, aten.sum.dim_IntList, aten.prod.default, aten.cums
     require_args(_op, "self")
 
 
-def reduction_scratch(call: Call) -> tuple[Any, Any]:
-    """(bytes of the input cast to the output's dtype, bytes of the two-pass buffer) of a CPU reduction."""
+def reduction_scratch(call: Call) -> tuple[Any, Any, list]:
+    """(bytes of the input cast to the output's dtype, bytes of the two-pass buffer, flags) of a CPU
+    reduction; a flag (:class:`Unknown`) where the size the buffer depends on is decided by the data."""
     x, out = call.arg("self"), call.outputs[0]
     packet = call.func.overloadpacket
     cast = 0
     if packet in _CASTING_REDUCTIONS and x.dtype != out.dtype and not (x.is_complex() or out.is_complex()):
         cast = x.numel() * out.element_size()
-    buffer = 0
+    buffer, flags = 0, []
     threads = torch.get_num_threads()
-    if packet in _TWO_PASS_REDUCTIONS and threads > 1 and out.numel() == 1 and x.numel() >= GRAIN_SIZE:
-        buffer = threads * out.element_size()
-    return cast, buffer
+    if packet in _TWO_PASS_REDUCTIONS and threads > 1 and out.numel() == 1:
+        try:
+            large = bool(x.numel() >= GRAIN_SIZE)
+        except Exception:  # noqa: BLE001 - a size the data decides (x[mask], nonzero): no example value
+            large = False
+            flags = [Unknown(call.op, f"its ({threads},)-element two-pass buffer exists only over >= {GRAIN_SIZE} "
+                                      f"elements, and how many there are here is decided by the data")]
+        if large:
+            buffer = threads * out.element_size()
+    return cast, buffer, flags
 
 
 @hidden(*(op for op in {*_CASTING_REDUCTIONS, *_TWO_PASS_REDUCTIONS} if op is not aten.mean), device="cpu")
 def _reduction_cpu(call: Call) -> list | None:
     """A reduction over an input of another dtype casts the input to the output's dtype first; one
     to a single element over >= GRAIN_SIZE inputs on several threads keeps a per-thread result buffer."""
-    cast, buffer = reduction_scratch(call)
+    cast, buffer, flag = reduction_scratch(call)
     inner = _nonzero([cast, buffer])
-    flag = _prod_backward(call) if call.func.overloadpacket is aten.prod else []
+    flag = flag + (_prod_backward(call) if call.func.overloadpacket is aten.prod else [])
     return [OUT, *inner, *[-c for c in reversed(inner)], *flag] if inner or flag else None
 
 

@@ -139,6 +139,6 @@ def _mean_cpu(call: Call) -> list | None:
     out = call.outputs[0]
     if not out.dtype.is_floating_point:
         return None
-    cast, buffer = reduction_scratch(call)
+    cast, buffer, flags = reduction_scratch(call)
     inner = [c for c in (cast, buffer) if not (isinstance(c, int) and c == 0)]
-    return [OUT, *inner, *[-c for c in reversed(inner)], 8, out.element_size(), -out.element_size(), -8]
+    return [OUT, *inner, *[-c for c in reversed(inner)], 8, out.element_size(), -out.element_size(), -8, *flags]

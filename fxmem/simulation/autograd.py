@@ -123,7 +123,7 @@ class Autograd:
         release what was kept for it once that backward ran.
 
         An autograd node is named by the first fx node that returns it (a getitem of a tuple
-        returns its producer's). The mark lives in the node's own ``metadata``: a set of ``id``\ s
+        returns its producer's). The mark lives in the node's own ``metadata``: a set of ``id``s
         would skip a new node that got a dead one's id, leaving its backward unnamed."""
         for t in tc.tree_leaves(value):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None

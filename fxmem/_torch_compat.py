@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import sympy
 import torch
@@ -943,6 +943,35 @@ def ddp_on_fake_tensors() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(ddp, name, fn)
+
+
+@contextlib.contextmanager
+def fsdp_meshes_outside_fake() -> Iterator[None]:
+    """Let ``fully_shard(..., reshard_after_forward=<int>)`` run on fxmem's fake copy: it builds the
+    post-forward DeviceMesh (groups of that many ranks) from the mesh's rank tensor, whose values a
+    DeviceMesh reads. The mesh is a real tensor fxmem made before the fake mode; this builds the
+    sub-mesh with no mode active (a mesh holds ranks, never the model's memory)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+    except ImportError:  # torch without FSDP2: nothing to patch
+        yield
+        return
+    modules = [m for m in (_fsdp_init, _fully_shard) if hasattr(m, "_get_post_forward_mesh_info")]
+    saved = [(m, m._get_post_forward_mesh_info) for m in modules]
+
+    def outside_fake(original: Callable) -> Callable:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            with real_mode():
+                return original(*args, **kwargs)
+        return build
+
+    for m, fn in saved:
+        m._get_post_forward_mesh_info = outside_fake(fn)
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m._get_post_forward_mesh_info = fn
 
 
 class _ReducerWithoutRebuild:

@@ -91,16 +91,15 @@ class Parallel:
     def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""
         try:
-            with tc.ddp_on_fake_tensors():
+            with tc.ddp_on_fake_tensors(), tc.fsdp_meshes_outside_fake():
                 out = self.fn(model, mesh)
         except FxMemError:
             raise
         except tc.DATA_DEPENDENT_ERRORS as exc:
             raise ModelError(
                 "parallelize= read the values of a tensor fxmem only has as a fake one (a DeviceMesh built inside "
-                "it - fully_shard(..., reshard_after_forward=<int>) builds one - or a check on parameter values); "
-                "not modelled yet: use reshard_after_forward=True or False, and build meshes from the one fxmem "
-                "passes in") from exc
+                "it from a tensor, or a check on parameter values); build meshes from the one fxmem passes in "
+                "(fully_shard's reshard_after_forward=<int> is supported)") from exc
         except Exception as exc:
             raise ModelError(f"parallelize= raised {type(exc).__name__}: {exc}".splitlines()[0] +
                              "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with a 1-D "

@@ -525,6 +525,13 @@ def fake_cuda_is_safe() -> tuple[bool, str]:
     return True, ""
 
 
+def fake_cuda_backward_possible() -> bool:
+    """Whether backward can run on fake ``cuda`` tensors here: torch's autograd engine initialises
+    the device's context first (pytorch/pytorch#92627: fake tensors create one real CUDA tensor for
+    that), which needs a visible GPU."""
+    return torch.cuda.is_available()
+
+
 @contextlib.contextmanager
 def saved_tensor_hooks(pack: Any) -> Iterator[None]:
     """Call ``pack(t)`` for every tensor autograd saves; what it returns is what gets saved.
@@ -794,16 +801,16 @@ def distributed_available() -> bool:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int) -> Iterator[Any]:
+def fake_process_group(world_size: int, rank: int, device: str = "cpu") -> Iterator[Any]:
     """torch's in-process fake process group (backend ``"fake"``: collectives do nothing) of
-    ``world_size`` ranks, seen from ``rank``, with a 1-D CPU device mesh over it; destroyed on exit."""
+    ``world_size`` ranks, seen from ``rank``, with a 1-D ``device`` mesh over it; destroyed on exit."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield init_device_mesh(device, (world_size,))
     finally:
         dist.destroy_process_group()
 
@@ -972,6 +979,91 @@ def fsdp_meshes_outside_fake() -> Iterator[None]:
     finally:
         for m, fn in saved:
             m._get_post_forward_mesh_info = fn
+
+
+class _OneStream:
+    """A CUDA stream or event where there is no GPU: FSDP2 orders its collectives with streams and
+    events, which order work on the device but allocate nothing; the simulation runs in program
+    order, which is the order FSDP2's events enforce."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __enter__(self) -> "_OneStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def record(self, *args: Any) -> "_OneStream":
+        return self
+
+    def record_event(self, *args: Any) -> "_OneStream":
+        return self
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    wait_stream = wait_event = wait = synchronize = _nothing
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStreams:
+    """What FSDP2 reads of ``torch.cuda`` (its "device handle") for a CUDA mesh without a GPU."""
+
+    Stream = Event = _OneStream
+    _current = _OneStream()
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def current_stream(*args: Any) -> _OneStream:
+        return _HostStreams._current
+
+    @staticmethod
+    def stream(s: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def synchronize(*args: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def fsdp_without_gpu(device: str) -> Iterator[None]:
+    """FSDP2 on a CUDA mesh in a CUDA build of torch with no GPU (fxmem's fake tensors on
+    ``device="cuda"``): FSDP2's modules get :class:`_HostStreams` as their CUDA device handle."""
+    if device != "cuda" or torch.cuda.is_available():
+        yield
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard import (_fsdp_collectives, _fsdp_init, _fsdp_param_group,
+                                                         _fsdp_state)
+    except ImportError:
+        yield
+        return
+    modules = [m for m in (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state)
+               if hasattr(m, "_get_device_handle")]
+    saved = [(m, m._get_device_handle) for m in modules]
+
+    def handle(device_type: str = "cuda", _original: Callable = saved[0][1] if saved else None) -> Any:
+        return _HostStreams if device_type == "cuda" else _original(device_type)
+
+    for m, _ in saved:
+        m._get_device_handle = handle
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m._get_device_handle = fn
 
 
 class _ReducerWithoutRebuild:

@@ -56,7 +56,8 @@ def analyze(
     device, dtype, grad, hints = opts.device, opts.dtype, opts.grad, opts.hints
     leaf_modules, optimizer, loss, mode = opts.leaf_modules, opts.optimizer, opts.loss, opts.mode
     hparams, init, kernels, autocast, repeats = opts.hparams, opts.init, opts.kernels, opts.autocast, opts.repeats
-    check_device(device)  # before anything slow: a CPU-only torch cannot simulate CUDA
+    # before anything slow: a CPU-only torch cannot simulate CUDA, nor a CUDA build without a GPU backward
+    check_device(device, backward=optimizer is not None or getattr(opts, "step", None) is not None)
     if not isinstance(model, torch.nn.Module) and not (hparams is not None or init is not None):
         if isinstance(model, type) or not callable(model):
             raise ModelError(

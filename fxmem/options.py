@@ -176,9 +176,8 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
     if opts.parallelize is not None:
         from .distributed import Parallel
         Parallel(opts.world_size, opts.rank, opts.parallelize).check()
-        if opts.device != "cpu":
-            raise SpecError(f"device={opts.device!r} with parallelize=: not modelled yet; fxmem simulates FSDP2 and DDP "
-                            f"on CPU only (device='cpu'; gloo's numbers, not CUDA's 512-byte blocks or NCCL's)")
+        if opts.device not in ("cpu", "cuda"):
+            raise SpecError(f"device={opts.device!r} with parallelize=: use 'cpu' or 'cuda'")
         if opts.mode == "graph":
             raise SpecError("mode='graph' with parallelize=: FSDP2 and DDP work through the module's own call "
                             "(hooks), so the original forward runs; use mode='auto' or 'eager'")

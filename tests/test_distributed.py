@@ -100,8 +100,8 @@ def test_refusals():
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2)
     with pytest.raises(SpecError, match="rank=2"):
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, rank=2)
-    with pytest.raises(SpecError, match="device='cuda' with parallelize=: not modelled yet"):
-        fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, device="cuda")
+    with pytest.raises(SpecError, match="device='tpu' with parallelize=: use 'cpu' or 'cuda'"):
+        fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, device="tpu")
     with pytest.raises(SpecError, match="mode='graph'"):
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=fsdp, mode="graph")
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # FSDP1 needs a GPU to be built
@@ -145,3 +145,58 @@ def test_world_sizes_table_against_real_runs():
         assert (e["train_resident"], e["train_peak"]) == (real.resident, real.resident + real.peak_above_start)
     for w, b in table.max_size("B", 150_000, L=7).items():  # per rank: the largest batch fits, the next does not
         assert table[w].evaluate(B=b, L=7)["train_peak"] <= 150_000 < table[w].evaluate(B=b + 1, L=7)["train_peak"]
+
+
+def _cpu_forward_in_cuda_blocks(make_model, parallelize, world_size, rank, dims):
+    """(peak above start, retained) bytes of a real forward (no grad) of rank ``rank`` on the CPU in
+    torch's fake process group, its allocator events replayed in CUDA's caching-allocator blocks
+    (each allocation rounded up to 512 bytes)."""
+    from fxmem import _torch_compat as tc
+    from fxmem.measure import allocator_events, cpu_memory_profile
+
+    with tc.fake_process_group(world_size, rank) as mesh:
+        torch.manual_seed(0)
+        model = parallelize(make_model(), mesh)
+        x = torch.randn(dims["B"], dims["L"], D)
+        with torch.no_grad(), cpu_memory_profile() as prof:
+            out = model(x)
+        del out
+    live, now, peak = {}, 0, 0
+    for address, size in allocator_events(prof):
+        if size > 0:
+            live[address] = -(-size // 512) * 512
+            now += live[address]
+            peak = max(peak, now)
+        else:
+            now -= live.pop(address, 0)
+    return peak, now
+
+
+@pytest.mark.cuda_sim
+def test_fsdp_forward_on_cuda_is_the_real_cpu_allocations_in_cuda_blocks():
+    # No GPU here: the evidence is FSDP2's own code on real CPU tensors (fake process group), whose
+    # allocator events are replayed in the CUDA caching allocator's 512-byte blocks; the model is
+    # elementwise, so its CPU and CUDA kernels allocate the same tensors
+    report = fxmem.analyze(Elementwise(), ("B", "L", D), world_size=3, parallelize=fsdp, rank=1, device="cuda",
+                           grad=False)
+    for dims in (dict(B=40, L=37), dict(B=9, L=103)):  # activations of several blocks, not multiples of 512
+        at = report.evaluate(**dims)
+        assert (at["peak_above_resident"], at["retained"]) == _cpu_forward_in_cuda_blocks(Elementwise, fsdp, 3, 1, dims)
+    assert any("NCCL" in note for note in report.notes)
+
+
+@pytest.mark.cuda_sim
+def test_cuda_training_step_without_a_gpu_is_refused_as_torchs_limit():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the training step is simulated (tests/gpu)")
+    from fxmem.errors import DeviceError
+    with pytest.raises(DeviceError, match="needs a GPU in this process.*not your model or shapes"):
+        fxmem.analyze(Elementwise(), ("B", "L", D), world_size=2, parallelize=fsdp, device="cuda", optimizer=adamw)
+    with pytest.raises(DeviceError, match="needs a GPU in this process"):
+        fxmem.analyze(torch.nn.Linear(4, 4), ("B", 4), device="cuda", optimizer=torch.optim.SGD)
+
+
+@pytest.mark.cuda_sim
+def test_ddp_on_cuda_is_refused_by_name():
+    with pytest.raises(ModelError, match="DistributedDataParallel with device='cuda'"):
+        fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=ddp_view, device="cuda")

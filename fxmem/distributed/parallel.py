@@ -55,7 +55,7 @@ class Parallel:
             raise FxMemError("this torch was built without torch.distributed: world_size=/parallelize= need it")
 
     @contextlib.contextmanager
-    def world(self) -> Iterator[Any]:
+    def world(self, device: str = "cpu") -> Iterator[Any]:
         """torch's fake process group for this rank, with a 1-D device mesh; removed on exit.
 
         A process group the user started is never replaced: fxmem refuses instead (torch has one
@@ -67,17 +67,21 @@ class Parallel:
                 "a default process group is already initialised in this process (torch.distributed."
                 "init_process_group was called); fxmem simulates ranks in a fake process group of its own and "
                 "will not replace yours. Run the analysis before init_process_group, or in a separate process")
-        with tc.fake_process_group(self.world_size, self.rank) as mesh:
+        with tc.fake_process_group(self.world_size, self.rank, device) as mesh, tc.fsdp_without_gpu(device):
             yield mesh
 
-    def notes(self, storages: list) -> list[str]:
+    def notes(self, storages: list, device: str = "cpu") -> list[str]:
         """What the report says about the collectives: the schedule its numbers are for, and how
         much an asynchronous backend can hold beyond it (bytes)."""
         gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
         reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
         out = [f"rank {self.rank} of {self.world_size}, parallelised by parallelize=: torch's fake process group "
                f"ran the collectives (they allocate nothing of their own there)"]
-        if gathers:
+        if device == "cuda":
+            out.append("on CUDA, NCCL's own buffers live outside PyTorch's caching allocator and are not counted "
+                       "(neither does torch.cuda.max_memory_allocated); FSDP2's streams are taken in program order "
+                       "(the order its events enforce)")
+        if gathers and device == "cpu":
             late = late_bytes(gathers, reduces)
             out.append(
                 f"FSDP2's collectives as a synchronous schedule (each buffer freed when its collective's result "
@@ -112,4 +116,10 @@ class Parallel:
         from .ddp import install_allreduce
         from .wrappers import refuse_unmodelled
         refuse_unmodelled(out, "parallelize=")
+        if getattr(mesh, "device_type", "cpu") == "cuda" and any(
+                type(m).__name__ == "DistributedDataParallel" for m in out.modules()):
+            raise ModelError("DistributedDataParallel with device='cuda' is not modelled yet: its C++ reducer "
+                             "orders gradient buckets with CUDA events fxmem does not simulate; analyse DDP with "
+                             "device='cpu' (the bucket and gradient bytes are the same; CUDA rounds each "
+                             "allocation up to 512 bytes), or FSDP2 with device='cuda'")
         return install_allreduce(out)

@@ -51,7 +51,9 @@ _log = logging.getLogger(__name__)
 _PHASE_TEXT = {Phase.LOSS: "the loss", Phase.BACKWARD: "backward()", Phase.STEP: "optimizer.step()"}
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, backward: bool = False) -> None:
+    """Refuse, before anything slow, a device this torch cannot simulate (``backward``: the
+    analysis runs a backward pass, i.e. a training step)."""
     if device not in ("cpu", "cuda"):
         raise DeviceError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
     if device == "cuda":
@@ -60,6 +62,13 @@ def check_device(device: str) -> None:
             raise DeviceError(
                 f"device='cuda' cannot be simulated: {why}. Install a CUDA build of torch (it simulates "
                 f"CUDA without a GPU), or analyse with device='cpu'.")
+        if backward and not tc.fake_cuda_backward_possible():
+            raise DeviceError(
+                "the training step (optimizer=) on device='cuda' needs a GPU in this process: torch's "
+                "autograd engine starts the device's context to run backward, even on fake tensors (here it "
+                "fails with 'hasPrimaryContext expects a valid device index' - torch's limit, not your "
+                "model or shapes). The forward on device='cuda' (no optimizer=) is simulated without a GPU; "
+                "for the training step run the analysis where a GPU is visible, or use device='cpu'.")
 
 
 class _Run(StepHooks):
@@ -192,7 +201,7 @@ def simulate_once(
 
     ``parallel``: a :class:`fxmem.distributed.Parallel` - the fake copy is parallelised by the
     user's function in torch's fake process group, and one rank's step is recorded (eager mode)."""
-    check_device(device)
+    check_device(device, backward=training is not None)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")
     fake_mode, env = tc.new_fake_mode()
@@ -221,7 +230,7 @@ def simulate_once(
     # torch's symbols in messages as the user's dims, and as the names of sizes the data decides
     recorder.rename = lambda text: renamer({**names, **{str(s): d for d, s in table.data_dims.named().items()}})(text)
     table.rename = recorder.rename
-    world = parallel.world() if parallel is not None else contextlib.nullcontext()
+    world = parallel.world(device) if parallel is not None else contextlib.nullcontext()
     with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
@@ -287,7 +296,7 @@ def simulate_once(
         del inputs, fake_model, warm
     recorder.autograd.close()
     if parallel is not None:
-        for text in parallel.notes(table.storages):
+        for text in parallel.notes(table.storages, device):
             log.note(text)
     facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),

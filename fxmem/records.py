@@ -205,6 +205,8 @@ class Recording:
     graph_module: Any = None  # the GraphModule that ran (graph mode)
     facts: dict = dataclasses.field(default_factory=dict)  # what else decided the numbers (threads ...)
     data_dims: dict = dataclasses.field(default_factory=dict)  # dim name -> DataDim (sizes values decide)
+    # eager mode: module path -> ModuleCall (class, calls, first output shape); None in graph mode
+    module_calls: dict | None = None
 
     @property
     def forward_events(self) -> list:

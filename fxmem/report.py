@@ -91,6 +91,12 @@ class Report:
         self.facts: dict = dict(plan.rec.facts)
         self.storages = plan.storages
         self.nodes = plan.nodes
+        # eager mode: the modules the forward called (path -> class, calls, first output shape in
+        # the user's dims), from hooks on fxmem's copy; graph mode reads them from the fx graph
+        calls = plan.rec.module_calls
+        self.module_calls: dict | None = None if calls is None else {
+            path: (c.kind, c.calls, None if c.shape is None else tuple(plan.to_user(d) for d in c.shape))
+            for path, c in calls.items()}
         # sizes the data decides (x[mask], nonzero): dims evaluate() needs, with what each counts
         data = plan.rec.data_dims
         self.data_dims: dict[str, str] = {

@@ -200,3 +200,20 @@ def test_cuda_training_step_without_a_gpu_is_refused_as_torchs_limit():
 def test_ddp_on_cuda_is_refused_by_name():
     with pytest.raises(ModelError, match="DistributedDataParallel with device='cuda'"):
         fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=ddp_view, device="cuda")
+
+
+def test_module_table_of_a_rank():
+    # the per-module table of an FSDP2 rank: each module's parameters are this rank's shards, as FSDP2
+    # makes them on a real model (fake process group, real tensors); the collectives' buffers are rows
+    from fxmem import _torch_compat as tc
+    report = analyse(fsdp, 3, 2)
+    table = report.modules(dict(B=5, L=7))
+    with tc.fake_process_group(3, 2) as mesh:
+        real = fsdp(Decoder(), mesh)
+        shards = {name: tc.local_tensor(p).numel() for name, p in real.named_parameters()}
+    for row in table:
+        if not row.path.startswith("("):
+            assert row.parameters == sum(n for name, n in shards.items()
+                                         if not row.path or name.startswith(row.path + ".")), row.path
+    assert {"(all-gather buffers)", "(reduce-scatter buffers)"} <= {r.path for r in table}
+    assert "layers.0" in str(table)

@@ -114,7 +114,11 @@ def test_transformer_blocks_match_the_allocator():
     assert drop.calls == 3  # one Dropout module called three times per block
 
 
-def test_module_table_needs_the_graph():
-    eager = fxmem.analyze(torch.nn.Linear(4, 4), ("B", 4), mode="eager")
-    with pytest.raises(fxmem.SpecError, match="mode='graph'"):
-        eager.modules()
+def test_eager_and_graph_mode_tables_agree():
+    # the eager table comes from hooks on fxmem's copy, the graph one from fx's module stacks
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    eager = fxmem.analyze(model, ("B", 4), mode="eager").modules(dict(B=5))
+    graph = fxmem.analyze(model, ("B", 4), mode="graph").modules(dict(B=5))
+    assert [(r.path, r.kind, r.output_shape, r.parameters, r.kept, r.calls) for r in eager] == \
+        [(r.path, r.kind, r.output_shape, r.parameters, r.kept, r.calls) for r in graph]
+    assert not model._forward_hooks and not model[0]._forward_pre_hooks  # hooks only on fxmem's copy

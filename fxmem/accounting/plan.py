@@ -149,7 +149,8 @@ class MemoryPlan:
         module_of = {n.name: n.module for n in rec.nodes}
         storages = [dataclasses.replace(
             s, bytes=self.sizes[s.index], shape=tuple(self.to_user(d) for d in s.shape), saved_by=list(s.saved_by),
-            freed_at=freed_at.get(s.index), module=module_of.get(s.node, "") if s.node else "",
+            freed_at=freed_at.get(s.index),
+            module=s.module or (module_of.get(s.node, "") if s.node and rec.module_calls is None else ""),
             kept_after_forward=s.index in alive) for s in rec.storages]
         by_node: dict[str, list] = {}
         for s in storages:

@@ -240,7 +240,7 @@ class Recorder(tc.DispatchMode):
             index = len(table.storages)
             table.storages.append(Storage(index, sympy.Integer(keep.nbytes), keep.dtype, (), Role.ACTIVATION, log.node,
                                           node=log.node, op=name, step=step, phase=log.phase,
-                                          saved_by=[SavedBy(log.node, name)]))
+                                          saved_by=[SavedBy(log.node, name)], module=table.module_now()))
             new.append(index)
             kept.append(index)
         for unknown in [p for p in program if isinstance(p, Unknown)]:

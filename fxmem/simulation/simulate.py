@@ -37,6 +37,7 @@ from .events import EventLog
 from .failures import SPARSE_GRADS, failure, optimizer_failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
+from .module_stack import ModuleStack
 from .recorder import Recorder
 from .repeats import find_chain, shorten
 from .unroll import unroll
@@ -259,12 +260,18 @@ def simulate_once(
         for qual, t in tc.tensor_attributes(fake_model):
             table.add(t, Role.CONSTANT, qual)
         real_paths = RealPaths(device, recorder.quiet, log.note)
+        module_stack = None
         if mode == "graph":
             runner = GraphRunner(fake_model, recorder, specs, name_backward=training is not None)
             run_forward = lambda xs: runner.run(*xs)  # noqa: E731
         else:
             line_runner = LineRunner(recorder, model_files(model))
-            run_forward = lambda xs: line_runner.run(fake_model, xs)  # noqa: E731
+            module_stack = ModuleStack(fake_model, env)  # which module allocates (report.modules())
+            table.module_now = module_stack.now
+
+            def run_forward(xs: list) -> Any:
+                with module_stack:
+                    return line_runner.run(fake_model, xs)
         if autocast is not None:
             run_forward = _under_autocast(run_forward, device, autocast)
         hooks = _Run(recorder, run_forward, named_params)
@@ -308,7 +315,7 @@ def simulate_once(
     return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env,
                      {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
-                     facts, data)
+                     facts, data, module_calls=dict(module_stack.calls) if module_stack is not None else None)
 
 
 def _refuse_sparse_grads(model: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ class StorageTable:
         self._resident: dict[int, tuple[Any, int]] = {}  # there before the run: never polled
         self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self.data_dims: Any = None  # the run's sizes that depend on values, named (a DataDims)
+        self.module_now: Any = lambda: ""  # eager mode: the module running (see module_stack)
 
     def counts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in the memory being predicted (the analysed device)."""
@@ -65,7 +66,7 @@ class StorageTable:
                     f"as an input (e.g. an index tensor of shape ('E',)) instead of computing it from values."
                 )
         record = Storage(len(self.storages), nbytes, t.dtype, shape, role, name, node=node if step is not None else None,
-                         op=op, step=step, phase=phase)
+                         op=op, step=step, phase=phase, module=self.module_now() if step is not None else "")
         self.storages.append(record)
         ref = tc.storage_key(t)
         (self._live if step is not None else self._resident)[ref.cdata] = (ref, record.index)
@@ -84,7 +85,7 @@ class StorageTable:
         index = None
         if new > 0:
             record = Storage(len(self.storages), sympy.Integer(new), torch.uint8, (sympy.Integer(new),), role, name, node=node,
-                             op=op, step=step, phase=phase)
+                             op=op, step=step, phase=phase, module=self.module_now())
             self.storages.append(record)
             self._live[ref.cdata] = (ref, record.index)
             index = record.index

@@ -95,7 +95,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     """
     if report.graph_module is None:
         raise SpecError("the diagram draws the fx graph, which an eager-mode analysis has none of; analyse with "
-                        "mode='graph', or use report.timeline() / report.by_line()")
+                        "mode='graph', or use report.modules() / report.timeline() / report.by_line()")
     if group not in GROUPS:
         raise SpecError(f"diagram(group={group!r}): use group=None or group='module'")
     live = evaluation.liveness

@@ -50,8 +50,14 @@ class ModuleTable(list):
 
     def _cells(self, fmt_bytes: Any, fmt_expr: Any) -> list[tuple[str, ...]]:
         out = []
+        listed = {r.path for r in self}
         for r in self:
-            name = ("  " * r.depth) + (r.path.rsplit(".", 1)[-1] if r.path else r.kind)
+            # a path relative to the nearest module listed above it: a container the forward never
+            # calls (an nn.ModuleList) has no row, so its children read "layers.0"
+            parts = r.path.split(".") if r.path else []
+            parent = next((k for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in listed), 0)
+            depth = 0 if not parts else 1 + sum(".".join(parts[:k]) in listed for k in range(1, len(parts)))
+            name = ("  " * depth) + (".".join(parts[parent:]) if parts else r.kind)
             shape = "" if r.output_shape is None else "(" + ", ".join(fmt_expr(d) for d in r.output_shape) + ")"
             count = f"{r.parameters:,}" if isinstance(r.parameters, int) else fmt_expr(r.parameters)
             calls = f" ×{r.calls}" if r.calls > 1 else ""
@@ -74,17 +80,20 @@ class ModuleTable(list):
 
 
 def module_rows(report: Any, evaluation: Evaluation | None = None) -> ModuleTable:
-    """The per-module table of ``report`` (graph mode); numbers at ``evaluation``'s dims if given."""
+    """The per-module table of ``report`` (graph or eager mode); numbers at ``evaluation``'s dims if given."""
+    calls = getattr(report, "module_calls", None)
+    if report.graph_module is None and calls is None:
+        raise SpecError("this report has no module paths (an analysis made before eager mode recorded them, or "
+                        "of a user step=); analyse the model again")
+    subs = None if evaluation is None else {report.symbols[k]: v for k, v in evaluation.liveness.dims.items()}
     if report.graph_module is None:
-        raise SpecError("the per-module table reads the fx graph's module paths, which an eager-mode analysis "
-                        "has none of; analyse with mode='graph'")
+        return _eager_rows(report, calls, evaluation, subs)
     classes: dict[str, str] = {"": report.model_name}
     for n in report.graph_module.graph.nodes:
         for path, cls in (n.meta.get("nn_module_stack") or {}).values():
             classes.setdefault(str(path), getattr(cls, "__name__", str(cls)))
     order = [""] + [p for p in classes if p]  # first appearance in execution order
     nodes = report.nodes
-    subs = None if evaluation is None else {report.symbols[k]: v for k, v in evaluation.liveness.dims.items()}
 
     def value(expr: Any) -> Any:
         return sympy.expand(expr) if subs is None else evaluate(sympy.sympify(expr), subs)
@@ -112,6 +121,60 @@ def module_rows(report: Any, evaluation: Evaluation | None = None) -> ModuleTabl
             parameters=_int(value(count)), parameter_bytes=_int(value(sympy.Add(*[s.bytes for s in mine]))),
             kept=_int(kept_bytes), calls=calls))
     return ModuleTable(rows, None if evaluation is None else dict(evaluation.liveness.dims))
+
+
+def _eager_rows(report: Any, calls: dict, evaluation: Evaluation | None, subs: dict | None) -> ModuleTable:
+    """The table of an eager-mode analysis: the modules its forward called (hooks on fxmem's copy
+    of the model recorded each one's class, calls and first output shape, and which module was
+    running when each storage was allocated)."""
+    def value(expr: Any) -> Any:
+        return sympy.expand(expr) if subs is None else evaluate(sympy.sympify(expr), subs)
+
+    def inside(module: str, path: str) -> bool:
+        return path == "" or module == path or module.startswith(path + ".")
+
+    params = [s for s in report.storages if s.role == Role.PARAMETER]
+    alive = [s for s in report.storages if s.kept_after_forward]
+    order = [""] + [p for p in calls if p]  # in the order the calls returned: children first
+    order = [""] + sorted(order[1:], key=lambda p: _first_call_position(p, calls))
+    rows = []
+    for path in order:
+        kind, count, shape = calls.get(path, (report.model_name, 1, None))
+        mine = [s for s in params if path == "" or inside(s.name, path)]
+        n_params = sympy.Add(*[sympy.Mul(*s.shape) for s in mine]) if mine else sympy.Integer(0)
+        kept = [s for s in alive if inside(s.module, path)]
+        kept_bytes = (sum(evaluation.liveness.sizes[s.index] for s in kept) if evaluation is not None
+                      else sympy.expand(sympy.Add(*[s.bytes for s in kept])))
+        rows.append(ModuleRow(
+            path=path, kind=report.model_name if path == "" else kind, depth=0 if path == "" else path.count(".") + 1,
+            output_shape=None if shape is None else tuple(value(d) for d in shape),
+            parameters=_int(value(n_params)), parameter_bytes=_int(value(sympy.Add(*[s.bytes for s in mine]))),
+            kept=_int(kept_bytes), calls=count))
+    # FSDP2's collective buffers (fxmem.distributed names them): a row per kind, after the modules
+    for kind in ("all-gather", "reduce-scatter"):
+        mine = [s for s in report.storages if s.name.startswith(kind + " ") and s.step is not None]
+        if not mine:
+            continue
+        kept = [s for s in mine if s.kept_after_forward]
+        kept_bytes = (sum(evaluation.liveness.sizes[s.index] for s in kept) if evaluation is not None
+                      else sympy.expand(sympy.Add(*[s.bytes for s in kept])))
+        rows.append(ModuleRow(path=f"({kind} buffers)", kind="FSDP2", depth=1, output_shape=None,
+                              parameters=0, parameter_bytes=0, kept=_int(kept_bytes), calls=len(mine)))
+    return ModuleTable(rows, None if evaluation is None else dict(evaluation.liveness.dims))
+
+
+def _first_call_position(path: str, calls: dict) -> tuple:
+    """Sort key putting a module before its children and siblings in the order they were first
+    called: post-hooks record children before their parent, so order by the parent chain's
+    earliest recorded descendant."""
+    keys = list(calls)
+    position = {p: k for k, p in enumerate(keys)}
+
+    def start(p: str) -> int:  # the first recorded module inside p (a child returns before its parent)
+        return min(k for q, k in position.items() if q == p or q.startswith(p + "."))
+
+    parts = path.split(".")
+    return tuple(start(".".join(parts[:i + 1])) for i in range(len(parts)))
 
 
 def _calls_and_output(nodes: list, positions: list[int]) -> tuple[int, tuple | None]:

@@ -34,12 +34,12 @@ _LAZY = {
     "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
     "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
     "backend": ".backend", "AnalysisOptions": ".options", "world_sizes": ".distributed.world_sizes",
-    "passes": None,
+    "passes": None, "from_config": ".llm", "llm_answer": ".llm",
 }
 
 __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
-    "format_bytes", "kernels", "passes", "world_sizes",
+    "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError", "InternalError",
 ]

@@ -243,7 +243,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run: cuda (default; needs a GPU) or cpu")
     v.add_argument("--tolerance", type=_tolerance, default=0.01,
                    help="allowed relative difference, a number >= 0 (default 0.01, i.e. 1 %%)")
+    m = sub.add_parser("llm", help="a Hugging Face config.json: parameters, model states, training-step peak, "
+                                   "largest batch and sequence length for a GPU",
+                       description="Build the causal LM a Hugging Face config.json describes on the meta device "
+                                   "(no weights, nothing downloaded) and analyse one training step "
+                                   "(model(input_ids, labels=input_ids).loss, backward, optimizer step).")
+    m.add_argument("config", help="a config.json (or the folder holding one)")
+    m.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    m.add_argument("--seq", type=int, required=True, help="sequence length, e.g. 4096")
+    m.add_argument("--dtype", default=None, choices=DTYPES, help="parameters' dtype (default: the config's)")
+    m.add_argument("--train", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer (default adamw)")
+    m.add_argument("--gpu", metavar="BYTES", help="memory to fit, e.g. 80GiB: prints the largest batch and sequence")
+    m.add_argument("--lora", metavar="r=16,...", help="LoRA adapters (peft.LoraConfig arguments); the base is frozen")
+    m.add_argument("--checkpointing", action="store_true", help="Hugging Face gradient checkpointing")
+    m.add_argument("--fsdp", type=int, metavar="W", help="FSDP2 over W ranks (every decoder layer, then the root): "
+                                                        "per-rank numbers")
+    m.add_argument("--serve", action="store_true",
+                   help="the memory of generate() instead (needs fxmem.generation; not in this version)")
+    m.add_argument("--prompt", type=int, help="--serve: prompt length")
+    m.add_argument("--new-tokens", type=int, help="--serve: tokens generated")
+    m.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     return p
+
+
+def _llm(args: argparse.Namespace, progress: Any) -> int:
+    progress.say("importing torch")
+    import torch
+
+    from .llm import from_config, llm_answer
+
+    if args.serve:
+        raise SpecError("fxmem llm --serve: the memory of generate() with a KV cache is not implemented in this "
+                        "version of fxmem (the training step is: drop --serve)")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    progress.say(f"building {args.config} on the meta device")
+    model = from_config(args.config, dtype=dtype)
+    progress.say("analysing one training step")
+    answer = llm_answer(model, batch=args.batch, seq=args.seq, optimizer=args.train, gpu=args.gpu, lora=args.lora,
+                        checkpointing=args.checkpointing, fsdp=args.fsdp)
+    print(answer)
+    return 0
 
 
 def _tolerance(text: str) -> float:
@@ -400,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             # torch says so when numpy is missing; fxmem never converts to numpy
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-            return _analyze(args, progress) if args.command == "analyze" else _validate(args, progress)
+            run = {"analyze": _analyze, "validate": _validate, "llm": _llm}[args.command]
+            return run(args, progress)
     except FxMemError as exc:
         print(f"fxmem: error: {exc}", file=sys.stderr)
         return 2

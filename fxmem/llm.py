@@ -1,0 +1,254 @@
+"""Language models from a Hugging Face config: the model on the meta device (no weights, nothing
+downloaded) and the first questions of an LLM user - how many parameters, how much the model
+states take, the training step's peak at a batch and sequence length, and the largest batch and
+sequence length that fit a GPU. ``fxmem llm config.json ...`` prints the same.
+
+The training step is the one a Hugging Face user runs: ``model(input_ids=x, labels=x).loss``,
+``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()`` (the loss computed inside the
+model, as ``Trainer`` does), optionally with LoRA adapters (peft: the base frozen, so it has no
+gradient and no optimizer state), gradient checkpointing, or FSDP2 over ``fsdp`` ranks (per-rank
+numbers). All byte counts are bytes.
+
+>>> model = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+...                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
+>>> answer = llm_answer(model, batch=2, seq=64, gpu="1GiB")   # doctest: +SKIP
+>>> answer.parameters                                            # doctest: +SKIP
+26784
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+from .errors import ModelError, SpecError
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+
+
+def _config(config: Any) -> Any:
+    """A transformers config object from an object, a dict (with ``model_type``) or a path to a
+    ``config.json`` (or the folder holding one)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelError("from_config needs the transformers package: pip install transformers") from exc
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise SpecError(f"from_config({os.fspath(config)!r}): no such file; give a config.json (the file "
+                            f"Hugging Face models ship), its folder, a dict or a transformers config")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise SpecError(f"from_config: {path} is not a JSON config ({exc})") from exc
+    if not isinstance(config, dict):
+        raise SpecError(f"from_config takes a transformers config, a dict or a config.json path, got "
+                        f"{type(config).__name__}")
+    kind = config.get("model_type")
+    if not isinstance(kind, str):
+        raise SpecError("from_config: the config has no 'model_type' (e.g. \"llama\"); it names the architecture")
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return transformers.AutoConfig.for_model(kind, **values)
+    except (ValueError, KeyError) as exc:
+        raise SpecError(f"from_config: transformers does not know model_type {kind!r} ({exc})") from exc
+
+
+def from_config(config: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The causal language model ``config`` describes, built on the meta device: no weights are
+    allocated or downloaded, and fxmem analyses it as it would the real one.
+
+    ``config``: a transformers config, a dict with ``model_type``, or a ``config.json`` path.
+    ``dtype``: the parameters' dtype (default: the config's ``torch_dtype``/``dtype``, else float32).
+
+    >>> from_config({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4}).lm_head   # doctest: +SKIP
+    Linear(in_features=32, out_features=50257, bias=False)
+    """
+    import transformers
+
+    cfg = _config(config)
+    if dtype is None:
+        named = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        dtype = getattr(torch, named, None) if isinstance(named, str) else named
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise SpecError(f"from_config(dtype={dtype!r}): use a floating dtype, e.g. torch.bfloat16")
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    return model
+
+
+def _inexact(notes: list[str]) -> list[str]:
+    """The report's "not exact" notes, once per reason (not once per line that has it)."""
+    out: dict[str, str] = {}
+    for n in notes:
+        if "numbers may not be exact" in n:
+            reason = n.split("': ", 1)[-1]
+            out.setdefault(reason, n if reason == n else f"{reason} (first at {n.split(chr(39))[1]})")
+    return list(out.values())
+
+
+class CausalLMStep(torch.nn.Module):
+    """``model(input_ids=x, attention_mask=m, labels=x).loss``: the loss a Hugging Face training step
+    backpropagates (computed inside the model: the logits upcast and the cross entropy are part of
+    the step). The mask is the tokenizer's for unpadded sequences, all ones (analysed as such:
+    ``TensorSpec(..., fill=1)``, so the path is the real run's)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+
+
+def _lora(model: torch.nn.Module, spec: str | dict | None) -> torch.nn.Module:
+    """peft LoRA adapters (``"r=16"`` or ``{"r": 16, ...}``: peft's LoraConfig arguments)."""
+    if spec is None:
+        return model
+    try:
+        import peft
+    except ImportError as exc:
+        raise ModelError("lora= needs the peft package: pip install peft") from exc
+    if isinstance(spec, str):
+        from .parsing import parse_assignments
+
+        spec = parse_assignments(spec, "--lora", values="literal")
+    try:
+        config = peft.LoraConfig(**dict(spec))
+    except TypeError as exc:
+        raise SpecError(f"lora={spec!r}: {exc}; give peft.LoraConfig arguments, e.g. r=16") from exc
+    return peft.get_peft_model(model, config).base_model.model  # the model, adapters inside, base frozen
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers (what FSDP2 shards one by one): the model's ``_no_split_modules`` classes."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def fsdp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2 as Hugging Face users apply it: ``fully_shard`` on every decoder layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def training_module(model: torch.nn.Module, lora: str | dict | None = None,
+                    checkpointing: bool = False) -> CausalLMStep:
+    """A copy of ``model`` as the training step runs it: adapters and checkpointing applied, in
+    train mode, its loss as the output (:class:`CausalLMStep`). ``model`` is not changed."""
+    work = copy.deepcopy(model)
+    if checkpointing:
+        if not hasattr(work, "gradient_checkpointing_enable"):
+            raise ModelError("checkpointing=True needs a Hugging Face model (gradient_checkpointing_enable)")
+        # the non-reentrant form: what torch recommends and transformers passes on
+        work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    work = _lora(work, lora)
+    return CausalLMStep(work).train()
+
+
+@dataclasses.dataclass
+class LLMAnswer:
+    """What :func:`llm_answer` found (bytes; sizes as ints; ``report`` is the analysis)."""
+
+    model: str
+    batch: int
+    seq: int
+    parameters: int
+    trainable: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    step_peak: int
+    gpu: int | None
+    max_batch: int | None
+    max_seq: int | None
+    notes: list
+    report: Any = dataclasses.field(repr=False, default=None)
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer state (bytes)."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    def __str__(self) -> str:
+        from .views.text import format_bytes as fb
+
+        lines = [f"{self.model}: {self.parameters:,} parameters ({self.trainable:,} trainable)",
+                 f"  model states        {fb(self.model_states)}  (parameters {fb(self.parameter_bytes)}, "
+                 f"gradients {fb(self.gradient_bytes)}, optimizer state {fb(self.optimizer_state_bytes)})",
+                 f"  training step peak  {fb(self.step_peak)}  at batch {self.batch}, sequence {self.seq}"]
+        if self.gpu is not None:
+            for what, value, fixed in (("batch", self.max_batch, f"sequence {self.seq}"),
+                                       ("sequence length", self.max_seq, f"batch {self.batch}")):
+                reason = getattr(value, "reason", None)
+                lines.append(f"  largest {what:<16}{value:,}  at {fixed} in {fb(self.gpu)}"
+                             + (f"  ({reason})" if reason else ""))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str = "adamw", gpu: Any = None,
+               lora: str | dict | None = None, checkpointing: bool = False, fsdp: int | None = None,
+               device: str = "cpu") -> LLMAnswer:
+    """Analyse one training step of causal LM ``model`` (built by :func:`from_config` or real) at
+    sequence length ``seq``; the numbers at ``batch``; with ``gpu`` (bytes or ``"80GiB"``) the
+    largest batch (at ``seq``) and sequence length (at ``batch``) whose step fits.
+
+    ``fsdp=W``: one rank of W, FSDP2 on every decoder layer and the root (per-rank numbers).
+    The user's ``model`` is not changed (adapters and checkpointing go on a copy)."""
+    from . import analyze
+    from .accounting.budget import parse_bytes
+    from .specs import TensorSpec
+
+    if optimizer not in OPTIMIZERS:
+        raise SpecError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZERS)}")
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"{name}={value!r}: a positive int")
+    budget = parse_bytes(gpu) if gpu is not None else None
+    step = training_module(model, lora=lora, checkpointing=checkpointing)
+    kw: dict = {}
+    if fsdp is not None:
+        kw = dict(world_size=fsdp, parallelize=fsdp_per_block, rank=0)
+    report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
+                     optimizer=OPTIMIZERS[optimizer],
+                     loss=lambda loss: loss, device=device, **kw)
+    at = report.evaluate(B=batch, L=seq)
+    params = [p for p in step.parameters()]
+    # fxmem's own storages: what this rank holds (FSDP2 shards), each shared parameter once
+    param_bytes = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
+    answer = LLMAnswer(
+        model=type(model).__name__, batch=batch, seq=seq,
+        parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+        parameter_bytes=int(param_bytes), gradient_bytes=int(at["grads"]),
+        optimizer_state_bytes=int(at["optimizer_state"]), step_peak=int(at["train_peak"]), gpu=budget,
+        max_batch=report.max_size("B", budget, train=True, L=seq) if budget is not None else None,
+        max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None,
+        notes=_inexact(report.notes), report=report)
+    if fsdp is not None:
+        answer.notes.insert(0, f"per rank: rank 0 of {fsdp} (FSDP2 on every decoder layer and the root)")
+    if device == "cpu":
+        answer.notes.insert(0, "the CPU's allocator: on a GPU each allocation is rounded up to 512 bytes and "
+                               "kernels differ (analyse with device='cuda' where a GPU is visible)")
+    return answer

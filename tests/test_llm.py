@@ -1,0 +1,111 @@
+"""fxmem.from_config / fxmem.llm_answer / `fxmem llm`: a Hugging Face config to the training step's
+memory, against real training steps of the same config with random weights (CPU allocator), at
+sizes the analysis did not see: plain, gradient checkpointing, LoRA (peft), FSDP2 per rank."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.llm import OPTIMIZERS, fsdp_per_block, llm_answer, training_module
+from fxmem.measure import measure
+from fxmem.training import train_step
+
+pytest.importorskip("transformers")
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+QWEN2 = {**LLAMA, "model_type": "qwen2", "num_key_value_heads": 1}
+GPT2 = {"model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256,
+        "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _real(config: dict, **variant) -> torch.nn.Module:
+    """The same config with random weights on the CPU, prepared as the analysis prepares it."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
+                                                                      if k != "model_type"})
+    return training_module(transformers.AutoModelForCausalLM.from_config(cfg), **variant)
+
+
+def _real_step(step: torch.nn.Module, b: int, l: int) -> tuple[int, int]:
+    """(peak above start, retained) of a steady-state AdamW step (after one warm-up step)."""
+    x, mask = torch.randint(3, 90, (b, l)), torch.ones(b, l, dtype=torch.long)
+    opt = OPTIMIZERS["adamw"](step.parameters())
+    loss = lambda out: out  # noqa: E731 - the model returns its loss
+    train_step(step, [x, mask], opt, loss)
+    m = measure(lambda: train_step(step, [x, mask], opt, loss), warmup=0)
+    return m.peak_above_start, m.retained
+
+
+@pytest.mark.parametrize("config, variant", [
+    (LLAMA, {}), (QWEN2, {}), (GPT2, {}),
+    (LLAMA, dict(checkpointing=True)),
+    (LLAMA, dict(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})),
+], ids=["llama", "qwen2-gqa", "gpt2", "llama-checkpointing", "llama-lora"])
+def test_from_config_training_step_is_exact(config, variant):
+    answer = llm_answer(fxmem.from_config(config), batch=2, seq=48, **variant)
+    report = answer.report
+    assert next(report.model.parameters()).device.type == "meta"  # nothing allocated for weights
+    assert report.exact, report.notes
+    for b, l in ((3, 37), (2, 70)):
+        at = report.evaluate(B=b, L=l)
+        predicted = (at["train_peak"] - at["train_resident"], at["train_retained"])
+        assert _real_step(_real(config, **variant), b, l) == predicted, (b, l, report.notes)
+    if "lora" in variant:  # frozen base: gradients (and AdamW state) only for the adapters
+        trainable = sum(p.numel() for p in _real(config, **variant).parameters() if p.requires_grad)
+        assert answer.trainable == trainable < answer.parameters // 10
+        assert answer.gradient_bytes == 4 * trainable
+
+
+def test_fsdp_rank_is_exact_against_the_synchronous_real_step():
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, fsdp=2)
+    torch.set_num_threads(1)
+    for b, l in ((3, 37),):
+        x = torch.randint(3, 90, (b, l))
+        real = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)), fsdp_per_block, 2, 0, OPTIMIZERS["adamw"],
+                                   loss=lambda out: out)
+        at = answer.report.evaluate(B=b, L=l)
+        assert (real.peak_above_start, real.retained, real.optimizer_state) == \
+            (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
+
+
+def test_answers_and_their_reasons(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    model = fxmem.from_config(str(path), dtype=torch.float32)
+    answer = llm_answer(model, batch=2, seq=48, gpu="4MiB")
+    # exact answers: the next size does not fit
+    report = answer.report
+    assert report.evaluate(B=answer.max_batch, L=48)["train_peak"] <= 4 * 2**20 < \
+        report.evaluate(B=answer.max_batch + 1, L=48)["train_peak"]
+    assert report.evaluate(B=2, L=answer.max_seq)["train_peak"] <= 4 * 2**20 < \
+        report.evaluate(B=2, L=answer.max_seq + 1)["train_peak"]
+    with pytest.warns(UserWarning, match="nothing fits"):
+        tiny = llm_answer(model, batch=2, seq=48, gpu="100KiB")
+    assert tiny.max_batch == 0 and "resident alone" in str(tiny)
+    with pytest.raises(fxmem.SpecError, match="model_type"):
+        fxmem.from_config({"hidden_size": 3})
+    with pytest.raises(fxmem.SpecError, match="no such file"):
+        fxmem.from_config(str(tmp_path / "missing.json"))
+
+
+def test_cli_llm(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--batch", "2", "--seq", "48",
+                          "--gpu", "4MiB", "--quiet"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, gpu="4MiB")
+    assert f"largest batch           {answer.max_batch:,}" in out.stdout
+    assert "26,784 parameters" in out.stdout and fxmem.format_bytes(answer.step_peak) in out.stdout

@@ -88,3 +88,11 @@ class Elementwise(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def fsdp_offload(model, mesh):  # CPUOffloadPolicy: sharded parameters, gradients and state kept on the host
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    return fully_shard(model, mesh=mesh, offload_policy=policy)

@@ -12,7 +12,7 @@ import torch
 
 import fxmem
 from distributed_models import (D, Decoder, Elementwise, adamw, ddp_small, ddp_view, fsdp, fsdp_bf16, fsdp_keep,
-                                fsdp_reshard_2)
+                                fsdp_offload, fsdp_reshard_2)
 from fxmem.distributed.parallel import late_bytes
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
@@ -33,7 +33,9 @@ def predicted(report, dims):
     (fsdp, 3, 2), (fsdp_keep, 4, 3), (ddp_view, 3, 2),
     # reshard_after_forward=2 of 4 ranks: after forward each block keeps its parameters sharded over
     # a group of 2 (a sub-mesh FSDP2 builds), gathered from there for backward
-    (fsdp_reshard_2, 4, 0), (fsdp_reshard_2, 4, 3)])
+    (fsdp_reshard_2, 4, 0), (fsdp_reshard_2, 4, 3),
+    # CPU offload on a CPU mesh: FSDP2's host copies (to the "device", here the CPU too) each all-gather
+    (fsdp_offload, 2, 1)])
 def test_synchronous_schedule_exact_per_rank(fn, world_size, rank):
     torch.set_num_threads(1)
     report = analyse(fn, world_size, rank)

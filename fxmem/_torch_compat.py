@@ -525,6 +525,19 @@ def fake_cuda_is_safe() -> tuple[bool, str]:
     return True, ""
 
 
+@contextlib.contextmanager
+def cuda_memory_history() -> Iterator[Callable[[], dict]]:
+    """Record the CUDA caching allocator's history while the block runs; yields a function that
+    returns ``torch.cuda.memory._snapshot()`` (the dict pytorch.org/memory_viz opens)."""
+    from torch.cuda import memory
+
+    memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield memory._snapshot
+    finally:
+        memory._record_memory_history(enabled=None)
+
+
 def fake_cuda_backward_possible() -> bool:
     """Whether backward can run on fake ``cuda`` tensors here: torch's autograd engine initialises
     the device's context first (pytorch/pytorch#92627: fake tensors create one real CUDA tensor for

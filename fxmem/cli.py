@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--snapshot", metavar="PATH",
                    help="write the predicted run as a PyTorch memory snapshot (a .pickle for pytorch.org/memory_viz "
                         "or torch.cuda._memory_viz); numbers at --dims; the training step with --optimizer")
-    a.add_argument("--group", choices=["module"], help="--diagram: one box per module (blocks.3) instead of per node")
+    a.add_argument("--group", choices=["auto", "module", "none"], default="auto",
+                   help="--diagram: module = one box per module (blocks.3); none = every node; auto (default) = "
+                        "modules for graphs of more than 60 nodes, the peak's module open")
     v = sub.add_parser("validate", help="run for real and compare with the prediction (exit 1 if off)",
                        description="Run the model for real at --dims and print fxmem's prediction next to "
                                    "the measurement; exit 1 if they differ by more than --tolerance.")
@@ -241,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dims", required=True, metavar="NAME=INT,...", help="sizes to measure at, e.g. B=4,N=500")
     v.add_argument("--device", default="cuda", choices=["cpu", "cuda"],
                    help="where to run: cuda (default; needs a GPU) or cpu")
+    v.add_argument("--snapshot", metavar="DIR",
+                   help="write the predicted and the real run side by side as PyTorch memory snapshots in DIR "
+                        "(forward and training step; pickles for pytorch.org/memory_viz)")
     v.add_argument("--tolerance", type=_tolerance, default=0.01,
                    help="allowed relative difference, a number >= 0 (default 0.01, i.e. 1 %%)")
     m = sub.add_parser("llm", help="a Hugging Face config.json: parameters, model states, training-step peak, "
@@ -402,7 +407,7 @@ def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
     # after the text, and on stderr: --json keeps stdout pure JSON
     if args.diagram:
         progress.say(f"drawing {args.diagram}")
-        print(f"fxmem: wrote {report.render(args.diagram, 'diagram', dims, group=args.group)}", file=sys.stderr)
+        print(f"fxmem: wrote {report.render(args.diagram, 'diagram', dims, group=None if args.group == 'none' else args.group)}", file=sys.stderr)
     if args.timeline:
         progress.say(f"drawing {args.timeline}")
         print(f"fxmem: wrote {report.render(args.timeline, 'timeline', dims)}", file=sys.stderr)
@@ -421,7 +426,7 @@ def _validate(args: argparse.Namespace, progress: _Progress) -> int:
     from .validate import validate
 
     result = validate(model, *specs, dims=parse_assignments(args.dims, "--dims"), device=args.device,
-                      tolerance=args.tolerance, **kw)
+                      tolerance=args.tolerance, snapshot=args.snapshot, **kw)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     return 0 if result.ok else 1
 

@@ -220,3 +220,40 @@ def machine_name(device: str = "cpu") -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {os.cpu_count()} cores"
+
+
+def record_snapshot(fn: Callable[[], Any], device: str = "cpu") -> dict:
+    """A real run of ``fn()`` as a PyTorch memory snapshot (the dict ``torch.cuda.memory._snapshot()``
+    returns), to set beside fxmem's predicted one (``report.snapshot``) in memory_viz.
+
+    CUDA: the caching allocator's own recorded history. CPU (no such recorder): the CPU allocator's
+    events from the profiler, as ``alloc`` / ``free_completed`` events of device 0 with their real
+    addresses and sizes in bytes (no Python frames: the profiler does not give them), and the
+    blocks still allocated at the end as one segment each."""
+    if device == "cuda":
+        from . import _torch_compat as tc
+
+        with tc.cuda_memory_history() as take:
+            out = fn()
+            snap = take()
+        del out
+        return snap
+    with cpu_memory_profile() as prof:
+        out = fn()
+    del out
+    trace, live = [], {}
+    for k, (address, nbytes) in enumerate(allocator_events(prof)):
+        if nbytes > 0:
+            live[address] = nbytes
+            trace.append({"action": "alloc", "addr": address, "size": nbytes, "stream": 0, "time_us": k,
+                          "frames": []})
+        elif address in live:  # a free of a block allocated before the run is not part of it
+            size = live.pop(address)
+            for action in ("free_requested", "free_completed"):
+                trace.append({"action": action, "addr": address, "size": size, "stream": 0, "time_us": k,
+                              "frames": []})
+    segments = [{"device": 0, "address": a, "total_size": n, "allocated_size": n, "active_size": n,
+                 "requested_size": n, "stream": 0, "segment_type": "small" if n < 2**20 else "large",
+                 "blocks": [{"address": a, "size": n, "requested_size": n, "state": "active_allocated",
+                             "frames": []}]} for a, n in live.items()]
+    return {"segments": segments, "device_traces": [trace]}

@@ -323,12 +323,14 @@ class Report:
         """The headline formulas (and numbers at ``dims``) as text."""
         return views.summary(self, self.evaluate(**dims) if dims else None)
 
-    def diagram(self, dims: Mapping[str, int] | None = None, group: str | None = None,
+    def diagram(self, dims: Mapping[str, int] | None = None, group: str | None = "auto",
                 depth: int | None = None) -> views.Figure:
         """The fx graph as a ``graphviz.Digraph``, coloured by live bytes, the peak marked.
 
         Without ``dims`` labels are formulas (bytes) and colours are at ``hints``; with ``dims``
-        they are numbers. ``group="module"`` collapses each module (``blocks.3``) into one box.
+        they are numbers. ``group="module"`` collapses each module (``blocks.3``) into one box;
+        the default ``"auto"`` does so for graphs of more than 60 nodes, leaving the peak's module
+        open; ``group=None`` draws every node.
         See :mod:`fxmem.views.diagram`.
 
         >>> report.diagram().save("gat.svg")                       # doctest: +SKIP
@@ -347,7 +349,7 @@ class Report:
         return views.timeline(*self._at(dims or None, check=True))
 
     def render(self, path: str, what: str = "diagram", dims: Mapping[str, int] | None = None,
-               group: str | None = None) -> str:
+               group: str | None = "auto") -> str:
         """Write the diagram (``what="timeline"``: the timeline, which needs ``dims``) to ``path``; SVG,
         PNG or PDF by extension.
 

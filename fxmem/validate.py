@@ -17,6 +17,7 @@ goal is equality after allocator rounding, and every difference is reported in b
 from __future__ import annotations
 
 import copy
+import os
 import dataclasses
 from typing import Any, Callable, Mapping
 
@@ -104,11 +105,16 @@ def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
 def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int], device: str = "cuda",
              optimized: torch.nn.Module | None = None, optimizer: Callable | None = None,
              loss: Callable[[Any], torch.Tensor] | None = None, inputs: list | None = None,
-             tolerance: float = 0.01, mode: str = "auto", **analyze_kw: Any) -> Validation:
+             tolerance: float = 0.01, mode: str = "auto", snapshot: str | os.PathLike | None = None,
+             **analyze_kw: Any) -> Validation:
     """Predict with fxmem and measure for real on ``device``; see the module docstring.
 
     ``optimizer`` (default: plain SGD) is the training step's optimizer; ``inputs`` overrides the
-    random inputs (e.g. valid edge indices).
+    random inputs (e.g. valid edge indices). ``snapshot``: a folder where the predicted and the
+    real run are written side by side as PyTorch memory snapshots (``predicted_forward.pickle``,
+    ``real_forward.pickle``, ``predicted_step.pickle``, ``real_step.pickle``) for
+    pytorch.org/memory_viz; on CUDA the real ones are the caching allocator's recorded history.
+    (It is validate's own argument, not an analysis option: it says what to write of the real run.)
     """
     if device not in ("cpu", "cuda"):
         raise DeviceError(f"device={device!r}: validate measures on 'cpu' or 'cuda'")
@@ -142,10 +148,28 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     rows += [Row("training step: peak above resident", predicted["train_peak"] - predicted["train_resident"], step[0]),
              Row("training step: retained", predicted["train_retained"], step[1]),
              Row("optimizer state", predicted["optimizer_state"], _rounded(state, device, opt))]
+    if snapshot is not None:
+        _write_snapshots(os.fspath(snapshot), report, dims, device, lambda: module(*xs),
+                         lambda: train_step(module, xs, opt, loss_fn))
     result = Validation(report.model_name, device, dict(dims), rows, tolerance, machine_name(device), torch.__version__)
     if optimized is not None:
         _check_optimized(result, model, optimized, input_specs, dims, device, xs, analyze_kw)
     return result
+
+
+def _write_snapshots(folder: str, report: Any, dims: Mapping[str, int], device: str, forward: Callable,
+                     step: Callable) -> None:
+    """The predicted and the real forward and training step, as memory snapshots in ``folder``."""
+    import pickle
+
+    from .measure import record_snapshot
+
+    os.makedirs(folder, exist_ok=True)
+    for name, train, run in (("forward", False, forward), ("step", True, step)):
+        report.snapshot(dims, path=os.path.join(folder, f"predicted_{name}.pickle"), train=train)
+        real = record_snapshot(run, device)
+        with open(os.path.join(folder, f"real_{name}.pickle"), "wb") as f:
+            pickle.dump(real, f)
 
 
 def _rounded(state: int, device: str, opt: torch.optim.Optimizer) -> int:

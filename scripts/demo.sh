@@ -4,4 +4,5 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$here/scripts/setup.sh"
 cd "$here"
+echo "demo: analysing seed 000's GAT (examples/seed_gat.py) and printing its formulas" >&2
 exec "$FXMEM_PY" examples/seed_gat.py

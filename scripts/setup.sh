@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment with torch and fxmem installed; source this file.
+# Says on stderr what it creates and installs, as it does.
 #   FXMEM_VENV   where the venv lives            (default: .venv)
 #   FXMEM_TORCH  the torch requirement to install (default: torch==2.13.0, the CPU build on this
 #                project's machines; elsewhere pip picks the build for your platform)
@@ -7,16 +8,24 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FXMEM_VENV:-$here/.venv}"
 torch_req="${FXMEM_TORCH:-torch==2.13.0}"
+say() { echo "setup: $*" >&2; }
 if [ ! -x "$venv/bin/python" ]; then
+  say "creating a virtual environment in $venv (python3 -m venv)"
   python3 -m venv "$venv"
+else
+  say "using the virtual environment in $venv"
 fi
 py="$venv/bin/python"
 log="$(mktemp)"
 quiet() { "$@" >"$log" 2>&1 || { cat "$log" >&2; return 1; }; }
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
-  echo "installing $torch_req into $venv ..." >&2
+  say "installing $torch_req (pip; the largest download, a few minutes) ..."
   quiet "$py" -m pip install "$torch_req"
+else
+  say "torch $("$py" -c 'import torch; print(torch.__version__)') is installed already"
 fi
+say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz) and the test extras (pytest, transformers, torch-geometric, peft, ...) ..."
 quiet "$py" -m pip install -e "$here[test]"
 rm -f "$log"
+say "ready: $py"
 export FXMEM_PY="$py"

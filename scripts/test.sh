@@ -11,6 +11,7 @@ cd "$here"
 
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing graphviz (apt-get; its dot program renders the diagrams the tests check) ..." >&2
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq graphviz >/dev/null) \
       || echo "warning: could not install graphviz (dot); diagram tests will fail" >&2

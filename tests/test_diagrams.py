@@ -197,7 +197,7 @@ def test_outside_the_region_the_diagram_is_of_the_real_code_path(layer):
 
 
 def test_group_by_module_collapses_blocks(stack):
-    plain = items(stack.diagram().svg(), "node")
+    plain = items(stack.diagram(group=None).svg(), "node")
     grouped = items(stack.diagram(group="module").svg(), "node")
     tensors = [n for n in stack.nodes if n.shapes or n.allocations or n.op in ("placeholder", "get_attr", "output")]
     top = [n for n in tensors if not n.module]
@@ -335,9 +335,51 @@ def test_notebook_display(layer):
     rows = [line.split()[1] for line in layer.table().splitlines()[2:]]
     assert all(f"<b>{name}</b>" in page for name in rows)
     assert pretty(layer.peak) in page and "peak in node <b>cat</b>" in page
-    # formulas typeset in notebooks (MathJax/KaTeX run over HTML output), and report.peak itself
-    assert f"\\({sympy.latex(layer.peak)}\\)" in page
+    # formulas typeset as MathML, which the browser renders itself: nothing loaded from a network
+    from sympy.printing.mathml import mathml
+    assert mathml(layer.peak, printer="presentation").replace("&InvisibleTimes;", "&#8290;") in page
+    ET.fromstring(f"<p>{page[page.index('<math>'):page.index('</math>') + 7]}</p>")  # well-formed markup
+    assert not re.search(r"<script|https?://|src=|@import", page)
     assert layer.peak._repr_latex_() == f"$\\displaystyle {sympy.latex(layer.peak)}$"
     # the peak's node depends on the sizes here: the page does not name one at sizes nobody chose
     attention = fxmem.analyze(load_example("seed_attention").Attention(64, 4), ("B", "L", 64))
     assert "depends on the sizes" in attention._repr_html_() and "example sizes" not in attention._repr_html_()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class _Deep(torch.nn.Module):  # 16 blocks: ~100 nodes
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(16))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_large_graphs_fold_into_modules_with_the_peaks_module_open():
+    report = fxmem.analyze(_Deep(), ("B", 16))
+    dims = dict(B=4)
+    every = items(report.diagram(dims, group=None).svg(), "node")
+    folded = items(report.diagram(dims).svg(), "node")  # rendered by dot
+    assert len(every) > 60 > len(folded)
+    peak = report.peak_node(**dims)
+    open_module = ".".join(next(n.module for n in report.nodes if n.name == peak).split(".")[:2])
+    assert peak in folded and "PEAK" in folded[peak].text  # the peak's own node, in its open module
+    inside = [n.name for n in report.nodes if n.module.startswith(open_module + ".") and n.name in every]
+    assert inside and set(inside) <= set(folded)
+    closed = {f"module blocks.{k}" for k in range(16)} - {f"module {open_module}"}
+    assert closed <= set(folded) and f"module {open_module}" not in folded
+    # small graphs are drawn node by node by default
+    small = fxmem.analyze(_Block(), ("B", 16))
+    assert items(small.diagram(dims).svg(), "node").keys() == items(small.diagram(dims, group=None).svg(), "node").keys()

@@ -135,3 +135,27 @@ def test_by_line_prints_as_a_table_and_dir_is_the_public_api():
     names = dir(fxmem)
     assert "analyze" in names and "AnalysisOptions" in names
     assert not {"Any", "sys", "importlib", "types", "warnings", "ensure_passes"} & set(names)
+
+
+def test_validate_writes_the_predicted_and_the_real_run_side_by_side(tmp_path):
+    torch.manual_seed(0)
+    model = attention.Attention(64, 8)
+    dims = dict(B=3, L=13)
+    result = fxmem.validate(model, ("B", "L", 64), dims=dims, device="cpu", optimizer=ADAMW,
+                            snapshot=tmp_path / "snaps")
+    assert result.ok, result
+    rows = {r.what: r for r in result.rows}
+    resident = fxmem.analyze(model, ("B", "L", 64), optimizer=ADAMW).evaluate(**dims)
+    plain = lambda lines: lines  # noqa: E731
+    for name, row, start in (("forward", "forward: peak above resident", resident["resident"]),
+                             ("step", "training step: peak above resident", resident["train_resident"])):
+        with open(tmp_path / "snaps" / f"predicted_{name}.pickle", "rb") as f:
+            predicted = pickle.load(f)
+        with open(tmp_path / "snaps" / f"real_{name}.pickle", "rb") as f:
+            real = pickle.load(f)
+        # the real snapshot is the allocator's events of a run (above what was allocated before it):
+        # its peak is the measured one, and the predicted snapshot's peak above resident matches it
+        assert _replay(real)[0] == rows[row].measured == _replay(predicted)[0] - start
+        for snap in (predicted, real):  # both open in torch's own viewer code
+            assert "total_allocated" in viz.segsum(snap) and "entries" in viz.trace(snap)
+            viz.memory(snap, format_flamegraph=plain)

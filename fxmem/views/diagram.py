@@ -12,7 +12,9 @@ Without ``dims`` every size is a formula in the user's dims and nothing is colou
 analysis' example sizes were never the user's choice); the peak's node is marked only where it is
 the same for all sizes (the peak formula has no ``Max``). With ``dims`` everything is numbers.
 Size arithmetic (``x.size(1)``, ``N * N``) is left out. ``group="module"`` draws one box per
-module (``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays legible.
+module (``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays legible; by default
+(``group="auto"``) a graph of more than :data:`FOLD_NODES` nodes is drawn so, with the module where
+the peak happens drawn node by node (``group=None`` draws every node).
 
 >>> fig = diagram(report, report.evaluate(B=4, N=500), concrete=True)    # doctest: +SKIP
 >>> fig.save("gat.svg")                           # doctest: +SKIP
@@ -33,7 +35,8 @@ from .figure import (FONT, INK_SOFT, OUTPUT, PEAK, RESIDENT, SAVED, Figure, esc,
                      lines_html)
 from .text import code_lines, dims_text, format_bytes, formula_text, node_inputs, node_kind, storage_text, wrap
 
-GROUPS = (None, "module")
+GROUPS = (None, "module", "auto")
+FOLD_NODES = 60  # "auto": a graph with more nodes than this folds into modules
 GAUGE_W = 150  # points: the live-bytes gauge at the peak
 SMALL = 1024  # bytes: constant-size tensors below this (a Python number as a tensor) share one row
 
@@ -97,10 +100,20 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
         raise SpecError("the diagram draws the fx graph, which an eager-mode analysis has none of; analyse with "
                         "mode='graph', or use report.modules() / report.timeline() / report.by_line()")
     if group not in GROUPS:
-        raise SpecError(f"diagram(group={group!r}): use group=None or group='module'")
+        raise SpecError(f"diagram(group={group!r}): use group='auto' (folds graphs of more than {FOLD_NODES} "
+                        f"nodes into modules), None (every node) or 'module'")
     live = evaluation.liveness
     num = _Numbers(report, live, concrete=concrete)
     peak_node = live.peak_node if concrete or not report.peak.has(sympy.Max) else None
+    expand = None
+    if group == "auto":
+        group = None
+        drawn = [n for n in report.nodes if n.name in {m.name for m in report.graph_module.graph.nodes}
+                 and not is_size_arithmetic(n)]
+        if len(drawn) > FOLD_NODES and any(n.module for n in drawn):
+            group = "module"  # the peak's module (at the sizes given, else the example sizes) stays open
+            at = next((n for n in report.nodes if n.name == live.peak_node), None)
+            expand = module_group(at.module, depth) if at is not None and at.module else None
     fig = Figure(name=report.model_name, graph_attr=dict(
         rankdir="TB", nodesep="0.3", ranksep="0.35", fontname=FONT, labelloc="t", tooltip=report.model_name,
         label=_title(report, evaluation, num, peak_node)),
@@ -112,7 +125,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
         fig.graph_attr["ordering"] = "out"
     position = {n.name: k for k, n in enumerate(report.nodes)}
     fx_nodes = {n.name: n for n in report.graph_module.graph.nodes}
-    boxes = _boxes(report, group, depth)
+    boxes = _boxes(report, group, depth, expand)
     box_of = {n.name: b for b in boxes for _, n in b.nodes}
     for box in boxes:
         _draw_box(fig, box, report, num, peak_node)
@@ -146,7 +159,7 @@ def is_size_arithmetic(n: Node) -> bool:
     return n.op not in ("placeholder", "get_attr", "output") and not n.shapes and not n.allocations
 
 
-def _boxes(report: Any, group: str | None, depth: int | None) -> list[_Box]:
+def _boxes(report: Any, group: str | None, depth: int | None, expand: str | None = None) -> list[_Box]:
     classes = _module_classes(report)
     boxes: list[_Box] = []
     by_group: dict[str, _Box] = {}
@@ -155,6 +168,8 @@ def _boxes(report: Any, group: str | None, depth: int | None) -> list[_Box]:
         if n.name not in in_graph or is_size_arithmetic(n):
             continue
         key = module_group(n.module, depth) if group == "module" and n.module else None
+        if key is not None and key == expand:
+            key = None  # the module the peak is in: drawn node by node
         if key is None:
             boxes.append(_Box(n.name, [(k, n)], n.name, node_kind(n, classes)))
         elif key in by_group:

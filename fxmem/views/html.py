@@ -2,7 +2,8 @@
 
 The same content as ``report.summary()`` and ``report.table()``, with the peak's node (where it
 does not depend on the sizes) and the tensors autograd keeps highlighted as the diagram marks
-them. Formulas appear typeset (``\\( ... \\)``, which Jupyter's MathJax/KaTeX render) and as text.
+them. Formulas appear typeset as MathML (which browsers render themselves: no script, nothing
+fetched from a network) and as plain text.
 
 >>> from IPython.display import HTML; HTML(report_html(report, report.evaluate(**report.hints)))  # doctest: +SKIP
 """
@@ -19,6 +20,17 @@ from .text import formula_text, node_kind
 OPEN_ROWS = 60  # longer tables start folded, so a 12-block model does not flood the notebook
 
 
+def math_html(expr: Any) -> str:
+    """``expr`` as an inline MathML element (presentation markup: browsers render it natively)."""
+    from sympy.printing.mathml import mathml
+
+    markup = mathml(sympy.sympify(expr), printer="presentation")
+    # numeric references for HTML's named entities, so the markup is also well-formed XML
+    for name, code in (("&InvisibleTimes;", "&#8290;"), ("&ApplyFunction;", "&#8289;")):
+        markup = markup.replace(name, code)
+    return f"<math>{markup}</math>"
+
+
 def report_html(report: Any, at_hints: Evaluation) -> str:
     """``report``'s summary and per-node table as one HTML fragment (``at_hints``: its numbers at
     the example sizes, which say where the peak is)."""
@@ -28,10 +40,9 @@ def report_html(report: Any, at_hints: Evaluation) -> str:
             f"inputs: <code>{esc(inputs)}</code>"]
     if report.region:
         head.append("formulas hold for: <code>" + esc(", ".join(report.region)) + "</code>")
-    # each formula twice: typeset (notebooks run MathJax/KaTeX over HTML output) and as plain text,
-    # which is also what a renderer without maths shows
+    # each formula twice: as MathML (rendered by the browser itself, offline) and as plain text
     formulas = "".join(f"<tr><td style='text-align:left'>{esc(k)}</td><td style='text-align:left'>"
-                       f"\\({esc(sympy.latex(v))}\\)</td><td style='text-align:left'>"
+                       f"{math_html(v)}</td><td style='text-align:left'>"
                        f"<code>{esc(formula_text(v))}</code> B</td></tr>" for k, v in report.formulas().items())
     # the peak's node is said only where it is the same at every size (no Max in the peak): the
     # example sizes the analysis ran at were never the user's choice

@@ -180,9 +180,14 @@ def node_table(report: Any, evaluation: Any = None, max_width: int = 60) -> str:
     return text_table(rows[0], rows[1:])
 
 
-def text_table(header: tuple, rows: list[tuple], right: tuple = ()) -> str:
-    """Rows of strings as an aligned text table under ``header`` (columns ``right`` right-aligned)."""
-    rows = [tuple(header)] + [tuple(r) for r in rows]
+def text_table(header: tuple, rows: list[tuple], right: tuple = (), max_cell: int = 60) -> str:
+    """Rows of strings as an aligned text table under ``header`` (columns ``right`` right-aligned);
+    a cell longer than ``max_cell`` characters (a long formula) is cut with "…" (the report's
+    attributes keep the whole expression)."""
+    def cap(cell: str) -> str:
+        return cell if len(cell) <= max_cell else cell[: max_cell - 1] + "…"
+
+    rows = [tuple(header)] + [tuple(cap(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in rows]

@@ -42,3 +42,16 @@ def test_seed_gat_at_the_seeds_sizes():
                        device="cuda")
     print(v)
     assert v.ok, str(v)
+
+
+def test_validate_writes_the_allocators_own_history_beside_the_prediction(tmp_path):
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    v = fxmem.validate(model, ("B", 64), dims=dict(B=37), device="cuda", snapshot=tmp_path)
+    for name in ("forward", "step"):
+        with open(tmp_path / f"real_{name}.pickle", "rb") as f:
+            real = pickle.load(f)
+        assert real["device_traces"] and any(e["action"] == "alloc" for trace in real["device_traces"] for e in trace)
+        assert (tmp_path / f"predicted_{name}.pickle").exists()
+    assert v.rows

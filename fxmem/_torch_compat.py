@@ -345,6 +345,21 @@ def argument_names(op: Any) -> list[str]:
     return [a.name for a in op._schema.arguments]
 
 
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes into (in-place ops, ``out=``): its schema marks them."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def bind_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
     """The arguments of one call of ``func`` by schema name, in schema order (only those given)."""
     schema = getattr(func, "_schema", None)

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(model(input_ids, labels=input_ids).loss, backward, optimizer step).")
     m.add_argument("config", help="a config.json (or the folder holding one)")
     m.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    m.add_argument("--seq", type=int, required=True, help="sequence length, e.g. 4096")
+    m.add_argument("--seq", type=int, help="sequence length of the training step, e.g. 4096")
     m.add_argument("--dtype", default=None, choices=DTYPES, help="parameters' dtype (default: the config's)")
     m.add_argument("--train", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer (default adamw)")
     m.add_argument("--gpu", metavar="BYTES", help="memory to fit, e.g. 80GiB: prints the largest batch and sequence")
@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fsdp", type=int, metavar="W", help="FSDP2 over W ranks (every decoder layer, then the root): "
                                                         "per-rank numbers")
     m.add_argument("--serve", action="store_true",
-                   help="the memory of generate() instead (needs fxmem.generation; not in this version)")
+                   help="the memory of generate() (prefill and --new-tokens decode steps with a KV cache) "
+                        "instead of a training step")
     m.add_argument("--prompt", type=int, help="--serve: prompt length")
     m.add_argument("--new-tokens", type=int, help="--serve: tokens generated")
     m.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
@@ -277,12 +278,20 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
 
     from .llm import from_config, llm_answer
 
-    if args.serve:
-        raise SpecError("fxmem llm --serve: the memory of generate() with a KV cache is not implemented in this "
-                        "version of fxmem (the training step is: drop --serve)")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     progress.say(f"building {args.config} on the meta device")
     model = from_config(args.config, dtype=dtype)
+    if args.serve:
+        from .generation import serve_summary
+
+        if not args.prompt or not args.new_tokens:
+            raise SpecError("fxmem llm --serve needs --prompt P and --new-tokens T")
+        progress.say(f"analysing generate(): prefill, then {args.new_tokens} decode steps")
+        print(serve_summary(model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, dtype=dtype,
+                            gpu=args.gpu))
+        return 0
+    if not args.seq:
+        raise SpecError("fxmem llm needs --seq L (the training step's sequence length), or --serve")
     progress.say("analysing one training step")
     answer = llm_answer(model, batch=args.batch, seq=args.seq, optimizer=args.train, gpu=args.gpu, lora=args.lora,
                         checkpointing=args.checkpointing, fsdp=args.fsdp)

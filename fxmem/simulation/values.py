@@ -41,6 +41,10 @@ _SYMBOLIC = {aten.eq: operator.eq, aten.ne: operator.ne, aten.lt: operator.lt, a
              aten.sub: operator.sub}
 _SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _UNSCALE = getattr(aten, "_amp_foreach_non_finite_check_and_unscale_", None)
+# factories of tensors that hold one value: op -> that value (None: the call's ``fill_value``)
+_FACTORIES = {aten.ones: 1, aten.zeros: 0, aten.ones_like: 1, aten.zeros_like: 0, aten.new_ones: 1,
+              aten.new_zeros: 0, aten.full: None, aten.full_like: None, aten.new_full: None}
+_FILLS = frozenset({aten.fill_, aten.zero_})
 # ops that read a value out of a tensor into Python
 _READS = frozenset({aten._local_scalar_dense, aten.is_nonzero})
 
@@ -59,20 +63,28 @@ WARNING_ONLY = {
 
 
 class KnownValues:
-    """Fake tensors known to hold a single value everywhere (from ``TensorSpec(fill=...)``)."""
+    """Fake tensors known to hold a single value everywhere (from ``TensorSpec(fill=...)``, or made
+    so: ``torch.ones``, ``zeros``, ``full``). A write into a tensor's storage (an in-place op, an
+    ``out=``, a write through a view) forgets every known value on that storage, unless the write
+    itself is of known values."""
 
     def __init__(self, note: Callable[[str], None]):
         self.note = note
-        self._values: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (weakref, value)
+        self._values: dict[int, tuple[Any, Any, Any]] = {}  # id(tensor) -> (weakref, value, storage key)
 
     def set(self, t: torch.Tensor, value: Any) -> None:
-        self._values[id(t)] = (weakref.ref(t), value)
+        self._values[id(t)] = (weakref.ref(t), value, _storage(t))
 
     def known(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor):
             return False
         hit = self._values.get(id(t))
         return hit is not None and hit[0]() is t
+
+    def _forget_storage_of(self, t: torch.Tensor) -> None:
+        key = _storage(t)
+        for k in [k for k, (ref, _, s) in self._values.items() if s == key or ref() is None]:
+            del self._values[k]  # (and the entries of tensors that died)
 
     def value_of(self, t: torch.Tensor) -> Any:
         return self._values[id(t)][1]
@@ -93,40 +105,67 @@ class KnownValues:
             self.note("GradScaler: the step with finite gradients (found_inf = 0, optimizer.step() runs); a step "
                       "whose gradients overflow skips optimizer.step() and uses less")
             return
-        if not isinstance(out, torch.Tensor) or not self._values:
+        packet = tc.op_packet(func)
+        if packet in _FACTORIES and isinstance(out, torch.Tensor):
+            fill = _FACTORIES[packet]
+            value = tc.bind_arguments(func, args, kwargs).get("fill_value") if fill is None else fill
+            if isinstance(value, (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                self.set(out, value)
+            return
+        if not self._values:
             return
         tensors = [a for a in tc.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if not tensors or not all(self.known(t) for t in tensors):
+        computable = bool(tensors) and all(self.known(t) for t in tensors)
+        values = {id(t): self.value_of(t) for t in tensors} if computable else {}
+        for t in tc.written_tensors(func, args, kwargs):  # its storage's values are stale from here on
+            self._forget_storage_of(t)
+        if packet in _FILLS and args and isinstance(args[0], torch.Tensor):  # x.fill_(v), x.zero_()
+            value = args[1] if packet is aten.fill_ and len(args) > 1 else 0 if packet is aten.zero_ else None
+            if isinstance(value, (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                self.set(args[0], value)  # every element of x (other views of its storage stay unknown)
             return
-        packet = tc.op_packet(func)
-        if getattr(func, "is_view", False) or packet in _COPIES and packet not in (aten._to_copy,):
-            self.set(out, self.value_of(tensors[0]))
+        if not isinstance(out, torch.Tensor) or not computable:
             return
-        if packet is aten.sum and len(tensors) == 1:  # v summed over the reduced elements (a size)
-            t = tensors[0]
-            v = self.value_of(t)
-            self.set(out, (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel() if out.numel() != 1
-                                                                    else t.numel()))
-            return
-        operands = [self.value_of(a) if isinstance(a, torch.Tensor) else a for a in args]
-        if packet in _SYMBOLIC and len(operands) == 2 and any(isinstance(v, _SYMBOLIC_NUMBERS) for v in operands):
-            self.set(out, _SYMBOLIC[packet](*operands))  # a size compared or combined: keep it symbolic
-            return
-        if not (packet in _REDUCTIONS or packet is aten._to_copy or torch.Tag.pointwise in getattr(func, "tags", ())):
-            return
-        # the op on one-element real stand-ins of the same rank and dtype gives the value
-        def stand_in(a: Any) -> Any:
-            if isinstance(a, torch.Tensor):
-                return torch.full([1] * a.dim(), self.value_of(a), dtype=a.dtype)
-            return a
-        try:
-            with tc.real_mode():
-                real = func(*[_map(stand_in, a) for a in args], **{k: _map(stand_in, v) for k, v in kwargs.items()})
-                value = real.reshape(-1)[0].item() if isinstance(real, torch.Tensor) and real.numel() else None
-        except Exception:  # noqa: BLE001 - not computable on stand-ins: the value is simply not known
-            return
-        if value is not None:
+        value = _computed(func, packet, args, kwargs, tensors, values, out)
+        if value is not None:  # (an in-place op's output is the written tensor: known again)
             self.set(out, value)
+
+
+def _computed(func: Any, packet: Any, args: tuple, kwargs: dict, tensors: list, values: dict, out: Any) -> Any:
+    """The one value ``out`` holds, when the op's tensor inputs each hold one (``values``); else None."""
+    def val(t: torch.Tensor) -> Any:
+        return values[id(t)]
+
+    if getattr(func, "is_view", False) or packet in _COPIES and packet not in (aten._to_copy,):
+        return val(tensors[0])
+    if packet is aten.sum and len(tensors) == 1:  # v summed over the reduced elements (a size)
+        t = tensors[0]
+        v = val(t)
+        return (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel() if out.numel() != 1 else t.numel())
+    operands = [val(a) if isinstance(a, torch.Tensor) else a for a in args]
+    if packet in _SYMBOLIC and len(operands) == 2 and any(isinstance(v, _SYMBOLIC_NUMBERS) for v in operands):
+        return _SYMBOLIC[packet](*operands)  # a size compared or combined: keep it symbolic
+    if not (packet in _REDUCTIONS or packet is aten._to_copy or torch.Tag.pointwise in getattr(func, "tags", ())):
+        return None
+
+    # the op on one-element real stand-ins of the same rank and dtype gives the value
+    def stand_in(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.full([1] * a.dim(), val(a), dtype=a.dtype)
+        return a
+    try:
+        with tc.real_mode():
+            real = func(*[_map(stand_in, a) for a in args], **{k: _map(stand_in, v) for k, v in kwargs.items()})
+            return real.reshape(-1)[0].item() if isinstance(real, torch.Tensor) and real.numel() else None
+    except Exception:  # noqa: BLE001 - not computable on stand-ins: the value is simply not known
+        return None
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return tc.storage_key(t).cdata
+    except Exception:  # noqa: BLE001 - a tensor without a storage (never written through)
+        return None
 
 
 def _map(fn: Callable, value: Any) -> Any:

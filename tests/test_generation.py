@@ -1,0 +1,83 @@
+"""fxmem.generation: the memory of transformers' generate() (prefill, then a decode step per new
+token with the KV cache), against real generate() calls of the same model (CPU allocator) at
+prompt sizes the analysis did not see: Llama, a GQA Qwen2, GPT-2, the static cache; a meta-device
+model gets its numbers with no real run; `fxmem llm --serve`."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.generation import Generate, _token
+from fxmem.measure import measure
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                      bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**LLAMA, "num_key_value_heads": 1})).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+
+
+def _real(model, b, p, new_tokens, cache):
+    ids = torch.full((b, p), _token(model))
+    mask = torch.ones(b, p, dtype=torch.long)
+    run = Generate(copy.deepcopy(model), new_tokens, cache, {})
+    with torch.no_grad():
+        out = run(ids, mask)
+        assert out.shape == (b, p + new_tokens)  # every sequence made all its tokens
+        m = measure(lambda: run(ids, mask))
+    return m.peak_above_start, m.retained
+
+
+@pytest.mark.parametrize("kind, cache, new_tokens", [
+    ("llama", "dynamic", 3), ("qwen2", "dynamic", 4), ("gpt2", "dynamic", 3), ("llama", "static", 3)])
+def test_generate_is_exact_against_real_calls(kind, cache, new_tokens):
+    model = _model(kind)
+    report = fxmem.generation(model, ("B", "P"), new_tokens=new_tokens, cache=cache)
+    assert report.exact, report.notes
+    for b, p in ((3, 37), (2, 70)):
+        at = report.evaluate(B=b, P=p)
+        assert (at["peak_above_resident"], at["retained"]) == _real(model, b, p, new_tokens, cache), (b, p)
+
+
+def test_max_batch_and_meta_models():
+    config = transformers.LlamaConfig(**LLAMA)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config).eval()
+    report = fxmem.generation(meta, ("B", "P"), new_tokens=2)
+    real = fxmem.generation(_model("llama"), ("B", "P"), new_tokens=2)
+    assert report.evaluate(B=3, P=40) == real.evaluate(B=3, P=40)  # no weights needed
+    b = report.max_size("B", "2MiB", P=64)
+    assert report.evaluate(B=b, P=64)["peak"] <= 2 * 2**20 < report.evaluate(B=b + 1, P=64)["peak"]
+    with pytest.raises(fxmem.SpecError, match="new_tokens"):
+        fxmem.generation(meta, ("B", "P"), new_tokens="T")
+    with pytest.raises(fxmem.SpecError, match="greedy"):
+        fxmem.generation(meta, ("B", "P"), new_tokens=2, do_sample=True)
+
+
+def test_cli_serve(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **LLAMA}))
+    out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--serve", "--batch", "2", "--prompt",
+                          "64", "--new-tokens", "2", "--gpu", "2MiB", "--quiet"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    report = fxmem.generation(fxmem.from_config({"model_type": "llama", **LLAMA}), ("B", "P"), new_tokens=2)
+    assert fxmem.format_bytes(report.evaluate(B=2, P=64)["peak"]) in out.stdout
+    assert f"largest batch       {report.max_size('B', '2MiB', P=64):,}" in out.stdout

@@ -248,7 +248,8 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
-        return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
+        return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak",
+                        start=self.hints.get(dim, 2), **fixed)
 
     # --- views ----------------------------------------------------------------------------------
     @property

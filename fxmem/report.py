@@ -320,9 +320,20 @@ class Report:
                               plan.rec.storages, plan.rec.steps, report.nodes, train=train, path=path,
                               meta={"model": self.model_name, "device": self.device, "dims": values})
 
-    def summary(self, dims: Mapping[str, int] | None = None) -> str:
-        """The headline formulas (and numbers at ``dims``) as text."""
-        return views.summary(self, self.evaluate(**dims) if dims else None)
+    def summary(self, dims: Mapping[str, int] | None = None, full: bool = False) -> str:
+        """The headline formulas (and numbers at ``dims``) as text.
+
+        At ``dims`` outside the formulas' region the summary is of the re-analysis there, and says
+        so. With ``dims`` a formula that is a ``Max`` of candidates (a 7B model's training peak has
+        ~200) shows the one deciding at ``dims``; ``full=True`` (or ``report.train_peak`` itself)
+        gives them all.
+
+        >>> print(report.summary(dict(B=8, L=4096)))               # doctest: +SKIP
+        """
+        if not dims:
+            return views.summary(self, None)
+        report, evaluation = self._at(dims, check=True)
+        return views.summary(report, evaluation, dims=dict(dims), full=full, asked_of=self)
 
     def diagram(self, dims: Mapping[str, int] | None = None, group: str | None = None,
                 depth: int | None = None) -> views.Figure:

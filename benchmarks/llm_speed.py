@@ -13,7 +13,7 @@ device, bfloat16, one AdamW training step, tokens ``(B, L)``):
 * ``hf-7b``: ``transformers.LlamaForCausalLM`` with the Llama-2-7B configuration (eager mode);
 * ``maxsize``: on a fresh analysis of ``ours-7b``, ``max_size("B", "80GiB", train=True, L=2048)``
   (L=2048 lies outside the formulas' region L <= 191: one re-analysis) over one analysis' time;
-* ``calibration``: a small CNN's first analysis in a fresh process (subprocesses), with an empty
+* ``calibration``: a small ResNet-like CNN's first analysis (training, SGD) in a fresh process (subprocesses), with an empty
   cache directory, then with the one the first process filled.
 
 Results go to ``benchmarks/results/llm_speed.{json,md}`` with the CPU model (lscpu), torch version,
@@ -39,9 +39,13 @@ CASES = ("ours-7b", "hf-7b", "maxsize", "calibration")
 FIRST_ANALYSIS = """
 import time, torch, fxmem
 from torch import nn
-torch.set_num_threads(1)
-model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2),
-                      nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+def stage(cin, cout, stride):  # a ResNet stage's convolution geometries: 3x3 (strided), 1x1 shortcut
+    return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+model = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                      *stage(16, 16, 1), *stage(16, 32, 2), *stage(32, 64, 2), *stage(64, 128, 2),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
 start = time.perf_counter()
 fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=torch.optim.SGD)
 print(time.perf_counter() - start)

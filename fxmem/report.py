@@ -11,7 +11,9 @@ computed once and shared by ``evaluate``, the tables and the pictures.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from typing import Any, Callable, Mapping
 
 import sympy
@@ -26,8 +28,11 @@ from .kernels import environment
 from .options import AnalysisOptions
 from .records import INEXACT
 from .parsing import parse_expression
+from .progress import progress_to_stderr, showing
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
+
+_log = logging.getLogger(__name__)  # progress: a re-analysis takes as long as the first one
 
 __all__ = ["Report", "format_bytes"]
 
@@ -170,7 +175,11 @@ class Report:
                     self._regions[key] = report
                     break
             else:
-                self._regions[key] = self._reanalyze(values)
+                with progress_to_stderr() if getattr(self.options, "verbose", False) and not showing() \
+                        else contextlib.nullcontext():
+                    _log.info("re-analysing at %s: outside the formulas' region (%s)",
+                              ", ".join(f"{k}={v}" for k, v in sorted(values.items())), ", ".join(self.region) or "-")
+                    self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
     def _holds_at(self, values: Mapping[str, int]) -> bool:

@@ -94,8 +94,9 @@ def timed(fn) -> tuple[float, object]:
 
 def first_analysis(cache: str) -> float:
     env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", FIRST_ANALYSIS], env=env, capture_output=True, text=True,
-                          check=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", FIRST_ANALYSIS], env=env, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"the first-analysis process failed:\n{done.stderr[-3000:]}")
     return float(done.stdout.strip().splitlines()[-1])
 
 

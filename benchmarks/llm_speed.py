@@ -37,8 +37,15 @@ ROOT = HERE.parent
 CASES = ("ours-7b", "hf-7b", "maxsize", "calibration")
 
 FIRST_ANALYSIS = """
-import time, torch, fxmem
+import logging, time, torch, fxmem
 from torch import nn
+calibrations = []  # counted through the documented fxmem logger
+class Count(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("calibrating"):
+            calibrations.append(1)
+logging.getLogger("fxmem").addHandler(Count())
+logging.getLogger("fxmem").setLevel(logging.INFO)
 def stage(cin, cout, stride):  # a ResNet stage's convolution geometries: 3x3 (strided), 1x1 shortcut
     return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
             nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
@@ -48,7 +55,7 @@ model = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
 start = time.perf_counter()
 fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=torch.optim.SGD)
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, len(calibrations))
 """
 
 
@@ -92,12 +99,13 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def first_analysis(cache: str) -> float:
+def first_analysis(cache: str) -> tuple[float, int]:
     env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", FIRST_ANALYSIS], env=env, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"the first-analysis process failed:\n{done.stderr[-3000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+    seconds, calibrations = done.stdout.strip().splitlines()[-1].split()
+    return float(seconds), int(calibrations)
 
 
 def cpu_model() -> str:
@@ -135,8 +143,10 @@ def main() -> None:
             runs.setdefault("hf-7b analysis (s)", []).append(t)
         if "calibration" in only:
             with tempfile.TemporaryDirectory() as cache:
-                runs.setdefault("first analysis, empty cache (s)", []).append(first_analysis(cache))
-                runs.setdefault("first analysis, cache filled (s)", []).append(first_analysis(cache))
+                for label in ("empty cache", "cache filled"):
+                    seconds, calibrations = first_analysis(cache)
+                    runs.setdefault(f"first analysis, {label} (s)", []).append(seconds)
+                    runs.setdefault(f"first analysis, {label}: calibrations run", []).append(calibrations)
         print({k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
     medians = {k: round(statistics.median(v), 2) for k, v in runs.items()}
     if "hf-7b analysis (s)" in medians and "ours-7b analysis (s)" in medians:

@@ -408,16 +408,20 @@ require_args(aten.native_batch_norm_backward.default, "grad_out", "input", "save
 
 
 @functools.lru_cache(maxsize=512)
-def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int) -> list | None:
+def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int, retry: bool = False) -> list | None:
     """The fit for one calibration key: from this process' memory, else the on-disk cache a previous
-    process on this CPU and torch wrote (see :mod:`fxmem.kernels.calibration_cache`), else measured."""
+    process on this CPU and torch wrote (see :mod:`fxmem.kernels.calibration_cache`), else measured.
+    ``retry``: a failed fit is measured once more (oneDNN's first runs may still be settling its
+    caches). A failure is kept too (as an empty program: a fit never is one), so the next process
+    does not measure it again either."""
     key = calibration_cache.entry_key("fit", op, frozen_items, min_shape, threads)
     cached = calibration_cache.load(key)
     if cached is not None:
-        return cached
+        return cached or None
     fitted = _fit(op, frozen_items, min_shape)
-    if fitted is not None:  # a failed fit is retried (oneDNN may still be settling): not kept
-        calibration_cache.store(key, fitted)
+    if fitted is None and retry:
+        fitted = _fit(op, frozen_items, min_shape)
+    calibration_cache.store(key, fitted or [])
     return fitted
 
 
@@ -452,8 +456,7 @@ def program_for_call(call: Call) -> list | None:
     min_shape = tuple(adapter.minimum(frozen, tuple(x.shape)))
     # the thread count is part of the key: oneDNN picks its path (and its buffers) by it
     key = (call.func, tuple(frozen.items()), min_shape, torch.get_num_threads())
-    # a failed fit is retried once uncached: oneDNN's first runs may still be settling its caches
-    fitted = _fit_cached(*key) or _fit(*key[:3])
+    fitted = _fit_cached(*key, retry=True)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))

@@ -45,7 +45,7 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``: each is
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``, ``verbose``: each is
             documented once, on :class:`fxmem.AnalysisOptions`.
             ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
             ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.

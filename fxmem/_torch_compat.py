@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import sympy
@@ -955,6 +956,15 @@ def on_storage_resize(callback: Any) -> Iterator[None]:
             del cls.resize_
         else:
             cls.resize_ = original
+
+
+def watch_storage(storage: Any, died: Callable[[Any], None]) -> Any:
+    """A ``weakref.ref`` to ``storage`` (an ``untyped_storage()``) calling ``died(ref)`` when the
+    storage itself is freed - not when its Python object is dropped: torch keeps a storage's Python
+    object alive as long as its C++ storage lives (PyObject preservation), so the callback fires at
+    exactly the moment ``StorageWeakRef.expired()`` turns True. Lets a caller hear each death
+    instead of scanning every live storage (O(live) per poll)."""
+    return weakref.ref(storage, died)
 
 
 def storage_weakref(storage: Any) -> StorageWeakRef:

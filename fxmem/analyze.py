@@ -22,6 +22,7 @@ from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .options import AnalysisOptions
+from .progress import progress_to_stderr, showing
 from .distributed import Parallel, refuse_wrapped
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
@@ -44,7 +45,7 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``: each is
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``, ``verbose``: each is
             documented once, on :class:`fxmem.AnalysisOptions`.
             ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
             ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.
@@ -53,6 +54,9 @@ def analyze(
     outside the formulas, recomputation planning) uses the same ones.
     """
     opts = AnalysisOptions.of(options, **option_values)
+    if opts.verbose and not showing():
+        with progress_to_stderr():
+            return analyze(model, *input_specs, options=opts)
     device, dtype, grad, hints = opts.device, opts.dtype, opts.grad, opts.hints
     leaf_modules, optimizer, loss, mode = opts.leaf_modules, opts.optimizer, opts.loss, opts.mode
     hparams, init, kernels, autocast, repeats = opts.hparams, opts.init, opts.kernels, opts.autocast, opts.repeats

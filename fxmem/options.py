@@ -83,6 +83,9 @@ class AnalysisOptions:
             losses ...), with ``optimizer=``: the training formulas are of that function's steady
             state (its second call), not of the default step (forward, ``loss(output).backward()``,
             ``optimizer.step()``, ``zero_grad(set_to_none=True)``). See :mod:`fxmem.training`.
+        verbose: ``True`` prints progress to stderr as the analysis goes (tracing, simulating,
+            calibrating kernels, re-analysing outside the region) - the ``fxmem`` logger's INFO
+            records, which any ``logging`` handler can also receive.
     """
 
     device: str = "cpu"
@@ -102,6 +105,7 @@ class AnalysisOptions:
     parallelize: Callable[..., torch.nn.Module] | None = None
     rank: int = 0
     step: Callable[..., Any] | None = None
+    verbose: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -138,7 +142,7 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
                         f"'graph' (the traced module) or 'eager' (the original forward)")
     if not isinstance(opts.dtype, torch.dtype):
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {opts.dtype!r}")
-    for name in ("grad", "repeats"):
+    for name in ("grad", "repeats", "verbose"):
         if not isinstance(getattr(opts, name), bool):
             raise SpecError(f"{name} must be True or False, got {getattr(opts, name)!r}")
     if opts.autocast is not None and opts.autocast not in (torch.bfloat16, torch.float16):

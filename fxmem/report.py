@@ -11,7 +11,9 @@ computed once and shared by ``evaluate``, the tables and the pictures.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from typing import Any, Callable, Mapping
 
 import sympy
@@ -26,8 +28,11 @@ from .kernels import environment
 from .options import AnalysisOptions
 from .records import INEXACT
 from .parsing import parse_expression
+from .progress import progress_to_stderr, showing
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
+
+_log = logging.getLogger(__name__)  # progress: a re-analysis takes as long as the first one
 
 __all__ = ["Report", "format_bytes"]
 
@@ -170,7 +175,11 @@ class Report:
                     self._regions[key] = report
                     break
             else:
-                self._regions[key] = self._reanalyze(values)
+                with progress_to_stderr() if getattr(self.options, "verbose", False) and not showing() \
+                        else contextlib.nullcontext():
+                    _log.info("re-analysing at %s: outside the formulas' region (%s)",
+                              ", ".join(f"{k}={v}" for k, v in sorted(values.items())), ", ".join(self.region) or "-")
+                    self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
     def _holds_at(self, values: Mapping[str, int]) -> bool:
@@ -248,7 +257,8 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
-        return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak", **fixed)
+        return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak",
+                        start=self.hints.get(dim, 2), **fixed)
 
     # --- views ----------------------------------------------------------------------------------
     @property
@@ -319,9 +329,20 @@ class Report:
                               plan.rec.storages, plan.rec.steps, report.nodes, train=train, path=path,
                               meta={"model": self.model_name, "device": self.device, "dims": values})
 
-    def summary(self, dims: Mapping[str, int] | None = None) -> str:
-        """The headline formulas (and numbers at ``dims``) as text."""
-        return views.summary(self, self.evaluate(**dims) if dims else None)
+    def summary(self, dims: Mapping[str, int] | None = None, full: bool = False) -> str:
+        """The headline formulas (and numbers at ``dims``) as text.
+
+        At ``dims`` outside the formulas' region the summary is of the re-analysis there, and says
+        so. With ``dims`` a formula that is a ``Max`` of candidates (a 7B model's training peak has
+        ~200) shows the one deciding at ``dims``; ``full=True`` (or ``report.train_peak`` itself)
+        gives them all.
+
+        >>> print(report.summary(dict(B=8, L=4096)))               # doctest: +SKIP
+        """
+        if not dims:
+            return views.summary(self, None)
+        report, evaluation = self._at(dims, check=True)
+        return views.summary(report, evaluation, dims=dict(dims), full=full, asked_of=self)
 
     def diagram(self, dims: Mapping[str, int] | None = None, group: str | None = "auto",
                 depth: int | None = None) -> views.Figure:

@@ -65,11 +65,16 @@ def _format(n: int) -> str:
 
 
 def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], dim: str, budget: Any,
-             key: str = "peak", **fixed: int) -> MaxSize:
+             key: str = "peak", start: int = 2, **fixed: int) -> MaxSize:
     """The largest value of ``dim`` whose ``evaluate(**dims)[key]`` fits ``budget`` (bytes).
 
     Returns ``MaxSize(0)`` with a ``reason`` (and a warning) if even ``dim=1`` does not fit.
     ``dims`` are the analysis' dims; ``fixed`` gives every one but ``dim``.
+
+    The search starts at ``start`` (the analysis' example size of ``dim``; at least 2) and
+    doubles or bisects from there; size 1 is evaluated only when the answer may be 1. Where the
+    other dims lie outside the formulas' region, ``evaluate`` re-analyses once near the answer
+    instead of at size 1 (which PyTorch specialises, so it would need an analysis of its own).
     """
     limit = parse_bytes(budget)
     if dim not in dims:
@@ -80,7 +85,7 @@ def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], di
     def peak(value: int) -> int:
         return evaluate(**fixed, **{dim: value})[key]
 
-    if peak(1) > limit:
+    def nothing_fits() -> MaxSize:
         at_one = evaluate(**fixed, **{dim: 1})
         resident_key = "train_resident" if key.startswith("train") else "resident"
         what = "parameters, buffers, inputs and optimizer state" if key.startswith("train") \
@@ -88,10 +93,15 @@ def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], di
         reason = (f"nothing fits: at {dim}=1 the {key.replace('_', ' ')} is already {_format(int(at_one[key]))}, "
                   f"over the budget of {_format(limit)}; resident alone ({what}) needs "
                   f"{_format(int(at_one[resident_key]))}")
-        warnings.warn(f"max_size({dim!r}) = 0: {reason}", stacklevel=3)
+        warnings.warn(f"max_size({dim!r}) = 0: {reason}", stacklevel=4)
         return MaxSize.of(0, reason)
-    fits, too_big = 1, 2
-    while peak(too_big) <= limit:
+
+    start = max(2, int(start))
+    if peak(start) <= limit:
+        fits, too_big = start, start * 2
+    else:  # bisect below ``start``, size 1 presumed to fit until the answer comes down to it
+        fits, too_big = 1, start
+    while fits > 1 and peak(too_big) <= limit:
         fits, too_big = too_big, too_big * 2
         if too_big > _LIMIT:
             if peak(_LIMIT) > peak(1):
@@ -104,4 +114,6 @@ def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], di
             fits = mid
         else:
             too_big = mid
+    if fits == 1 and peak(1) > limit:
+        return nothing_fits()
     return MaxSize.of(fits)

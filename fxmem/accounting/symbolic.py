@@ -73,6 +73,32 @@ def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
     return int(v)
 
 
+def binding(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> tuple[sympy.Expr, int]:
+    """``expr`` with each ``Max``/``Min`` replaced by its candidate that decides it at ``values``
+    (the first one on a tie), and how many candidates were dropped: the formula as it reads at the
+    user's sizes. It equals ``expr`` at ``values`` (the caller may check that), not elsewhere.
+
+    >>> B, L = sympy.symbols("B L", positive=True)
+    >>> binding(8*B + sympy.Max(4*B*L, 1000), {B: 2, L: 512})
+    (4*B*L + 8*B, 1)
+    """
+    dropped = 0
+
+    def pick(e: sympy.Expr) -> sympy.Expr:
+        nonlocal dropped
+        if isinstance(e, (sympy.Max, sympy.Min)):
+            args = [pick(a) for a in e.args]
+            at = [evaluate(a, values) for a in args]
+            best = (max if isinstance(e, sympy.Max) else min)(range(len(args)), key=lambda i: (at[i], -i))
+            dropped += len(args) - 1
+            return args[best]
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            return e.func(*[pick(a) for a in e.args])
+        return e
+
+    return pick(sympy.sympify(expr)), dropped
+
+
 @dataclasses.dataclass
 class Region:
     """Where the formulas hold: a lower bound per dim (usually 2) plus the guards PyTorch recorded.

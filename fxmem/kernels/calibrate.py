@@ -35,6 +35,7 @@ import torch
 
 from .. import _torch_compat as tc
 from ..measure import allocator_events, cpu_memory_profile
+from . import calibration_cache
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
 log = logging.getLogger(__name__)  # progress: a calibration runs real kernels for a few seconds
@@ -407,7 +408,24 @@ require_args(aten.native_batch_norm_backward.default, "grad_out", "input", "save
 
 
 @functools.lru_cache(maxsize=512)
-def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int) -> list | None:
+def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int, retry: bool = False) -> list | None:
+    """The fit for one calibration key: from this process' memory, else the on-disk cache a previous
+    process on this CPU and torch wrote (see :mod:`fxmem.kernels.calibration_cache`), else measured.
+    ``retry``: a failed fit is measured once more (oneDNN's first runs may still be settling its
+    caches). A failure is kept too (as an empty program: a fit never is one), so the next process
+    does not measure it again either."""
+    key = calibration_cache.entry_key("fit", op, frozen_items, min_shape, threads)
+    cached = calibration_cache.load(key)
+    if cached is not None:
+        return cached or None
+    fitted = _fit(op, frozen_items, min_shape)
+    if fitted is None and retry:
+        fitted = _fit(op, frozen_items, min_shape)
+    calibration_cache.store(key, fitted or [])
+    return fitted
+
+
+def _fit(op: Any, frozen_items: tuple, min_shape: tuple) -> list | None:
     adapter = ADAPTERS[op]
     frozen = dict(frozen_items)
     _, shape, dtype, layout = frozen[adapter.driver]
@@ -438,8 +456,7 @@ def program_for_call(call: Call) -> list | None:
     min_shape = tuple(adapter.minimum(frozen, tuple(x.shape)))
     # the thread count is part of the key: oneDNN picks its path (and its buffers) by it
     key = (call.func, tuple(frozen.items()), min_shape, torch.get_num_threads())
-    # a failed fit is retried once uncached: oneDNN's first runs may still be settling its caches
-    fitted = _fit_cached(*key) or _fit_cached.__wrapped__(*key)
+    fitted = _fit_cached(*key, retry=True)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
@@ -479,7 +496,18 @@ def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, m
 
 @functools.lru_cache(maxsize=512)
 def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tuple:
+    key = calibration_cache.entry_key("at", op, frozen_items, shape, threads)
+    cached = calibration_cache.load(key)
+    if cached is not None:
+        return tuple(cached)
+    program = _measure_at(op, frozen_items, shape)
+    calibration_cache.store(key, program)
+    return program
+
+
+def _measure_at(op: Any, frozen_items: tuple, shape: tuple) -> tuple:
     adapter = ADAPTERS[op]
+    log.info("calibrating %s on a real run at the example sizes", getattr(op, "__name__", op))
     frozen = dict(frozen_items)
     _, _, dtype, layout = frozen[adapter.driver]
     with tc.real_mode():

@@ -10,6 +10,7 @@ True
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import sympy
@@ -29,6 +30,12 @@ class StorageTable:
         self.storages: list[Storage] = []
         self._live: dict[int, tuple[Any, int]] = {}  # allocated by the run: key -> (weakref, index)
         self._resident: dict[int, tuple[Any, int]] = {}  # there before the run: never polled
+        # deaths are heard, not searched for: each run storage has a weakref whose callback files
+        # its index in _died (O(deaths) per poll, not O(live): a 1000-layer optimizer step has
+        # thousands of live gradients and states and polls after every op)
+        self._watch: dict[int, Any] = {}  # index -> the weakref watching its current storage
+        self._died: list[int] = []
+        self._key_of: dict[int, int] = {}  # index -> its key in _live
         self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self.data_dims: Any = None  # the run's sizes that depend on values, named (a DataDims)
         self.module_now: Any = lambda: ""  # eager mode: the module running (see module_stack)
@@ -70,7 +77,22 @@ class StorageTable:
         self.storages.append(record)
         ref = tc.storage_key(t)
         (self._live if step is not None else self._resident)[ref.cdata] = (ref, record.index)
+        if step is not None:
+            self._hear(t.untyped_storage(), record.index)
         return record.index
+
+    def _hear(self, storage: Any, index: int) -> None:
+        """File ``index`` in ``_died`` when ``storage`` is freed (unless ``index`` moved on first)."""
+        table = weakref.ref(self)  # no cycle: the callback holds the table weakly
+
+        def died(ref: Any) -> None:
+            me = table()
+            if me is not None and me._watch.get(index) is ref:
+                del me._watch[index]
+                me._died.append(index)
+
+        self._watch[index] = tc.watch_storage(storage, died)
+        self._key_of[index] = tc.storage_weakref(storage).cdata
 
     def resized(self, storage: Any, old: int, new: int, role: Role, name: str, *, node: str, step: int, op: str,
                 phase: Phase) -> tuple[int | None, int | None]:
@@ -80,14 +102,17 @@ class StorageTable:
         freed = None
         for table in (self._live, self._resident):
             hit = table.pop(ref.cdata, None)
-            if hit is not None and old > 0:
-                freed = hit[1]
+            if hit is not None:
+                self._watch.pop(hit[1], None)  # its end is this free, not the storage object's death
+                if old > 0:
+                    freed = hit[1]
         index = None
         if new > 0:
             record = Storage(len(self.storages), sympy.Integer(new), torch.uint8, (sympy.Integer(new),), role, name, node=node,
                              op=op, step=step, phase=phase, module=self.module_now())
             self.storages.append(record)
             self._live[ref.cdata] = (ref, record.index)
+            self._hear(storage, record.index)
             index = record.index
         return freed, index
 
@@ -96,6 +121,7 @@ class StorageTable:
         ref = tc.storage_key(t)
         _, index = self._live.pop(ref.cdata)
         assert index == len(self.storages) - 1
+        self._watch.pop(index, None)
         self.storages.pop()
 
     def take_over(self, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -104,6 +130,7 @@ class StorageTable:
         _, index = self._live.pop(tc.storage_key(old).cdata)
         ref = tc.storage_key(new)
         self._live[ref.cdata] = (ref, index)
+        self._hear(new.untyped_storage(), index)  # replaces old's watch: its death is no free
 
     def is_whole(self, t: torch.Tensor, index: int) -> bool:
         """Whether ``t`` spans the whole of storage ``index`` (not a slice of a larger one)."""
@@ -111,5 +138,12 @@ class StorageTable:
 
     def dead(self) -> list[int]:
         """Indices of the run's storages that died since the last call, in index order."""
-        gone = tc.expired_keys(self._live)  # every poll scans the live storages: keep it a tight loop
-        return sorted(self._live.pop(k)[1] for k in gone)
+        if not self._died:
+            return []
+        gone, self._died = sorted(self._died), []
+        for index in gone:  # drop their _live entries (unless a newer storage took the key meanwhile)
+            key = self._key_of.pop(index, None)
+            hit = self._live.get(key)
+            if hit is not None and hit[1] == index:
+                del self._live[key]
+        return gone

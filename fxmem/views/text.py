@@ -195,14 +195,24 @@ def text_table(header: tuple, rows: list[tuple], right: tuple = (), max_cell: in
     return "\n".join(lines)
 
 
-def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
-    """The headline formulas (and the numbers of ``evaluation``) as text."""
+def summary(report: Any, evaluation: Mapping[str, int] | None = None, dims: Mapping[str, int] | None = None,
+            full: bool = False, asked_of: Any = None) -> str:
+    """The headline formulas (and the numbers of ``evaluation``) as text.
+
+    With ``dims`` (the sizes ``evaluation`` is at) and not ``full``, a formula that is a ``Max`` of
+    candidates shows the candidate that decides it there, and how many others the full formula
+    (``report.peak`` etc.) has. ``asked_of``: the report the user asked, when ``report`` is its
+    re-analysis at ``dims`` (they lie outside the asked one's region): the summary says so.
+    """
     head = (f"fxmem · {report.model_name} · {report.mode} mode · device={report.device} · "
             f"{'training (autograd records)' if report.grad else 'inference (no grad)'}")
     inputs = ", ".join(f"{s.arg}{s.text}" for s in report.specs)
     lines = [head, f"inputs: {inputs}"]
     if report.capture.reason:  # not the mode asked for: say which code the numbers are of, and why
         lines.append(f"capture: {report.capture.text}")
+    if asked_of is not None and asked_of is not report:
+        lines.append(f"re-analysed at {', '.join(f'{k}={v}' for k, v in dims.items())}: outside the region of the "
+                     f"analysis asked ({', '.join(asked_of.region)}); the formulas below are the re-analysis'")
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
     if report.training:
@@ -212,10 +222,13 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
         lines.append("training step: " + describe(Training(options.optimizer, options.loss, options.step))
                      if options is not None else "training step: the default step")
     for k in FORMULA_KEYS + (TRAIN_KEYS if report.training else ()):
-        line = f"  {k:<15} = {getattr(report, k)}"
+        formula, more = getattr(report, k), ""
+        if evaluation is not None and dims and not full:
+            formula, more = _binding(report, k, dims)
+        line = f"  {k:<15} = {formula}"
         if evaluation is not None:
             line += f"   -> {evaluation[k]:,} B ({format_bytes(evaluation[k])})"
-        lines.append(line)
+        lines.append(line + more)
     if report.device == "cuda":
         lines.append("  (bytes as requested; evaluate() rounds every block up to 512 B like the CUDA allocator)")
     facts = report.facts
@@ -229,6 +242,22 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None) -> str:
     for note in fold_notes(report.notes):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def _binding(report: Any, key: str, dims: Mapping[str, int]) -> tuple[Any, str]:
+    """Formula ``key`` of ``report`` as it reads at ``dims`` (see accounting.symbolic.binding), and
+    the text saying what was left out; the whole formula where the two would not agree there."""
+    from ..accounting.symbolic import binding, evaluate
+
+    expr = getattr(report, key)
+    values = {report.symbols[k]: v for k, v in dims.items() if k in report.symbols}
+    try:
+        short, dropped = binding(expr, values)
+        if not dropped or evaluate(short, values) != evaluate(expr, values):
+            return expr, ""
+    except (ValueError, TypeError):
+        return expr, ""
+    return short, f"   [deciding at these sizes; {dropped} other candidate{'s' * (dropped > 1)}: summary(full=True)]"
 
 
 def fold_notes(notes: list[str], names: int = 3) -> list[str]:

@@ -106,3 +106,25 @@ def test_eager_module_rows_match_a_real_forward(make, grad):
         assert row.parameters == sum(p.numel() for name, p in model.named_parameters()
                                      if not row.path or name.startswith(row.path + ".")), row.path
     assert "LlamaDecoderLayer" in str(table) or "GPT2Block" in str(table)
+
+
+def test_eager_diagram_draws_lines_with_their_data_flow_and_folds_by_module():
+    import re
+
+    torch.manual_seed(0)
+    model = _llama()
+    report = fxmem.analyze(model, fxmem.TensorSpec(("B", "L"), dtype=torch.long))
+    dims = dict(B=2, L=40)
+    every = report.diagram(dims, group=None)
+    allocating = [n.name for n in report.nodes if n.op == "line" and n.allocations]
+    svg = every.svg()  # rendered by dot
+    assert all(f">{name}<" in svg or name in every.source for name in allocating)
+    assert every.source.count("->") > len(allocating) // 2  # lines connected by what they read
+    assert "PEAK" in svg
+    grouped = report.diagram(dims, group="module").source
+    assert {"module model.layers.0", "module model.layers.1"} <= set(re.findall(r'"(module [\w.]+)"', grouped))
+    # a layer's box allocates what its lines allocate
+    for layer in ("model.layers.0", "model.layers.1"):
+        total = sum(report.at(s.bytes, **dims) for n in report.nodes if n.op == "line"
+                    and (n.module == layer or n.module.startswith(layer + ".")) for s in n.allocations)
+        assert f"allocates {fxmem.format_bytes(total)}" in report.diagram(dims, group="module").svg()

@@ -36,6 +36,7 @@ class _Open:
     label: str | None = None
     source: SourceLine | None = None
     first_step: int = 0
+    module: str = ""  # the module running when the line started (eager mode's module paths)
 
 
 class LineRunner:
@@ -47,6 +48,7 @@ class LineRunner:
         self._stack: list[_Open] = []
         self._seen: dict[str, int] = {}
         self._user: dict[str, bool] = {}
+        self.module_now: Any = lambda: ""  # which module is running (set by the simulation)
 
     # --- the tracer ------------------------------------------------------------------------------
     def _is_user(self, filename: str) -> bool:
@@ -87,19 +89,19 @@ class LineRunner:
         text = statement_text(code.co_filename, line)
         top.source = SourceLine(code.co_filename, line, code.co_name, text)
         top.first_step = self.log.next_step
+        top.module = self.module_now()
         self.log.enter(top.label)
 
     def _end(self, top: _Open) -> None:
         if top.label is None:
             return
         self.recorder.end_node()
-        self._close(top.label, top.source, top.first_step)
+        self._close(top.label, top.source, top.first_step, top.module)
         top.label = None
 
-    def _close(self, name: str, source: SourceLine | None, first: int) -> None:
+    def _close(self, name: str, source: SourceLine | None, first: int, module: str = "") -> None:
         target = source.code if source else name
-        self.log.ended(Node(name, "line", target, source.function if source else "", source, [], [], [],
-                            first, self.log.next_step))
+        self.log.ended(Node(name, "line", target, module, source, [], [], [], first, self.log.next_step))
 
     # --- running ---------------------------------------------------------------------------------
     def run(self, module: torch.nn.Module, inputs: list) -> Any:

@@ -267,7 +267,7 @@ def simulate_once(
         else:
             line_runner = LineRunner(recorder, model_files(model))
             module_stack = ModuleStack(fake_model, env)  # which module allocates (report.modules())
-            table.module_now = module_stack.now
+            table.module_now = line_runner.module_now = module_stack.now
 
             def run_forward(xs: list) -> Any:
                 with module_stack:

@@ -96,9 +96,9 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     ``depth`` components of the module path; nodes at top level stay as they are.
     Byte counts are bytes; live bytes are above resident (parameters, buffers, inputs).
     """
-    if report.graph_module is None:
-        raise SpecError("the diagram draws the fx graph, which an eager-mode analysis has none of; analyse with "
-                        "mode='graph', or use report.modules() / report.timeline() / report.by_line()")
+    if report.graph_module is None and getattr(report, "module_calls", None) is None:
+        raise SpecError("this report has no graph to draw (an analysis of a user step=); use "
+                        "report.timeline() / report.by_line()")
     if group not in GROUPS:
         raise SpecError(f"diagram(group={group!r}): use group='auto' (folds graphs of more than {FOLD_NODES} "
                         f"nodes into modules), None (every node) or 'module'")
@@ -108,8 +108,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     expand = None
     if group == "auto":
         group = None
-        drawn = [n for n in report.nodes if n.name in {m.name for m in report.graph_module.graph.nodes}
-                 and not is_size_arithmetic(n)]
+        drawn = [n for n in report.nodes if n.name in _forward_names(report) and not is_size_arithmetic(n)]
         if len(drawn) > FOLD_NODES and any(n.module for n in drawn):
             group = "module"  # the peak's module (at the sizes given, else the example sizes) stays open
             at = next((n for n in report.nodes if n.name == live.peak_node), None)
@@ -124,7 +123,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     if group:  # keep sibling blocks left to right in execution order (ungrouped, dot's own order reads better)
         fig.graph_attr["ordering"] = "out"
     position = {n.name: k for k, n in enumerate(report.nodes)}
-    fx_nodes = {n.name: n for n in report.graph_module.graph.nodes}
+    inputs_of = _inputs_of(report)
     boxes = _boxes(report, group, depth, expand)
     box_of = {n.name: b for b in boxes for _, n in b.nodes}
     for box in boxes:
@@ -132,13 +131,13 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     seen = set()
     for box in boxes:
         for _, n in box.nodes:
-            for src in fx_nodes[n.name].all_input_nodes if n.name in fx_nodes else []:
-                tail = box_of.get(src.name)
-                if tail is None or tail is box or (src.name, box.id) in seen:
+            for src in inputs_of.get(n.name, ()):
+                tail = box_of.get(src)
+                if tail is None or tail is box or (src, box.id) in seen:
                     continue
-                seen.add((src.name, box.id))
-                carried = num.tensor(report.nodes[position[src.name]])
-                fig.edge(tail.id, box.id, label=f" {carried}" if carried else "", tooltip=f"{src.name} -> {n.name}")
+                seen.add((src, box.id))
+                carried = num.tensor(report.nodes[position[src]])
+                fig.edge(tail.id, box.id, label=f" {carried}" if carried else "", tooltip=f"{src} -> {n.name}")
     return fig
 
 
@@ -159,11 +158,34 @@ def is_size_arithmetic(n: Node) -> bool:
     return n.op not in ("placeholder", "get_attr", "output") and not n.shapes and not n.allocations
 
 
+def _forward_names(report: Any) -> set:
+    """The forward's nodes (nothing of a training step after it): the fx graph's, or in eager mode
+    the source lines that ran."""
+    if report.graph_module is not None:
+        return {n.name for n in report.graph_module.graph.nodes}
+    return {n.name for n in report.nodes if n.op == "line"}
+
+
+def _inputs_of(report: Any) -> dict[str, list[str]]:
+    """Node -> the nodes whose values it reads: the fx graph's edges, or in eager mode the lines that
+    allocated the storages a line's ops read (the recording knows what each op read)."""
+    if report.graph_module is not None:
+        return {n.name: [m.name for m in n.all_input_nodes] for n in report.graph_module.graph.nodes}
+    made_by = {s.index: s.node for s in report.storages if s.node is not None}
+    out: dict[str, list[str]] = {}
+    for step in report._plan.rec.steps:
+        for index in step.reads:
+            src = made_by.get(index)
+            if src is not None and src != step.node and src not in out.setdefault(step.node, []):
+                out[step.node].append(src)
+    return out
+
+
 def _boxes(report: Any, group: str | None, depth: int | None, expand: str | None = None) -> list[_Box]:
     classes = _module_classes(report)
     boxes: list[_Box] = []
     by_group: dict[str, _Box] = {}
-    in_graph = {n.name for n in report.graph_module.graph.nodes}  # the forward's nodes, nothing after it
+    in_graph = _forward_names(report)  # the forward's nodes, nothing after it
     for k, n in enumerate(report.nodes):
         if n.name not in in_graph or is_size_arithmetic(n):
             continue
@@ -183,7 +205,10 @@ def _boxes(report: Any, group: str | None, depth: int | None, expand: str | None
 
 
 def _module_classes(report: Any) -> dict[str, str]:
-    """Module path -> class name, from the trace's module stacks (and the GraphModule's leaves)."""
+    """Module path -> class name, from the trace's module stacks (and the GraphModule's leaves), or
+    in eager mode from the modules the forward called."""
+    if report.graph_module is None:
+        return {path: kind for path, (kind, _, _) in (report.module_calls or {}).items()}
     out: dict[str, str] = {}
     for n in report.graph_module.graph.nodes:
         for path, cls in (n.meta.get("nn_module_stack") or {}).values():

@@ -159,6 +159,11 @@ def analyze(
     note = ambient_grad_note(grad)
     if note:
         report.notes.insert(0, note)
+    if opts.check:
+        from .selfcheck import self_check
+        report.checked = self_check(report, model)
+    else:
+        report.checked = "not checked against a real run (check=False)"
     return report
 
 

@@ -86,6 +86,11 @@ class AnalysisOptions:
         verbose: ``True`` prints progress to stderr as the analysis goes (tracing, simulating,
             calibrating kernels, re-analysing outside the region) - the ``fxmem`` logger's INFO
             records, which any ``logging`` handler can also receive.
+        check: ``True`` (default) runs the forward once for real at the analysed sizes where the
+            model has real weights on the CPU, and compares the allocator's events with the
+            simulation's (``report.checked`` says the outcome; a difference makes the report
+            inexact, with a note saying where the two first part). ``False`` skips it. See
+            :mod:`fxmem.selfcheck`.
     """
 
     device: str = "cpu"
@@ -106,6 +111,7 @@ class AnalysisOptions:
     rank: int = 0
     step: Callable[..., Any] | None = None
     verbose: bool = False
+    check: bool = True
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -142,7 +148,7 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
                         f"'graph' (the traced module) or 'eager' (the original forward)")
     if not isinstance(opts.dtype, torch.dtype):
         raise SpecError(f"dtype must be a torch.dtype (e.g. torch.float32), got {opts.dtype!r}")
-    for name in ("grad", "repeats", "verbose"):
+    for name in ("grad", "repeats", "verbose", "check"):
         if not isinstance(getattr(opts, name), bool):
             raise SpecError(f"{name} must be True or False, got {getattr(opts, name)!r}")
     if opts.autocast is not None and opts.autocast not in (torch.bfloat16, torch.float16):

@@ -96,6 +96,8 @@ class Report:
         self.facts: dict = dict(plan.rec.facts)
         self.storages = plan.storages
         self.nodes = plan.nodes
+        # what the real-run self-check found (fxmem.selfcheck); set by analyze
+        self.checked: str = "not checked against a real run"
         # eager mode: the modules the forward called (path -> class, calls, first output shape in
         # the user's dims), from hooks on fxmem's copy; graph mode reads them from the fx graph
         calls = plan.rec.module_calls

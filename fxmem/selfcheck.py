@@ -1,0 +1,110 @@
+"""A report that checks itself: where the model has real weights, the forward runs once for real at
+the sizes the analysis was made at, and the allocator's own events are set beside the simulated
+ones. Equal: the report says which sizes it was checked at (``report.checked``). Different: the
+report is not exact, and a note says by how many bytes and where the two event streams first part
+(the predicted allocation there, with its fx node or source line).
+
+What is not checked says why (``report.checked``): a model on the meta device (no weights), a
+simulated device other than this process's CPU, sizes the data decides, a distributed rank, a
+user ``step=``, a run that would need more than :data:`LIMIT` bytes, or a real run that fails on
+random inputs (an index input out of range, say). The run is on fxmem's own copy of the model,
+inside fxmem's state isolation: the user's model, RNG and grad mode are untouched.
+
+>>> report = fxmem.analyze(model, ("B", 64))              # doctest: +SKIP
+>>> report.checked                                          # doctest: +SKIP
+'checked against a real forward at B=97: equal'
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .records import INEXACT
+
+LIMIT = 256 * 2**20  # bytes: a check whose predicted peak is larger is skipped (it would cost a real run that big)
+
+
+def self_check(report: Any, model: torch.nn.Module) -> str:
+    """Run the check; returns what ``report.checked`` says (and adds a note to ``report`` when the
+    real run differs)."""
+    from .inputs import random_inputs
+    from .measure import allocator_events, cpu_memory_profile, measure
+
+    opts = report.options
+    why = _not_checkable(report, model)
+    if why:
+        return f"not checked against a real run: {why}"
+    dims = {k: v for k, v in report.hints.items() if k in report.symbols}
+    at = report.evaluate(**dims)
+    if at["peak"] + at["resident"] > LIMIT:
+        return (f"not checked against a real run: at the analysed sizes the forward needs "
+                f"{at['peak']:,} B (over {LIMIT:,} B)")
+    where = ", ".join(f"{k}={v}" for k, v in dims.items())
+    try:
+        module = copy.deepcopy(report.graph_module if report.graph_module is not None else model)
+        xs = random_inputs(report.specs, dims)
+        grad = torch.enable_grad() if opts.grad else torch.no_grad()
+        with grad:
+            real = measure(lambda: module(*xs))
+            with cpu_memory_profile() as prof:
+                out = module(*xs)
+            del out
+    except Exception as exc:  # noqa: BLE001 - the model's own failure on random inputs: not a verdict
+        return f"not checked against a real run: the real forward at {where} on random inputs raised " \
+               f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    predicted = (at["peak_above_resident"], at["retained"])
+    measured = (real.peak_above_start, real.retained)
+    if predicted == measured:
+        return f"checked against a real forward at {where}: equal"
+    part = _first_difference(report, dims, [n for _, n in allocator_events(prof)])
+    report.notes.append(
+        f"self-check: a real forward at {where} measured peak above resident {measured[0]:,} B and retained "
+        f"{measured[1]:,} B; the analysis says {predicted[0]:,} B and {predicted[1]:,} B "
+        f"({predicted[0] - measured[0]:+,} B, {predicted[1] - measured[1]:+,} B){part}: {INEXACT}")
+    return f"checked against a real forward at {where}: different (see the notes)"
+
+
+def _not_checkable(report: Any, model: torch.nn.Module) -> str | None:
+    opts = report.options
+    if opts.device != "cpu":
+        return f"device={opts.device!r} is simulated, this process runs on the CPU"
+    if not isinstance(model, torch.nn.Module):
+        return "the model is built from a class or factory"
+    tensors = list(model.parameters()) + list(model.buffers())
+    if any(t.device.type == "meta" for t in tensors):
+        return "the model is on the meta device (no weights)"
+    if any(t.device.type != "cpu" for t in tensors):
+        return "the model's weights are not on the CPU"
+    if report.data_dims:
+        return "sizes the data decides (random inputs would not hold the values that decide them)"
+    if opts.parallelize is not None or opts.step is not None:
+        return "a distributed rank or a user step= (checked by their own real runs in fxmem's tests)"
+    if opts.autocast is not None or opts.hparams is not None or opts.init is not None:
+        return "autocast, or a model built from hyperparameters"
+    if any(s.fill is not None for s in report.specs):
+        return None
+    return None
+
+
+def _first_difference(report: Any, dims: dict, real: list[int]) -> str:
+    """Where the real allocator's events and the predicted ones first differ: the predicted event
+    there (its bytes and its node or line), or "" when they never do event by event."""
+    snap = report.snapshot(dims)
+    resident = sum(1 for s in report.storages if s.step is None and s.role.value != "optimizer_state")
+    predicted = []
+    for e in snap["device_traces"][0][resident:]:
+        if e["action"] == "alloc":
+            predicted.append((e["size"], e.get("frames") or []))
+        elif e["action"] == "free_completed":
+            predicted.append((-e["size"], e.get("frames") or []))
+    for k, (size, frames) in enumerate(predicted):
+        if k >= len(real) or real[k] != size:
+            got = f"{real[k]:+,} B" if k < len(real) else "nothing"
+            where = "; ".join(f"{f.get('filename', '').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name', '')}".strip()
+                              for f in frames[:2]) or "?"
+            return f"; the event streams first part at event {k}: predicted {size:+,} B at {where}, real {got}"
+    if len(real) > len(predicted):
+        return f"; the real run has {len(real) - len(predicted)} more allocator events after the predicted ones"
+    return ""

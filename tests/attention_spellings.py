@@ -87,6 +87,20 @@ class DenseGATLike(nn.Module):
         return out.movedim(1, 2).reshape(B, N, HEADS * FEAT)
 
 
+class BothExpanded(DecomposedHead):
+    """Both halves broadcast by hand: s.expand(B, N, N) + t.expand(B, N, N) (two N x N views)."""
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = torch.matmul(x, self.W)
+        s = torch.matmul(h, self.a[:FEAT]).expand(B, N, N)
+        t = torch.matmul(h, self.a[FEAT:]).transpose(1, 2).expand(B, N, N)
+        e = self.leakyrelu(s + t)
+        attention = torch.where(adj > 0, e, -9e15 * torch.ones_like(e))
+        attention = F.dropout(F.softmax(attention, dim=2), self.dropout, training=self.training)
+        return F.elu(torch.matmul(attention, h))
+
+
 class UnbatchedBoolMask(nn.Module):
     """Unbatched [N, N] with a bool adjacency: where(adj, e, fill), the fill from full_like."""
 
@@ -170,7 +184,7 @@ class SoftmaxOverRows(DecomposedHead):
         return torch.matmul(F.softmax(torch.where(adj > 0, e, -9e15 * torch.ones_like(e)), dim=1), h)
 
 
-SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask]
+SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask, BothExpanded]
 LOOKALIKES = [GATv2Attention, AdditiveMask, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
 
 

@@ -65,7 +65,8 @@ def quadratic_float_activations(report: fxmem.Report, dim: str = "N") -> list:
 
 # --- every spelling is fused -------------------------------------------------------------------------
 
-SPELLINGS = [(cls, {}) for cls in A.SPELLINGS] + [(A.DecomposedHead, {"dropout": 0.5}), (A.HeadsFirst, {"dropout": 0.3})]
+SPELLINGS = [(cls, {}) for cls in A.SPELLINGS] + [(A.DecomposedHead, {"dropout": 0.5}), (A.HeadsFirst, {"dropout": 0.3}),
+             (A.BothExpanded, {"dropout": 0.5})]
 
 
 @pytest.mark.parametrize("cls,kw", SPELLINGS, ids=lambda v: v.__name__ if isinstance(v, type) else str(v))

@@ -193,6 +193,7 @@ def test_kernel_gradients_match_autograd_of_the_plain_form():
     (A.ProductScores, ["LeakyReLU's input is mul", "not a broadcast sum"]),
     (A.DropoutAlwaysOn, ["always on", "training=True"]),
     (A.SoftmaxOverRows, ["does not sum over the axis the softmax normalises"]),
+    (A.ExpandedOverNewAxis, ["the sum is not s_i + t_j"]),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_lookalike_is_declined(cls, words):
     torch.manual_seed(0)

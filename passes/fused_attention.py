@@ -109,6 +109,35 @@ def _through_movement(node: Any, env: Mapping, modules: Mapping) -> tuple[Any, l
     return node, passed
 
 
+_BROADCASTS = {"expand", "expand_as", torch.broadcast_to}
+
+
+def _unexpanded(add: torch.fx.Node, probes: Sequence[Probe]) -> tuple:
+    """The sum's operands with an explicit broadcast (``.expand``, ``expand_as``, ``broadcast_to``)
+    taken off, where the sum broadcasts to the same shape without it at every probe: public code
+    writes ``s.expand(B, N, N) + t.expand(B, N, N)``, which is s_i + t_j with two N x N views."""
+    def source(node: Any) -> Any:
+        if isinstance(node, torch.fx.Node) and _target_key(node) in _BROADCASTS and node.args \
+                and isinstance(node.args[0], torch.fx.Node):
+            return node.args[0]
+        return node
+
+    u, v = add.args
+    bare = (source(u), source(v))
+    if bare == (u, v):
+        return u, v
+    for probe in probes:
+        a, b, out = (probe.env.get(n) for n in (*bare, add))
+        if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
+            return u, v
+        try:
+            if tuple(torch.broadcast_shapes(a.shape, b.shape)) != tuple(out.shape):
+                return u, v  # the expand adds an axis neither side has: read as written
+        except RuntimeError:
+            return u, v
+    return bare
+
+
 def _dropout(node: torch.fx.Node, modules: Mapping) -> tuple[float, Any, str | None] | None:
     """(p, training, module path) if ``node`` is a dropout."""
     mod = _module(node, modules)
@@ -355,7 +384,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     if isinstance(compared, str):
         return compared
     source, compare, threshold, keep = _bool_mask(*compared, env)
-    u, v = add.args
+    u, v = _unexpanded(add, probes)
     parts = {"scores": x, "add": add, "u": u, "v": v, "source": source}
     per_probe = [_axes(parts, p.env) for p in probes]
     bad = next((a for a in per_probe if isinstance(a, str)), None)

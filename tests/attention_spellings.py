@@ -87,6 +87,34 @@ class DenseGATLike(nn.Module):
         return out.movedim(1, 2).reshape(B, N, HEADS * FEAT)
 
 
+class BothExpanded(DecomposedHead):
+    """Both halves broadcast by hand: s.expand(B, N, N) + t.expand(B, N, N) (two N x N views)."""
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = torch.matmul(x, self.W)
+        s = torch.matmul(h, self.a[:FEAT]).expand(B, N, N)
+        t = torch.matmul(h, self.a[FEAT:]).transpose(1, 2).expand(B, N, N)
+        e = self.leakyrelu(s + t)
+        attention = torch.where(adj > 0, e, -9e15 * torch.ones_like(e))
+        attention = F.dropout(F.softmax(attention, dim=2), self.dropout, training=self.training)
+        return F.elu(torch.matmul(attention, h))
+
+
+class HeadsFirstExpanded(HeadsFirst):
+    """HeadsFirst with both halves expanded by hand to [B, H, N, N] (sizes and -1 both written)."""
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = self.lin(x).view(B, N, HEADS, FEAT).transpose(1, 2)
+        s = (h * self.a_src[:, None]).sum(-1).unsqueeze(-1).expand(B, HEADS, N, N)
+        t = (h * self.a_dst[:, None]).sum(-1).unsqueeze(-2).expand(-1, -1, N, -1)
+        e = F.leaky_relu(s + t, negative_slope=0.1)
+        e = e.masked_fill(adj.unsqueeze(1) == 0, -1e9)
+        out = torch.matmul(self.drop(self.softmax(e)), h)
+        return out.transpose(1, 2).reshape(B, N, HEADS * FEAT)
+
+
 class UnbatchedBoolMask(nn.Module):
     """Unbatched [N, N] with a bool adjacency: where(adj, e, fill), the fill from full_like."""
 
@@ -126,6 +154,18 @@ class AdditiveMask(DecomposedHead):
         h = torch.matmul(x, self.W)
         e = self.leakyrelu(torch.matmul(h, self.a[:FEAT]) + torch.matmul(h, self.a[FEAT:]).transpose(1, 2))
         return torch.matmul(F.softmax(e + (adj <= 0).float() * -1e9, dim=2), h)
+
+
+class ExpandedOverNewAxis(DecomposedHead):
+    """Both halves expanded over an axis neither has (2 copies, summed after): not s_i + t_j as written."""
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = torch.matmul(x, self.W)
+        s = torch.matmul(h, self.a[:FEAT]).unsqueeze(1).expand(B, 2, N, N)
+        t = torch.matmul(h, self.a[FEAT:]).transpose(1, 2).unsqueeze(1).expand(B, 2, N, N)
+        e = self.leakyrelu(s + t).masked_fill(adj.unsqueeze(1) == 0, -9e15)
+        return torch.matmul(F.softmax(e, dim=-1), h.unsqueeze(1)).sum(1)
 
 
 class DotProductScores(nn.Module):
@@ -170,7 +210,7 @@ class SoftmaxOverRows(DecomposedHead):
         return torch.matmul(F.softmax(torch.where(adj > 0, e, -9e15 * torch.ones_like(e)), dim=1), h)
 
 
-SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask]
+SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask, BothExpanded, HeadsFirstExpanded]
 LOOKALIKES = [GATv2Attention, AdditiveMask, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
 
 

@@ -65,7 +65,8 @@ def quadratic_float_activations(report: fxmem.Report, dim: str = "N") -> list:
 
 # --- every spelling is fused -------------------------------------------------------------------------
 
-SPELLINGS = [(cls, {}) for cls in A.SPELLINGS] + [(A.DecomposedHead, {"dropout": 0.5}), (A.HeadsFirst, {"dropout": 0.3})]
+SPELLINGS = [(cls, {}) for cls in A.SPELLINGS] + [(A.DecomposedHead, {"dropout": 0.5}), (A.HeadsFirst, {"dropout": 0.3}),
+             (A.BothExpanded, {"dropout": 0.5})]
 
 
 @pytest.mark.parametrize("cls,kw", SPELLINGS, ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
@@ -192,6 +193,7 @@ def test_kernel_gradients_match_autograd_of_the_plain_form():
     (A.ProductScores, ["LeakyReLU's input is mul", "not a broadcast sum"]),
     (A.DropoutAlwaysOn, ["always on", "training=True"]),
     (A.SoftmaxOverRows, ["does not sum over the axis the softmax normalises"]),
+    (A.ExpandedOverNewAxis, ["the sum is not s_i + t_j"]),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_lookalike_is_declined(cls, words):
     torch.manual_seed(0)

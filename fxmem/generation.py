@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch
 
 from .errors import ModelError, SpecError
@@ -97,11 +98,18 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
     report = generation(model, ("B", "P"), new_tokens=new_tokens)
     at = report.evaluate(B=batch, P=prompt)
     weights = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
+    try:
+        kind_name = str(next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", "")
+        kv = int(kv_cache_bytes(model.config, batch, prompt, new_tokens, dtype=kind_name))
+    except (ModelError, AttributeError):
+        kv = None
     kind = dtype or next((p.dtype for p in model.parameters()), None)
     lines = [f"{type(model).__name__}.generate() ({str(kind).replace('torch.', '')}): {new_tokens} new tokens, "
              f"greedy, dynamic KV cache",
              f"  weights             {fb(weights)}",
              f"  peak                {fb(at['peak'])}  at batch {batch}, prompt {prompt}"]
+    if kv is not None:
+        lines.insert(2, f"  KV cache at the end {fb(kv)}  ({prompt + new_tokens - 1} positions x batch {batch})")
     if gpu is not None:
         budget = parse_bytes(gpu)
         for what, value, fixed in (("batch", report.max_size("B", budget, P=prompt), f"prompt {prompt}"),
@@ -110,3 +118,44 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
             lines.append(f"  largest {what:<12}{value:,}  at {fixed} in {fb(budget)}" + (f"  ({reason})" if reason else ""))
     lines += [f"  note: {n}" for n in report.notes if "numbers may not be exact" in n][:3]
     return "\n".join(lines)
+
+
+# --- the KV cache alone, from the config ----------------------------------------------------------
+# After a greedy generate(max_new_tokens=T) transformers' DynamicCache holds P + T - 1 positions
+# (the last new token is produced but never fed back): per layer a key and a value of shape
+# (B, KV heads, positions, head dim). A closed formula, checked against real caches in
+# tests/test_generation.py; generation() counts the cache as the run allocates it.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def _geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a decoder's attention, read from its transformers config."""
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise ModelError(f"kv_cache_bytes: config has no integer {name!r}; only decoders with standard "
+                             "attention caches are supported (state-space and encoder-decoder models are not)")
+    # a sliding window bounds the cache by the window, not by P + T: refuse rather than overcount
+    types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in types):
+        raise ModelError("kv_cache_bytes: config uses sliding-window layers, whose cache is bounded by the "
+                         "window; not supported yet — set use_sliding_window=False or use a full-attention model")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_cache_bytes(config, batch="B", prompt="P", new_tokens="T", dtype="float32") -> sympy.Expr:
+    """Bytes of the DynamicCache left by greedy ``generate`` of ``new_tokens`` after ``prompt`` tokens.
+
+    ``batch``/``prompt``/``new_tokens`` are dim names (symbols) or ints; ``dtype`` names the cache's
+    dtype (the model's). Example: ``kv_cache_bytes(cfg, 4, 128, 32)`` gives an integer of bytes.
+    """
+    if str(dtype).replace("torch.", "") not in _ITEMSIZE:
+        raise ModelError(f"kv_cache_bytes: dtype {dtype!r} not one of {sorted(_ITEMSIZE)}")
+    itemsize = _ITEMSIZE[str(dtype).replace("torch.", "")]
+    layers, kv_heads, head_dim = _geometry(config)
+    B, P, T = (sympy.Symbol(v, positive=True, integer=True) if isinstance(v, str) else sympy.Integer(v)
+               for v in (batch, prompt, new_tokens))
+    # key + value per layer
+    return sympy.factor(2 * layers * kv_heads * head_dim * itemsize * B * (P + T - 1))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.generation import Generate, _token
+from fxmem.errors import ModelError
+from fxmem.generation import Generate, _token, kv_cache_bytes
 from fxmem.measure import measure
 
 transformers = pytest.importorskip("transformers")
@@ -81,3 +82,43 @@ def test_cli_serve(tmp_path):
     report = fxmem.generation(fxmem.from_config({"model_type": "llama", **LLAMA}), ("B", "P"), new_tokens=2)
     assert fxmem.format_bytes(report.evaluate(B=2, P=64)["peak"]) in out.stdout
     assert f"largest batch       {report.max_size('B', '2MiB', P=64):,}" in out.stdout
+
+
+# --- kv_cache_bytes: the cache a real greedy generate() leaves, from the config -------------------
+def _configs():
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96, vocab_size=128)
+    return {
+        "llama": transformers.LlamaConfig(**small),
+        "qwen2-gqa": transformers.Qwen2Config(num_key_value_heads=2, **small),
+        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+    }
+
+
+def _real_cache_bytes(model, B, P, T):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (B, P))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=T,
+                         max_new_tokens=T, return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-gqa", "gpt2"])
+def test_kv_cache_bytes_matches_real_generate(name):
+    config = _configs()[name]
+    formula = kv_cache_bytes(config)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for B, P, T in [(1, 5, 3), (3, 7, 4), (2, 11, 1)]:
+        with torch.no_grad():
+            real = _real_cache_bytes(model, B, P, T)
+        sizes = {"B": B, "P": P, "T": T}
+        assert formula.subs({s: sizes[s.name] for s in formula.free_symbols}) == real, (B, P, T)
+        assert kv_cache_bytes(config, B, P, T) == real
+
+
+def test_sliding_window_refused():
+    config = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ModelError, match="sliding"):
+        kv_cache_bytes(config)

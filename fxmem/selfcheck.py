@@ -38,7 +38,7 @@ def self_check(report: Any, model: torch.nn.Module) -> str:
         return f"not checked against a real run: {why}"
     dims = {k: v for k, v in report.hints.items() if k in report.symbols}
     at = report.evaluate(**dims)
-    if at["peak"] + at["resident"] > LIMIT:
+    if max(at["peak"], at.get("train_peak") or 0) + at["resident"] > LIMIT:
         return (f"not checked against a real run: at the analysed sizes the forward needs "
                 f"{at['peak']:,} B (over {LIMIT:,} B)")
     where = ", ".join(f"{k}={v}" for k, v in dims.items())
@@ -53,6 +53,8 @@ def self_check(report: Any, model: torch.nn.Module) -> str:
                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     predicted = (at["peak_above_resident"], at["retained"])
     measured = (real.peak_above_start, real.retained)
+    if predicted == measured and report.training:
+        return _check_step(report, module, xs, at, where)
     if predicted == measured:
         return f"checked against a real forward at {where}: equal"
     with grad:  # a third call, only to say where the two runs part
@@ -65,6 +67,32 @@ def self_check(report: Any, model: torch.nn.Module) -> str:
         f"{measured[1]:,} B; the analysis says {predicted[0]:,} B and {predicted[1]:,} B "
         f"({predicted[0] - measured[0]:+,} B, {predicted[1] - measured[1]:+,} B){part}: {INEXACT}")
     return f"checked against a real forward at {where}: different (see the notes)"
+
+
+def _check_step(report: Any, module: torch.nn.Module, xs: list, at: dict, where: str) -> str:
+    """The training step too (the forward was equal): a steady-state step of the same copy, after a
+    first step made the optimizer's state, against the report's training formulas."""
+    from .measure import measure
+    from .training import default_loss, train_step
+
+    opts = report.options
+    loss = opts.loss or default_loss
+    try:
+        optimizer = opts.optimizer(module.parameters())
+        train_step(module, xs, optimizer, loss)  # the optimizer's state exists from here: steady state
+        real = measure(lambda: train_step(module, xs, optimizer, loss), warmup=0)
+    except Exception as exc:  # noqa: BLE001 - the user's optimizer or loss on this copy: not a verdict
+        return (f"checked against a real forward at {where}: equal; the training step not checked (it raised "
+                f"{type(exc).__name__})")
+    predicted = (at["train_peak"] - at["train_resident"], at["train_retained"])
+    measured = (real.peak_above_start, real.retained)
+    if predicted == measured:
+        return f"checked against a real forward and training step at {where}: equal"
+    report.notes.append(
+        f"self-check: a real training step at {where} measured peak above resident {measured[0]:,} B and retained "
+        f"{measured[1]:,} B; the analysis says {predicted[0]:,} B and {predicted[1]:,} B "
+        f"({predicted[0] - measured[0]:+,} B, {predicted[1] - measured[1]:+,} B): {INEXACT}")
+    return f"checked against a real forward at {where}: equal; the training step: different (see the notes)"
 
 
 def _not_checkable(report: Any, model: torch.nn.Module) -> str | None:

@@ -85,3 +85,11 @@ def test_check_false_never_runs_the_model_and_meta_models_are_not_checked():
     assert "meta device" in fxmem.analyze(meta, ("B", 8)).checked
     with pytest.raises(fxmem.SpecError, match="check"):
         fxmem.analyze(nn.Linear(2, 2), ("B", 2), check="yes")
+
+
+def test_training_steps_are_checked_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    report = fxmem.analyze(model, ("B", 16), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert report.checked.startswith("checked against a real forward and training step"), report.checked
+    assert report.exact

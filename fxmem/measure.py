@@ -60,6 +60,18 @@ def measure(fn: Callable[[], Any], device: str = "cpu", warmup: int = 1, keep_re
 
 
 @contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic collector off meanwhile (as it was after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def cpu_memory_profile() -> Iterator[Any]:
     """``torch.profiler.profile`` recording the CPU allocator's events, without the native
     library's start/stop lines on stderr (anything else it prints still reaches stderr)."""
@@ -96,7 +108,7 @@ def _filtered_native_stderr() -> Iterator[None]:
 
 
 def _measure_cpu(fn: Callable[[], Any], keep_result: bool) -> Measurement:
-    with cpu_memory_profile() as prof:
+    with _no_gc(), cpu_memory_profile() as prof:  # a collection inside the call frees what it did not make
         out = fn()
     totals = _cpu_totals(prof)
     m = Measurement(max([0, *totals]), totals[-1] if totals else 0, out if keep_result else None)
@@ -146,7 +158,8 @@ def _measure_cuda(fn: Callable[[], Any], keep_result: bool) -> Measurement:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    out = fn()
+    with _no_gc():
+        out = fn()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - start
     retained = torch.cuda.memory_allocated() - start

@@ -106,7 +106,9 @@ class _Run(StepHooks):
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         first = self.log.next_step
-        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase), self.recorder.rename):
+        optimizer = getattr(self, "stepping", None)  # (an optimizer that reads its own values is named)
+        named = optimizer_errors(optimizer) if phase == Phase.STEP and optimizer is not None else contextlib.nullcontext()
+        with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase), self.recorder.rename), named:
             yield
             if phase == Phase.BACKWARD:
                 self._mark_gradients()
@@ -130,6 +132,7 @@ class _Run(StepHooks):
         if self.optimizer is None:
             return
         optimizer, self.optimizer = self.optimizer, None
+        self.stepping = optimizer  # (named in the step's errors)
         name_of = {id(p): qual for qual, p in self.named_params}
         for p in list(optimizer.state):
             if p.grad is None and id(p) not in self.eager_state:

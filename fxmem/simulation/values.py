@@ -141,10 +141,16 @@ def _computed(func: Any, packet: Any, args: tuple, kwargs: dict, tensors: list, 
     if packet is aten.sum and len(tensors) == 1:  # v summed over the reduced elements (a size)
         t = tensors[0]
         v = val(t)
-        return (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel() if out.numel() != 1 else t.numel())
+        # (no comparison of the symbolic numel with 1: that would add a guard on the user's dims)
+        return (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel())
     operands = [val(a) if isinstance(a, torch.Tensor) else a for a in args]
-    if packet in _SYMBOLIC and len(operands) == 2 and any(isinstance(v, _SYMBOLIC_NUMBERS) for v in operands):
+    symbolic = any(isinstance(v, _SYMBOLIC_NUMBERS) for v in tc.tree_leaves((operands, kwargs)))
+    if packet in _SYMBOLIC and len(operands) == 2 and symbolic:
         return _SYMBOLIC[packet](*operands)  # a size compared or combined: keep it symbolic
+    if symbolic:
+        # any other op on a size (an optimizer's lerp_ of a gradient that is a count of B rows) would
+        # need a real number: computing it on stand-ins would fix the user's dim at its hint
+        return None
     if not (packet in _REDUCTIONS or packet is aten._to_copy or torch.Tag.pointwise in getattr(func, "tags", ())):
         return None
 

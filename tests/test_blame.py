@@ -124,3 +124,34 @@ def test_the_model_s_own_assert_blames_the_specs():
     with pytest.raises(ShapeError) as info:
         fxmem.analyze(ChecksItsInput(), ("B", 7), mode="eager")
     assert "expects 8 features" in str(info.value)
+
+
+@torch.library.custom_op("fxmem_test_blame::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _CustomOpWithoutBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _twice(self.fc(x))
+
+
+def test_a_custom_op_without_a_backward_is_named_not_the_shapes():
+    model = _CustomOpWithoutBackward()
+    fxmem.analyze(model, ("B", 4))  # its forward is analysed (flagged: the op's own scratch is unknown)
+    with pytest.raises(fxmem.UnsupportedOpError) as info:
+        fxmem.analyze(model, ("B", 4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    text = str(info.value)
+    assert "fxmem_test_blame.twice" in text and "register_autograd" in text
+    assert "not a problem of the input shapes" in text and "fails on the given input shapes" not in text
+    with pytest.raises(RuntimeError, match="no autograd formula"):  # as the real step does
+        model(torch.randn(3, 4)).sum().backward()

@@ -76,6 +76,10 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"nn.LSTM, nn.GRU and nn.RNN (their CPU kernels), not modelled yet. What to do: analyse the model "
             f"without the recurrent layer, or with concrete inputs (real tensors as specs) for numbers at one size "
             f"(exact for nn.GRU and nn.RNN; nn.LSTM's oneDNN workspace is not modelled and is marked so)")
+    for pattern, (why, todo) in _AUTOGRAD_LIMITS:
+        if re.search(pattern, text):  # autograd cannot differentiate the model: not its shapes
+            return UnsupportedOpError(f"{where}: {first_line(text)}\n  this is not a problem of the input shapes: "
+                                      f"{why}.\n  what to do: {todo}")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         # sizes the data decides are dims (K1, ...); what is left is a Python decision on values
         return UnsupportedOpError(
@@ -93,6 +97,15 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
                       f"  what to do: {advice}.")
 
 
+# autograd's refusals of a model's ops, whatever the shapes: (pattern of torch's message, (why, what to do))
+_AUTOGRAD_LIMITS = (
+    (r"no autograd formula was registered",
+     ("a custom op in the model has no backward, so a real training step fails too",
+      "register one with torch.library.register_autograd (or analyse the forward only, without optimizer=)")),
+    (r"derivative for .* is not implemented",
+     ("PyTorch has no derivative for an op the model uses, so a real training step fails too",
+      "analyse the forward only (without optimizer=), or replace the op")),
+)
 _FXMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # texts of PyTorch's C++ kernels that cannot work on symbolic sizes (a limit of fake tensors)
 _SYMBOLIC_LIMITS = ("symbolic sizes", "symbolic shapes", "SymInt", "SymIntArrayRef", "FakeTensor", "fake tensor",

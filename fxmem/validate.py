@@ -130,7 +130,9 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
         raise SpecError(f"validate(optimized=...) takes the module fxmem.optimize returned, got {type(optimized).__name__}")
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
     loss_fn = loss or default_loss
-    report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode, **analyze_kw)
+    # (no self-check: validate's own real run, at the sizes asked for, is the check)
+    report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode,
+                     **{"check": False, **analyze_kw})
     predicted = report.evaluate(**dims)
     real = copy.deepcopy(model).to(device)
     module = trace(real) if report.mode == "graph" else real  # the code the prediction is of (report.capture)
@@ -187,7 +189,7 @@ def _check_optimized(result: Validation, model: torch.nn.Module, optimized: torc
     result.outputs_match = not failed_output
     result.grads_match = diff.ok if not failed_output else None
     result.max_abs_diff = diff.max_abs
-    report = analyze(optimized, *specs, device=device, **analyze_kw)
+    report = analyze(optimized, *specs, device=device, **{"check": False, **analyze_kw})
     predicted = report.evaluate(**dims)
     rewritten = copy.deepcopy(optimized).to(device)
     fwd = _measure(lambda: rewritten(*xs), device)

@@ -27,13 +27,21 @@ run_pytest() {  # pytest exit 5 = "no tests collected": not a failure of the cod
   return "$rc"
 }
 
+# CI (CI=true) runs the quick set: tests marked slow (more spellings of one rewrite, more random
+# seeds, the seeds' full configurations) each have a quicker sibling there; FXMEM_ALL_TESTS=1 runs them too
+selection=()
+if [ "${CI:-}" = true ] && [ "${FXMEM_ALL_TESTS:-0}" != 1 ]; then
+  selection=(-m "not slow")
+  echo "CI: leaving out the tests marked slow (FXMEM_ALL_TESTS=1 runs them too)"
+fi
+
 FXMEM_VENV="$here/.venv" FXMEM_TORCH="${FXMEM_TORCH:-torch==2.13.0}" source "$here/scripts/setup.sh"
 echo "== phase 1: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__)'), ${FXMEM_TEST_WORKERS:-2} test processes"
 # one pytest process per core (pytest-xdist): the tests are independent processes' worth of work
-run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider -n "${FXMEM_TEST_WORKERS:-2}" tests "$@"
+run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider -n "${FXMEM_TEST_WORKERS:-2}" "${selection[@]}" tests "$@"
 
 if [ "${FXMEM_CUDA_SIM:-1}" != 0 ]; then
   FXMEM_VENV="$here/.venv-cuda" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"
   echo "== phase 2: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.backends.cuda.is_built())')"
-  FXMEM_TEST_PHASE=cuda-build run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider tests "$@"
+  FXMEM_TEST_PHASE=cuda-build run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider "${selection[@]}" tests "$@"
 fi

@@ -36,10 +36,12 @@ def _holds(text: str, values: dict) -> bool:
     return bool(eval(code, {"Mod": lambda a, b: a % b}, dict(values)))  # noqa: S307 - fxmem's own output, not user input
 
 
-def _agrees(lower: dict, upper: dict, guards: list, dims: list, span: range) -> list[str]:
-    """The readable conditions, checked to say exactly what the bounds and guards say on ``span``."""
+def _agrees(lower: dict, upper: dict, guards: list, dims: list, span: range | dict) -> list[str]:
+    """The readable conditions, checked to say exactly what the bounds and guards say on ``span``
+    (one range for every dim, or a range per dim)."""
     text = readable(lower, upper, guards)
-    for point in itertools.product(span, repeat=len(dims)):
+    spans = [span[d] for d in dims] if isinstance(span, dict) else [span] * len(dims)
+    for point in itertools.product(*spans):
         values = dict(zip(dims, point))
         original = all(values[d] >= lo for d, lo in lower.items()) and \
             all(values[d] <= hi for d, hi in upper.items()) and \
@@ -118,5 +120,6 @@ def test_small_batches_are_analysed_once_per_region_and_exact():
 def test_llama_guards_read_as_one_range():
     """Llama-7B's guards at L=101 (SDPA's block sizes, the rotary table's 4096 rows)."""
     L = dim_symbol("L")
-    text = _agrees({B: 2, L: 32}, {}, [L < 768, L < 192, sympy.Le(0, 4096 - L)], [B, L], range(1, 800))
+    text = _agrees({B: 2, L: 32}, {}, [L < 768, L < 192, sympy.Le(0, 4096 - L)], [B, L],
+                   {B: range(1, 6), L: range(1, 4200)})  # (B has one bound; L every one and past them)
     assert text == ["B >= 2", "L >= 32", "L <= 191"]

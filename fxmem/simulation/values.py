@@ -147,9 +147,11 @@ def _computed(func: Any, packet: Any, args: tuple, kwargs: dict, tensors: list, 
     symbolic = any(isinstance(v, _SYMBOLIC_NUMBERS) for v in tc.tree_leaves((operands, kwargs)))
     if packet in _SYMBOLIC and len(operands) == 2 and symbolic:
         return _SYMBOLIC[packet](*operands)  # a size compared or combined: keep it symbolic
-    if symbolic:
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in tc.tree_leaves((operands, kwargs))):
         # any other op on a size (an optimizer's lerp_ of a gradient that is a count of B rows) would
-        # need a real number: computing it on stand-ins would fix the user's dim at its hint
+        # need a real number: computing it on stand-ins would fix the user's dim at its hint. (A
+        # SymBool - a comparison of sizes, as generate()'s "cur_len >= max_length" - is a path the
+        # real run decides on the sizes too: computed below, it guards that decision.)
         return None
     if not (packet in _REDUCTIONS or packet is aten._to_copy or torch.Tag.pointwise in getattr(func, "tags", ())):
         return None

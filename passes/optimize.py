@@ -168,10 +168,10 @@ def optimize(
                          f"traceable (mark the module that contains it as a leaf with leaf_modules=[...]), or "
                          f"optimize the submodules that can be captured") from exc
     gm = traced.graph_module
-    # the rewrites are judged with the user's options; the training step's
-    # optimizer is optimize's own choice (SGD without state: gradients, not state, are what a rewrite changes);
-    # its many analyses are not self-checked one by one (a real run each): the rewrite is verified on real
-    # runs against the original, and the user's analysis of the result checks itself
+    # the rewrites are judged with the user's options; the training step's optimizer is optimize's own
+    # choice (SGD without state: gradients, not state, are what a rewrite changes). Its many analyses
+    # are not self-checked one by one (a real run each): each rewrite is verified on real runs against
+    # the original, and the user's own analysis of the result checks itself
     kw = opts.replace(optimizer=None, mode="auto", check=False)
     try:
         probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)

@@ -81,6 +81,7 @@ class _Run(StepHooks):
         self.named_params = named_params
         self.forward_end = -1
         self.optimizer: torch.optim.Optimizer | None = None  # a training step's, its state not yet in the table
+        self.stepping: torch.optim.Optimizer | None = None  # the one whose step() runs (named in its errors)
         self.eager_state: set[int] = set()  # ids of parameters whose state the optimizer made when built
 
     def forward(self, module: Any, inputs: tuple) -> Any:
@@ -106,8 +107,8 @@ class _Run(StepHooks):
     @contextlib.contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
         first = self.log.next_step
-        optimizer = getattr(self, "stepping", None)  # (an optimizer that reads its own values is named)
-        named = optimizer_errors(optimizer) if phase == Phase.STEP and optimizer is not None else contextlib.nullcontext()
+        stepping = self.stepping if phase == Phase.STEP else None  # (one that reads its own values is named)
+        named = optimizer_errors(stepping) if stepping is not None else contextlib.nullcontext()
         with self.log.at(phase.value, phase), failures(_PHASE_TEXT.get(phase), self.recorder.rename), named:
             yield
             if phase == Phase.BACKWARD:
@@ -132,7 +133,7 @@ class _Run(StepHooks):
         if self.optimizer is None:
             return
         optimizer, self.optimizer = self.optimizer, None
-        self.stepping = optimizer  # (named in the step's errors)
+        self.stepping = optimizer
         name_of = {id(p): qual for qual, p in self.named_params}
         for p in list(optimizer.state):
             if p.grad is None and id(p) not in self.eager_state:

@@ -144,10 +144,10 @@ def _computed(func: Any, packet: Any, args: tuple, kwargs: dict, tensors: list, 
         # (no comparison of the symbolic numel with 1: that would add a guard on the user's dims)
         return (int(v) if isinstance(v, bool) else v) * (t.numel() // out.numel())
     operands = [val(a) if isinstance(a, torch.Tensor) else a for a in args]
-    symbolic = any(isinstance(v, _SYMBOLIC_NUMBERS) for v in tc.tree_leaves((operands, kwargs)))
-    if packet in _SYMBOLIC and len(operands) == 2 and symbolic:
+    leaves = tc.tree_leaves((operands, kwargs))
+    if packet in _SYMBOLIC and len(operands) == 2 and any(isinstance(v, _SYMBOLIC_NUMBERS) for v in leaves):
         return _SYMBOLIC[packet](*operands)  # a size compared or combined: keep it symbolic
-    if any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in tc.tree_leaves((operands, kwargs))):
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in leaves):
         # any other op on a size (an optimizer's lerp_ of a gradient that is a count of B rows) would
         # need a real number: computing it on stand-ins would fix the user's dim at its hint. (A
         # SymBool - a comparison of sizes, as generate()'s "cur_len >= max_length" - is a path the

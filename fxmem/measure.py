@@ -3,10 +3,11 @@
 fxmem's predictions are checked against this, never against its own bookkeeping:
 
 * CPU: PyTorch's profiler with ``profile_memory=True`` receives every allocation and free of the
-  CPU allocator together with the allocator's running total ("Total Allocated"). The total is
-  process-wide and carries over between profiling sessions, so it is read relative to its value
-  just before the first event: the maximum is the peak above the start, the last value is what the
-  run retained.
+  CPU allocator, with the block's address. The running total is summed here from the blocks the
+  run itself allocated: the maximum is the peak above the start, the last value is what the run
+  retained. A free of a block allocated before the run is left out, as the allocator's reporter
+  leaves out most of them ("unknown size"); it does report some, with a wrong size, where an
+  earlier profile left a stale entry for that address (its "Total Allocated" is then off too).
 * CUDA: ``torch.cuda.max_memory_allocated`` / ``memory_allocated`` differences around the call,
   after a warm-up (cuBLAS allocates its workspace through the caching allocator on first use).
 
@@ -120,7 +121,7 @@ def trace_events(prof: Any) -> tuple[list[dict], list[dict]]:
     """A finished CPU profile's events: (all events, the CPU allocator's memory events in order).
 
     The chrome trace is the one stable, documented export that carries the allocator's running
-    total ("Total Allocated") and the block addresses.
+    total ("Total Allocated", which :func:`_own_blocks` does not trust) and the block addresses.
     """
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -136,19 +137,43 @@ def trace_events(prof: Any) -> tuple[list[dict], list[dict]]:
 
 
 def allocator_events(prof: Any) -> list[tuple[int, int]]:
-    """The CPU allocator's events of a finished profile, in order: ``(address, bytes)``, bytes < 0 for a free."""
-    return [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in trace_events(prof)[1]]
+    """The CPU allocator's events of a finished profile, in order: ``(address, bytes)``, bytes < 0 for a
+    free. Only the blocks allocated within the profile: see :func:`_own_blocks`."""
+    return [(a, n) for a, n, _ in _own_blocks(trace_events(prof)[1])]
 
 
-def _start_total(mem: list[dict]) -> int:
-    # the running total is process-wide: read it relative to just before the first event
-    return int(mem[0]["args"]["Total Allocated"]) - int(mem[0]["args"]["Bytes"]) if mem else 0
+def _own_blocks(mem: list[dict]) -> list[tuple[int, int, dict]]:
+    """``(address, bytes, event)`` of the memory events of blocks allocated within the profile; a free
+    carries the size its block was allocated with.
+
+    Why: the reporter keeps a size per address from any profile and forgets it only on a free seen while
+    profiling. A block made in one profile and freed outside any leaves a stale size behind; a later block
+    at that address, made outside a profile and freed inside this one, is reported with the stale size
+    (seen: -72 bytes for a 64-byte buffer replaced by a module's forward). Frees of blocks made before the
+    profile are not this run's memory either way."""
+    live: dict[int, int] = {}
+    own = []
+    for e in mem:
+        address, nbytes = int(e["args"]["Addr"]), int(e["args"]["Bytes"])
+        if nbytes > 0:
+            live[address] = nbytes
+            own.append((address, nbytes, e))
+        elif address in live:
+            own.append((address, -live.pop(address), e))
+    return own
+
+
+def _running_totals(own: list[tuple[int, int, dict]]) -> list[int]:
+    """Bytes allocated by the profiled run and not yet freed, after each of its events."""
+    totals, total = [], 0
+    for _, nbytes, _ in own:
+        total += nbytes
+        totals.append(total)
+    return totals
 
 
 def _cpu_totals(prof: Any) -> list[int]:
-    _, mem = trace_events(prof)
-    start = _start_total(mem)
-    return [int(e["args"]["Total Allocated"]) - start for e in mem]
+    return _running_totals(_own_blocks(trace_events(prof)[1]))
 
 
 def _measure_cuda(fn: Callable[[], Any], keep_result: bool) -> Measurement:
@@ -206,14 +231,15 @@ def measure_lines(fn: Callable[[], Any], files: set[str], warmup: int = 1) -> li
             sys.settrace(previous)
         del out
     events, mem = trace_events(prof)
-    start = _start_total(mem)
+    own = _own_blocks(mem)
+    totals = _running_totals(own)
     lines = sorted((e for e in events if str(e.get("name", "")).startswith("fxmem_line ") and e.get("ph") == "X"),
                    key=lambda e: e["ts"])
     result = []
     for span in lines:
         end = span["ts"] + span["dur"]
-        before = [m for m in mem if m["ts"] <= end]
-        total = int(before[-1]["args"]["Total Allocated"]) - start if before else 0
+        before = [t for (_, _, e), t in zip(own, totals) if e["ts"] <= end]
+        total = before[-1] if before else 0
         result.append((span["name"][len("fxmem_line "):], total))
     return result
 

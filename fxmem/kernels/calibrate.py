@@ -9,9 +9,13 @@ strides, dtype and memory layout, reads the allocator's events, and fits every h
 
     bytes = a * numel(driver input) + b * numel(output) + c      (a, b, c exact rationals)
 
-on a few shapes, then checks the fit on the others. The guarantee: exact wherever the kernel
-keeps the behaviour it showed at the sampled shapes; a fit that fails its check is not used and
-the report says the op's workspace is unknown instead of guessing.
+on a few shapes, then checks the fit on the others, and once more on a real run toward the
+example sizes (scaled down to at most 2**20 elements): oneDNN picks its scratch by size and thread
+count, so small samples alone can miss a buffer the user's sizes get. Where the kernel behaves
+otherwise there, the fit is redone from there on (a guard in the region) or pinned to a real run at
+the example sizes (every other size is re-analysed). The guarantee: exact wherever the kernel keeps
+the behaviour it showed at the sampled and checked shapes; a fit that fails its checks is not used
+and the report says the op's workspace is unknown instead of guessing.
 
 Each op has an *adapter* (data): which argument (by schema name) drives the symbolic sizes, how
 to build the real call at a sampled shape, and which number plays "output". Adapters exist for
@@ -348,10 +352,10 @@ def _conv_minimum(frozen: Frozen, shape: tuple) -> list[int]:
     free = [i for i in range(2, len(shape)) if not isinstance(shape[i], int)]
     if not free:
         return minimum
-    fixed = 1
+    fixed = 1  # the samples keep the concrete dims (channels) as they are
     for i, d in enumerate(minimum):
         if i not in free:
-            fixed *= d
+            fixed *= shape[i] if isinstance(shape[i], int) else d
     side = 1
     while fixed * side ** len(free) <= ONEDNN_BATCH1_ELEMENTS:
         side += 1
@@ -441,8 +445,9 @@ def _fit(op: Any, frozen_items: tuple, min_shape: tuple) -> list | None:
     return fit(samples)
 
 
-def program_for_call(call: Call) -> list | None:
-    """Hidden-allocation program of a real CPU run of ``call`` at its (symbolic) shapes, or None."""
+def program_for_call(call: Call) -> list | Unknown | None:
+    """Hidden-allocation program of a real CPU run of ``call`` at its (symbolic) shapes, an
+    :class:`Unknown` saying why it cannot be known exactly, or None (no adapter, no fit)."""
     adapter = ADAPTERS.get(call.func)
     if adapter is None:
         return None
@@ -459,13 +464,120 @@ def program_for_call(call: Call) -> list | None:
     fitted = _fit_cached(*key, retry=True)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
+    check = _check_shape(x, min_shape)
+    if check is not None and not _holds_at(fitted, _sample_at(call.func, key[1], check, key[3])):
+        return _larger_regime(call, adapter, frozen, x, min_shape, check)
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+CHECK_ELEMENTS = 1 << 20  # the driver of the run that checks a fit toward the example sizes: at most this many elements
+
+
+def _check_shape(x: torch.Tensor, min_shape: tuple, limit: int = CHECK_ELEMENTS) -> tuple | None:
+    """Where a fit from small samples is checked before it is used: the example sizes, scaled down
+    (every symbolic dim by one factor) to at most ``limit`` elements; None when that is no larger
+    than the samples were.
+
+    Why: oneDNN decides its scratch by the problem's size and the thread count - a 3x3 convolution's
+    weight gradient on 2 threads splits the batch between them, with a 45,312-byte reduction buffer,
+    once batch x height x width passes about 2,048, never at the sampled 2..5 x 4..8 - so a fit from
+    small samples alone can be silently wrong at the sizes the user asks about."""
+    free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
+    if not free:
+        return None
+    shape = [tc.size_hint(d) for d in x.shape]
+    if _numel(shape) > limit:
+        factor = (limit / _numel(shape)) ** (1 / len(free))
+        for i in free:
+            shape[i] = max(int(shape[i] * factor), min_shape[i], 1)
+        while _numel(shape) > limit and any(shape[i] > min_shape[i] for i in free):
+            i = max(free, key=lambda k: shape[k] - min_shape[k])
+            shape[i] -= 1
+    largest = [max(s[i] for s in sample_shapes(x.shape, min_shape)) for i in range(len(shape))]
+    if all(shape[i] <= largest[i] for i in free):
+        return None
+    return tuple(shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _larger_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, min_shape: tuple,
+                   check: tuple) -> list | Unknown:
+    """The fit from small samples is wrong toward the example sizes: the kernel keeps other buffers
+    there. Where a real run at the example sizes is small enough, pin the dims there (exact there;
+    every other size is re-analysed, and checked there in turn). Else fit again from the checked
+    shape up, guarded (the region then says ``B >= 10, H >= 55, ...``), and check that fit once more
+    nearer the example sizes; a fit that fails is not used: the workspace is unknown (the report
+    says so) rather than a fit known to be wrong."""
+    hint = tuple(tc.size_hint(d) for d in x.shape)
+    items = tuple(frozen.items())
+    threads = torch.get_num_threads()
+    if _numel(hint) <= EXACT_RUN_ELEMENTS:
+        program = _program_at(call.func, items, hint, threads)
+        for i, d in enumerate(x.shape):  # pinned: exact at these sizes only
+            if not isinstance(d, int):
+                bool(d == hint[i])
+        return list(program)
+    fitted = _fit_cached(call.func, items, check, threads)
+    further = _check_shape(x, check, limit=4 * CHECK_ELEMENTS)
+    if fitted is not None and (further is None or _holds_at(fitted, _sample_at(call.func, items, further, threads))):
+        for i, d in enumerate(x.shape):  # a guard: the formula holds from the checked sizes on
+            if not isinstance(d, int):
+                bool(d >= check[i])
+        return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+    names = "x".join(str(d) for d in check)
+    return Unknown(call.op, f"its kernel keeps different buffers at different sizes (no one fit holds from small "
+                            f"sizes to a {names} input, nor from there to nearer the example sizes); give example "
+                            f"sizes (hints=) near the sizes you ask about, with at most {EXACT_RUN_ELEMENTS:,} "
+                            f"elements in its input, or concrete sizes, for exact numbers")
+
+
+@functools.lru_cache(maxsize=512)
+def _sample_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> Sample:
+    """One real run of ``op`` with its driver at ``shape`` (cached in memory and on disk)."""
+    key = calibration_cache.entry_key("sample", op, frozen_items, shape, threads)
+    cached = calibration_cache.load(key)
+    if cached is not None and len(cached) >= 2:  # the program, then the two numels
+        return Sample(tuple(cached[:-2]), cached[-2], cached[-1])
+    adapter = ADAPTERS[op]
+    log.info("checking the fit of %s on a real run toward the example sizes", getattr(op, "__name__", op))
+    frozen = dict(frozen_items)
+    _, _, dtype, layout = frozen[adapter.driver]
+    with tc.real_mode():
+        x = real_like(layout, list(shape), dtype)
+        run, feature = adapter.build(frozen, x)
+        program, out = run_and_read(run)
+        sample = Sample(program, x.numel(), feature(out))
+        del out
+    calibration_cache.store(key, [*program, sample.in_numel, sample.out_numel])
+    return sample
+
+
+def _holds_at(fitted: list, sample: Sample) -> bool:
+    """Whether the fitted program gives exactly the real run ``sample``."""
+    if len(fitted) != len(sample.program):
+        return False
+    for item, real in zip(fitted, sample.program):
+        if _marker(item) or _marker(real):
+            if not (_marker(item) and _marker(real) and item == real):
+                return False
+            continue
+        sign, a, b, c = item
+        if sign * (a * sample.in_numel + b * sample.out_numel + c) != real:
+            return False
+    return True
 
 
 EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small
 
 
-def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, min_shape: tuple) -> list | None:
+def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
+                  min_shape: tuple) -> list | Unknown | None:
     """The kernel behaved differently across the smallest sampled shapes (oneDNN and batch norm pick
     paths by size and thread count). Fit from larger sizes on, guarded (the region then says
     ``B >= 4``); or else run it once at the example sizes and pin the dims there (the region says
@@ -480,14 +592,15 @@ def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, m
             break  # the example sizes lie below this regime
         fitted = _fit_cached(call.func, items, shifted, threads)
         if fitted is not None:
+            check = _check_shape(x, shifted)
+            if check is not None and not _holds_at(fitted, _sample_at(call.func, items, check, threads)):
+                return _larger_regime(call, adapter, frozen, x, shifted, check)
             for i in free:  # a guard: the formula holds from here on
                 bool(x.shape[i] >= shifted[i])
             return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
-    numel = 1
-    for d in hint:
-        numel *= d
-    if numel > EXACT_RUN_ELEMENTS:
-        return None
+    if _numel(hint) > EXACT_RUN_ELEMENTS:  # too large to run at the example sizes: fit from nearer them
+        check = _check_shape(x, min_shape)
+        return None if check is None else _larger_regime(call, adapter, frozen, x, min_shape, check)
     program = _program_at(call.func, items, tuple(hint), threads)
     for i in free:  # pinned: exact at these sizes only
         bool(x.shape[i] == hint[i])
@@ -523,6 +636,8 @@ def _calibrated_cpu(call: Call) -> list | Unknown | None:
     """oneDNN's blocked-layout reorders and batch norm's per-thread/per-channel temporaries are not
     described anywhere in PyTorch: measured and fitted on small real runs."""
     program = program_for_call(call)
+    if isinstance(program, Unknown):
+        return program
     if program is None:
         return Unknown(call.op, "its kernel's workspace could not be fitted at small sizes")
     return program

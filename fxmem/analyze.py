@@ -134,7 +134,18 @@ def analyze(
         return Report(plan, model_name=name, specs=specs, options=opts, input_specs=input_specs,
                       model=model if isinstance(model, torch.nn.Module) else None,
                       hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
-                      reanalyze=run, capture=capture)
+                      reanalyze=rerun, capture=capture)
+
+    def rerun(at: Mapping[str, int]) -> Report:
+        """evaluate() outside the formulas' region: a new analysis at those sizes, checked against a
+        real run there like the first one (the sizes the user asks about, not fxmem's examples)."""
+        report = run(at)
+        if opts.check:
+            from .selfcheck import self_check
+            report.checked = self_check(report, model)
+        else:
+            report.checked = "not checked against a real run (check=False)"
+        return report
 
     def at_sizes(chosen: dict) -> Report:
         special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}

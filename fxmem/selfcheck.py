@@ -43,7 +43,7 @@ def self_check(report: Any, model: torch.nn.Module) -> str:
         run = "the forward and the training step" if at.get("train_peak") else "the forward"
         return (f"not checked against a real run: at the analysed sizes {run} would need "
                 f"{needed:,} B with the model (over {LIMIT:,} B)")
-    where = ", ".join(f"{k}={v}" for k, v in dims.items())
+    where = ", ".join(f"{k}={v}" for k, v in dims.items()) or "the inputs' sizes"
     try:
         module = copy.deepcopy(report.graph_module if report.graph_module is not None else model)
         xs = random_inputs(report.specs, dims)

@@ -93,3 +93,15 @@ def test_training_steps_are_checked_too():
     report = fxmem.analyze(model, ("B", 16), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     assert report.checked.startswith("checked against a real forward and training step"), report.checked
     assert report.exact
+
+
+def test_a_reanalysis_at_the_users_sizes_checks_itself_too():
+    # evaluate() outside the formulas' region (B=1: a size PyTorch fixes) analyses again there; that
+    # analysis is checked against a real run at the user's sizes like the first one
+    report = fxmem.analyze(UsesHiddenScratch(), ("B", 8), grad=False)
+    there, _ = report._at(dict(B=1))
+    assert there is not report
+    assert not there.exact and there.checked == "checked against a real forward at B=1: different (see the notes)"
+    clean = fxmem.analyze(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), ("B", 8), grad=False)
+    there, _ = clean._at(dict(B=1))
+    assert there is not clean and there.exact and there.checked == "checked against a real forward at B=1: equal"

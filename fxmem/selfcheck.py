@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from .isolation import isolated
 from .records import INEXACT
 
 LIMIT = 256 * 2**20  # bytes: a check whose predicted peak is larger is skipped (it would cost a real run that big)
 
 
+@isolated  # also when evaluate() re-analyses: the real run draws from the RNG (dropout), sets modes
 def self_check(report: Any, model: torch.nn.Module) -> str:
     """Run the check; returns what ``report.checked`` says (and adds a note to ``report`` when the
     real run differs)."""

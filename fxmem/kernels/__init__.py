@@ -12,7 +12,8 @@ The simulation asks three questions of every aten call, and one of every torch f
 
 Rules live in :mod:`~fxmem.kernels.scalars` (wrapped Python numbers, dtype casts),
 :mod:`~fxmem.kernels.cpu` (CPU kernels' scratch), :mod:`~fxmem.kernels.calibrate` (opaque
-oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.engine` (autograd engine),
+oneDNN/batch-norm kernels, measured and fitted), :mod:`~fxmem.kernels.rnn` (oneDNN's LSTM, measured
+at fixed sizes), :mod:`~fxmem.kernels.engine` (autograd engine),
 :mod:`~fxmem.kernels.real_paths` (composites), :mod:`~fxmem.kernels.symbolic` (fake kernels that
 read sizes as numbers) and :mod:`~fxmem.kernels.fused` (fxmem's own fused operators, :mod:`fxmem.ops`).
 Users describe their own ops with
@@ -27,7 +28,7 @@ from typing import Any
 
 from .. import _torch_compat as tc
 
-from . import calibrate, cpu, engine, fused, real_paths, scalars, symbolic  # noqa: F401 - registers the built-in rules
+from . import calibrate, cpu, engine, fused, real_paths, rnn, scalars, symbolic  # noqa: F401 - registers the built-in rules
 from .accepts import FakeKernelFails, KernelRefuses, check_call, real_accepts
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister

@@ -545,14 +545,3 @@ def _trilinear_scratch(call: Call) -> list | Unknown:
     return [OUT] + [first, second, -first, -second] * int(w.shape[0])
 
 
-# --- recurrent layers --------------------------------------------------------------------------
-_RNN_OPS = tuple(getattr(aten, n) for n in ("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward") if hasattr(aten, n))
-
-
-@hidden(*_RNN_OPS, device="cpu")
-def _onednn_rnn(call: Call) -> list:
-    """nn.LSTM on CPU runs oneDNN's RNN primitive: a workspace (kept for backward) and scratch whose
-    sizes oneDNN decides (an LSTM(4, 8) on (3, 5, 4) measured 48,392 B at its peak, the fake kernel
-    1,296 B); not modelled, so the numbers are marked as not exact rather than given as exact."""
-    return [OUT, Unknown(call.op, "oneDNN's LSTM kernel (nn.LSTM on CPU) keeps a workspace and scratch whose "
-                                  "sizes oneDNN decides; not modelled yet")]

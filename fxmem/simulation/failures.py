@@ -72,10 +72,9 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if "with symbolic sizes" in text:  # C++ inside torch read a size as a number: torch's limit, not the shapes'
         return UnsupportedOpError(
             f"{where}: PyTorch's own C++ code here reads sizes as plain numbers ({first_line(text)}), so it cannot "
-            f"run with the symbolic sizes fxmem analyses in; your shapes are not the problem. Known cases: "
-            f"nn.LSTM, nn.GRU and nn.RNN (their CPU kernels), not modelled yet. What to do: analyse the model "
-            f"without the recurrent layer, or with concrete inputs (real tensors as specs) for numbers at one size "
-            f"(exact for nn.GRU and nn.RNN; nn.LSTM's oneDNN workspace is not modelled and is marked so)")
+            f"run with the symbolic sizes fxmem analyses in; your shapes are not the problem. What to do: analyse "
+            f"with concrete inputs (real tensors as specs) for numbers at one size, or without this part of the "
+            f"model")
     for pattern, (why, todo) in _AUTOGRAD_LIMITS:
         if re.search(pattern, text):  # autograd cannot differentiate the model: not its shapes
             return UnsupportedOpError(f"{where}: {first_line(text)}\n  this is not a problem of the input shapes: "

@@ -218,18 +218,21 @@ class Recorder(tc.DispatchMode):
         step = log.next_step
         new = []
         position: dict[int, int] = {}  # output position -> its new storage
+        larger = kernels.output_storage(call)  # outputs whose real storage is larger than the fake one
         for k, t in enumerate(outs):
             if table.counts(t) and table.lookup(t) is None:
                 index = table.add(t, Role.ACTIVATION, self.buffer_name or log.node, node=log.node, step=step, op=name,
                                   phase=log.phase)
-                if index is not None and table.storages[index].bytes == 0:
+                # an empty fake output holds nothing, unless the real one is larger (oneDNN's LSTM
+                # workspace: empty in the fake kernel, megabytes in the real one)
+                if index is not None and table.storages[index].bytes == 0 and k not in larger:
                     table.forget(t)
                     continue
                 if tc.op_packet(func) in _COPIES and arg_tensors:
                     table.storages[index].copy_of = table.lookup(arg_tensors[0])
                 new.append(index)
                 position[k] = index
-        for i, nbytes in kernels.output_storage(call).items():
+        for i, nbytes in larger.items():
             index = table.lookup(outs[i])
             if index is not None and index in new:  # the real kernel's storage is larger than the fake's
                 table.storages[index].bytes = tc.size_expr(table.env, nbytes)

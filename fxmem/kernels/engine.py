@@ -29,6 +29,9 @@ def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str
     that is a plain dense tensor it holds the last reference to (can_accumulate_inplace(old_var));
     never into the arriving one. For subclass-like (fake) tensors it always adds out of place."""
     outs, args = call.outputs, call.args
+    inside = _rnn_linear_bias(call, table)
+    if inside is not None:
+        return inside
     if not between_nodes or call.phase != Phase.BACKWARD or len(outs) != 1 or len(args) < 2:
         return None
     for old in (args[0],):  # old_var + var: only the gradient already in the buffer is reused
@@ -45,6 +48,27 @@ def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str
                 and tc.non_overlapping_and_dense(old)):
             return old
     return None
+
+
+def _rnn_linear_bias(call: Call, table: Any) -> torch.Tensor | None:
+    """Inside ATen's recurrent layers (C++ calling ``at::linear`` on the whole sequence): a real
+    tensor's bias is added in place into the matmul's result, a subclass-like (fake) one's out of
+    place (``linear``'s composite-compliance branch) - one more (T, B, gates) buffer. Only while a
+    recurrent layer runs: the same add written in Python is out of place for real tensors too."""
+    from .rnn import inside_aten_rnn
+
+    outs, args = call.outputs, call.args
+    if not inside_aten_rnn() or len(outs) != 1 or len(args) != 2 or call.kwargs.get("alpha", 1) != 1:
+        return None
+    result, bias = args
+    if not (isinstance(result, torch.Tensor) and isinstance(bias, torch.Tensor)) or bias.dim() != 1 \
+            or result.dim() < 3 or result.shape != outs[0].shape or result.dtype != outs[0].dtype \
+            or bias.shape[0] != result.shape[-1]:
+        return None
+    index = table.lookup(result)
+    if index is None or table.storages[index].op is None or "mm" not in table.storages[index].op:
+        return None  # not the matmul's fresh result
+    return result
 
 
 # ops that make the zeros a backward formula then fills (by op name, as storages record it)

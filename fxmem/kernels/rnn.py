@@ -14,7 +14,10 @@ formula in PyTorch, and oneDNN pads both to pages and picks them per CPU. So:
   rule, the workspace's real bytes the OUTPUT_STORAGE rule. The backward's stand-ins come from a
   real forward (a workspace of the right size and contents, never random bytes oneDNN would read);
 * a run too large to make (:data:`MAX_MACS` multiply-adds) leaves the workspace unknown: the
-  report says it is not exact.
+  report says it is not exact;
+* while any of ATen's recurrent layers runs (:func:`inside_aten_rnn`), the input projection's bias
+  is added in place, as ``at::linear`` does for real tensors (kernels/engine.py): for fake ones it
+  adds out of place, one more (T, B, gates) buffer.
 
 >>> fxmem.analyze(nn.LSTM(16, 32), ("T", "B", 16)).exact     # doctest: +SKIP
 True
@@ -39,20 +42,32 @@ _FORWARD_ARGS = ("input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx
                  "mode", "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first", "train")
 
 
-@rule(Kind.REAL_PATH, torch.lstm, device="cpu")
-def _lstm_at_fixed_sizes(func: Callable, ctx: Any, *args: Any, **kwargs: Any) -> Any:
-    """The LSTM with its sizes fixed at the example sizes (ATen's ``use_mkldnn`` reads
-    ``input.numel()`` as a number and raises on symbolic sizes; GRU and RNN fix theirs the same way
-    by themselves). Each tensor is viewed with the same sizes as plain numbers: no memory."""
-    if not any(_symbolic(a) for a in tc.tree_leaves((args, kwargs))):
-        return NotImplemented
+_INSIDE = [0]  # how deep the simulation is inside ATen's recurrent layers (analyses take turns)
 
-    def fixed(a: Any) -> Any:
-        return a.view([int(d) for d in a.shape]) if _symbolic(a) else a
 
-    leaves, spec = tc.tree_flatten((args, kwargs))
-    args, kwargs = tc.tree_unflatten([fixed(a) for a in leaves], spec)
-    return func(*args, **kwargs)
+def inside_aten_rnn() -> bool:
+    """Whether the running aten calls come from ATen's own recurrent-layer code (C++), where real
+    and fake tensors part ways in ``at::linear`` (see kernels/engine.py)."""
+    return _INSIDE[0] > 0
+
+
+@rule(Kind.REAL_PATH, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu, device="cpu")
+def _aten_rnn(func: Callable, ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    """ATen's recurrent layers, marked as running (see :func:`inside_aten_rnn`). The LSTM with its
+    sizes fixed at the example sizes: ATen's ``use_mkldnn`` reads ``input.numel()`` as a number and
+    raises on symbolic sizes (GRU and RNN fix theirs by themselves). Each tensor is viewed with the
+    same sizes as plain numbers: no memory."""
+    if func is torch.lstm and any(_symbolic(a) for a in tc.tree_leaves((args, kwargs))):
+        def fixed(a: Any) -> Any:
+            return a.view([int(d) for d in a.shape]) if _symbolic(a) else a
+
+        leaves, spec = tc.tree_flatten((args, kwargs))
+        args, kwargs = tc.tree_unflatten([fixed(a) for a in leaves], spec)
+    _INSIDE[0] += 1
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _INSIDE[0] -= 1
 
 
 def _symbolic(a: Any) -> bool:

@@ -544,8 +544,15 @@ def _sample_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> Samp
     cached = calibration_cache.load(key)
     if cached is not None and len(cached) >= 2:  # the program, then the two numels
         return Sample(tuple(cached[:-2]), cached[-2], cached[-1])
+    sample = _real_sample(op, frozen_items, shape, "checking the fit of %s on a real run toward the example sizes")
+    calibration_cache.store(key, [*sample.program, sample.in_numel, sample.out_numel])
+    return sample
+
+
+def _real_sample(op: Any, frozen_items: tuple, shape: tuple, why: str) -> Sample:
+    """One real run of ``op`` with its driver at ``shape``; ``why`` is logged (progress)."""
     adapter = ADAPTERS[op]
-    log.info("checking the fit of %s on a real run toward the example sizes", getattr(op, "__name__", op))
+    log.info(why, getattr(op, "__name__", op))
     frozen = dict(frozen_items)
     _, _, dtype, layout = frozen[adapter.driver]
     with tc.real_mode():
@@ -554,7 +561,6 @@ def _sample_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> Samp
         program, out = run_and_read(run)
         sample = Sample(program, x.numel(), feature(out))
         del out
-    calibration_cache.store(key, [*program, sample.in_numel, sample.out_numel])
     return sample
 
 
@@ -619,16 +625,7 @@ def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tup
 
 
 def _measure_at(op: Any, frozen_items: tuple, shape: tuple) -> tuple:
-    adapter = ADAPTERS[op]
-    log.info("calibrating %s on a real run at the example sizes", getattr(op, "__name__", op))
-    frozen = dict(frozen_items)
-    _, _, dtype, layout = frozen[adapter.driver]
-    with tc.real_mode():
-        x = real_like(layout, list(shape), dtype)
-        run, _ = adapter.build(frozen, x)
-        program, out = run_and_read(run)
-        del out
-    return program
+    return _real_sample(op, frozen_items, shape, "calibrating %s on a real run at the example sizes").program
 
 
 @hidden(*ADAPTERS, device="cpu")

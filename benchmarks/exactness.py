@@ -8,8 +8,14 @@ step, next to what the CPU allocator measured on real runs at held-out sizes (in
     python benchmarks/exactness.py                       # corpus + fuzzer seeds 0:300
     python benchmarks/exactness.py --fuzz-seeds 0:1000   # a longer fuzz run
     python benchmarks/exactness.py --no-corpus           # the fuzzer only
+    python benchmarks/exactness.py --no-corpus --extended --fuzz-seeds 0:600
+                                                         # the newer op families too (sort, cumulative,
+                                                         # flip/roll, one_hot, gather/scatter, pooling,
+                                                         # group norm, grouped convs, interpolate, unfold,
+                                                         # cdist, dtype casts, in-place through views, RNNs)
 
-Writes benchmarks/results/exactness.{json,md} with the machine, torch version and command.
+Writes benchmarks/results/exactness.{json,md} (``--extended``: exactness_extended.{json,md}) with the
+machine, torch version and command.
 """
 from __future__ import annotations
 
@@ -53,13 +59,13 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
     return rows, skipped
 
 
-def fuzz_rows(seeds: range) -> list[dict]:
-    from fuzz.generator import generate
+def fuzz_rows(seeds: range, extended: bool = False) -> list[dict]:
+    from fuzz.generator import EXTENDED_OPS, generate
     from fuzz.runner import check
 
     rows = []
     for seed in seeds:
-        case = generate(seed)
+        case = generate(seed, EXTENDED_OPS if extended else None)
         outcome = check(case)
         rows.append({"seed": seed, "status": outcome.status, "detail": outcome.detail[:400],
                      "rows": [{"what": what, "sizes": dims, "predicted": list(p) if isinstance(p, tuple) else p,
@@ -73,11 +79,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fuzz-seeds", default="0:300", help="start:stop of the fuzzer's seeds")
     parser.add_argument("--no-corpus", action="store_true")
+    parser.add_argument("--extended", action="store_true", help="the fuzzer's newer op families too")
     args = parser.parse_args()
     start, stop = (int(v) for v in args.fuzz_seeds.split(":"))
     t0 = time.perf_counter()
     corpus, skipped = ([], []) if args.no_corpus else corpus_rows()
-    fuzz = fuzz_rows(range(start, stop))
+    fuzz = fuzz_rows(range(start, stop), args.extended)
+    stem = "exactness_extended" if args.extended else "exactness"
     from fxmem.measure import machine_name
 
     counts = collections.Counter(r["status"] for r in fuzz)
@@ -86,7 +94,7 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t0, 1)}
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "exactness.json"), "w") as f:  # one line per row
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:  # one line per row
         f.write('{"meta": ' + json.dumps(meta) + ',\n "fuzz_counts": ' + json.dumps(dict(counts)) +
                 ',\n "corpus_skipped": ' + json.dumps(skipped) + ',\n "corpus": [\n  ' +
                 ",\n  ".join(json.dumps(r) for r in corpus) + '],\n "fuzz": [\n  ' +
@@ -112,7 +120,7 @@ def main() -> None:
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped) + "."]
     n = len(fuzz)
-    lines += ["", f"## Fuzzer: seeds {start}..{stop - 1}", "",
+    lines += ["", f"## Fuzzer{' (with the newer op families)' if args.extended else ''}: seeds {start}..{stop - 1}", "",
               f"{counts.get('exact', 0)} of {n} random models exact "
               f"({100 * counts.get('exact', 0) / max(n, 1):.1f} %) at every held-out size (forward and training step); "
               f"{counts.get('refused', 0)} refused with a reason; {counts.get('flagged', 0)} flagged as not exact in "
@@ -122,7 +130,7 @@ def main() -> None:
         lines += ["| seed | outcome | detail |", "|---|---|---|"]
         for r in others:
             lines.append(f"| {r['seed']} | {r['status']} | {r['detail'][:200].replace('|', '/')} |")
-    with open(os.path.join(out, "exactness.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

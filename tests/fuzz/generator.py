@@ -400,6 +400,168 @@ OPS = [op_linear, op_matmul, op_bmm, op_transpose, op_flatten, op_contiguous, op
        op_broadcast, op_index, op_inplace, op_conv, op_batch_norm, op_embedding, op_detach, op_argmax, op_combine]
 
 
+# --- more op families (issue 25): used by ``generate(seed, ops=EXTENDED_OPS)`` only, so the seeds of
+# OPS keep their programs -------------------------------------------------------------------------
+def _float(v: Value) -> bool:
+    return v.dtype == "float" and bool(v.shape)
+
+
+def op_sort(b: _Builder, v: Value) -> Value | None:
+    if not _float(v):
+        return None
+    d = b.rng.randrange(len(v.shape))
+    how = b.rng.choice(["sort", "argsort", "topk", "kthvalue", "msort"])
+    if how == "sort":
+        return b.add(lambda s, x, d=d: x.sort(dim=d, descending=True)[0], [v], v.shape, f"sort({d})")
+    if how == "argsort":
+        return b.add(lambda s, x, d=d: x.argsort(dim=d).float(), [v], v.shape, f"argsort({d}).float", grad=False)
+    if how == "kthvalue":  # k=1 exists at every size
+        return b.add(lambda s, x, d=d: x.kthvalue(1, d)[0], [v], v.shape[:d] + v.shape[d + 1:], f"kthvalue(1,{d})")
+    if how == "msort":
+        return b.add(lambda s, x: torch.msort(x), [v], v.shape, "msort")
+    c = _const(v.shape[d])
+    if c is None:
+        return None
+    k = b.rng.randint(1, c)
+    return b.add(lambda s, x, d=d, k=k: x.topk(k, dim=d)[0], [v], v.shape[:d] + (k,) + v.shape[d + 1:], f"topk({k},{d})")
+
+
+def op_cumulative(b: _Builder, v: Value) -> Value | None:
+    if not _float(v):
+        return None
+    d = b.rng.randrange(len(v.shape))
+    how = b.rng.choice(["cumsum", "cumprod", "cummax", "logcumsumexp"])
+    fns = {"cumsum": lambda x, d: x.cumsum(d), "cumprod": lambda x, d: x.tanh().cumprod(d),
+           "cummax": lambda x, d: x.cummax(d)[0], "logcumsumexp": lambda x, d: x.logcumsumexp(d)}
+    return b.add(lambda s, x, d=d, f=fns[how]: f(x, d), [v], v.shape, f"{how}({d})")
+
+
+def op_flip_roll(b: _Builder, v: Value) -> Value | None:
+    if not v.shape:
+        return None
+    d = b.rng.randrange(len(v.shape))
+    if b.rng.random() < 0.5:
+        return b.add(lambda s, x, d=d: x.flip(d), [v], v.shape, f"flip({d})")
+    return b.add(lambda s, x, d=d: x.roll(1, d), [v], v.shape, f"roll(1,{d})")
+
+
+def op_one_hot(b: _Builder, v: Value) -> Value | None:
+    last = _const(v.shape[-1]) if _float(v) else None
+    if last is None or len(v.shape) > 3:
+        return None
+    return b.add(lambda s, x, n=last: F.one_hot(x.argmax(-1), n).float(), [v], v.shape[:-1] + (last,),
+                 f"one_hot(argmax,{last})", grad=False)
+
+
+def op_gather_scatter(b: _Builder, v: Value) -> Value | None:
+    if not _float(v):
+        return None
+    d = b.rng.randrange(len(v.shape))
+    if b.rng.random() < 0.5:
+        return b.add(lambda s, x, d=d: x.gather(d, x.argsort(d)), [v], v.shape, f"gather({d},argsort)")
+    return b.add(lambda s, x, d=d: torch.zeros_like(x).scatter_add(d, x.argsort(d), x), [v], v.shape,
+                 f"scatter_add({d},argsort)")
+
+
+def op_pool(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) not in (3, 4):
+        return None
+    two = len(v.shape) == 4
+    how = b.rng.choice(["max", "avg", "adaptive"])
+    if how == "adaptive":
+        n = b.rng.choice([1, 2, 4])
+        fn = (lambda s, x, n=n: F.adaptive_avg_pool2d(x, n)) if two else (lambda s, x, n=n: F.adaptive_max_pool1d(x, n))
+        return b.add(fn, [v], v.shape[:2] + (n,) * (len(v.shape) - 2), f"adaptive_pool({n})")
+    pool = {("max", True): F.max_pool2d, ("max", False): F.max_pool1d, ("avg", True): F.avg_pool2d,
+            ("avg", False): F.avg_pool1d}[(how, two)]
+    return b.add(lambda s, x, f=pool: f(x, 3, 1, 1), [v], v.shape, f"{how}_pool(3,1,1)")
+
+
+def op_group_norm(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) not in (3, 4):
+        return None
+    chans = _const(v.shape[1])
+    if chans is None:
+        return None
+    groups = b.rng.choice([g for g in (1, 2, 4) if chans % g == 0])
+    name = b.module(nn.GroupNorm(groups, chans))
+    return b.add(lambda s, x, name=name: s.mods[name](x), [v], v.shape, f"GroupNorm({groups},{chans})", grad=True)
+
+
+def op_depthwise(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) not in (3, 4):
+        return None
+    chans = _const(v.shape[1])
+    if chans is None or chans > 16:
+        return None
+    cls = nn.Conv1d if len(v.shape) == 3 else nn.Conv2d
+    groups = b.rng.choice([g for g in (chans, 2) if chans % g == 0])
+    name = b.module(cls(chans, chans, 3, padding=1, groups=groups))
+    return b.add(lambda s, x, name=name: s.mods[name](x), [v], v.shape, f"GroupedConv({chans},g{groups})", grad=True)
+
+
+def op_interpolate(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) not in (3, 4):
+        return None
+    mode = b.rng.choice(["nearest", "linear" if len(v.shape) == 3 else "bilinear"])
+    shape = v.shape[:2] + tuple(_prod(e) + (2,) for e in v.shape[2:])
+    return b.add(lambda s, x, mode=mode: F.interpolate(x, scale_factor=2, mode=mode), [v], shape,
+                 f"interpolate(x2,{mode})")
+
+
+def op_unfold(b: _Builder, v: Value) -> Value | None:
+    consts = [i for i, e in enumerate(v.shape) if (c := _const(e)) is not None and c >= 2 and c % 2 == 0]
+    if not consts or len(v.shape) > 3:
+        return None
+    d = b.rng.choice(consts)
+    half = _const(v.shape[d]) // 2
+    return b.add(lambda s, x, d=d: x.unfold(d, 2, 2) * 1.0, [v], v.shape[:d] + (half,) + v.shape[d + 1:] + (2,),
+                 f"unfold({d},2,2)")
+
+
+def op_cdist(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) not in (2, 3) or _const(v.shape[-1]) is None:
+        return None
+    return b.add(lambda s, x: torch.cdist(x, x), [v], v.shape[:-1] + (v.shape[-2],), "cdist(x,x)")
+
+
+def op_cast(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float":
+        return None
+    how = b.rng.choice(["double", "bfloat16", "half"])
+    dt = {"double": torch.float64, "bfloat16": torch.bfloat16, "half": torch.float16}[how]
+    return b.add(lambda s, x, dt=dt: (x.to(dt) * 2).float(), [v], v.shape, f"to({how})*2")
+
+
+def op_view_inplace(b: _Builder, v: Value) -> Value | None:
+    if not _float(v) or len(v.shape) < 2:
+        return None
+    how = b.rng.choice(["slice", "transpose", "select"])
+    fns = {"slice": lambda y: y[..., :1].mul_(2.0), "transpose": lambda y: y.transpose(0, 1).add_(1.0),
+           "select": lambda y: y.select(0, 0).clamp_(-1, 1)}
+
+    def fn(s: Any, x: Any, f: Callable = fns[how]) -> Any:
+        y = x * 1.0  # a fresh tensor, written through a view of it
+        f(y)
+        return y
+
+    return b.add(fn, [v], v.shape, f"inplace-through-{how}")
+
+
+def op_rnn(b: _Builder, v: Value) -> Value | None:
+    if v.dtype != "float" or len(v.shape) != 3 or _const(v.shape[-1]) is None or _const(v.shape[-1]) > 16:
+        return None
+    feat, hidden = _const(v.shape[-1]), _feature(b.rng)
+    cls = b.rng.choice([nn.GRU, nn.LSTM, nn.RNN])
+    name = b.module(cls(feat, hidden, batch_first=True))
+    return b.add(lambda s, x, name=name: s.mods[name](x)[0], [v], v.shape[:-1] + (hidden,),
+                 f"{cls.__name__}({feat},{hidden})", grad=True)
+
+
+EXTENDED_OPS = OPS + [op_sort, op_cumulative, op_flip_roll, op_one_hot, op_gather_scatter, op_pool, op_group_norm,
+                      op_depthwise, op_interpolate, op_unfold, op_cdist, op_cast, op_view_inplace, op_rnn]
+
+
 def _numel_ok(shape: Shape, big: int = 40) -> bool:
     """Keep programs small: at most 4 dims, and few symbolic factors per tensor."""
     factors = [f for e in shape for f in _prod(e)]
@@ -411,8 +573,9 @@ def _numel_ok(shape: Shape, big: int = 40) -> bool:
     return len(shape) <= 4 and sym <= 4 and const <= 4096
 
 
-def generate(seed: int) -> Case:
-    """A random model, its input spec and the held-out sizes to check it at."""
+def generate(seed: int, ops: list | None = None) -> Case:
+    """A random model, its input spec and the held-out sizes to check it at; ``ops``: the op
+    vocabulary (:data:`OPS`, or :data:`EXTENDED_OPS` for the newer families)."""
     rng = random.Random(seed)
     dims = list(DIM_NAMES[: rng.randint(1, 3)])
     feature = _feature(rng)
@@ -431,7 +594,7 @@ def generate(seed: int) -> Case:
         tries += 1
         # prefer recent values, sometimes an older one
         v = b.values[-1] if rng.random() < 0.7 else rng.choice(b.values)
-        op = rng.choice(OPS)
+        op = rng.choice(ops or OPS)
         before = len(b.values)
         try:
             out = op(b, v)

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz.generator import generate
+import torch
+
+from fuzz.generator import EXTENDED_OPS, generate
 from fuzz.runner import check
 
 SEEDS = range(0, 40)  # about 2 s each on 2 cores; benchmarks/fuzz.py runs hundreds
+# the newer op families (sort, cumulative ops, flip/roll, one_hot, gather/scatter, pooling, group norm,
+# grouped convs, interpolate, unfold, cdist, casts, in-place through views, RNNs); their long run is
+# ``benchmarks/exactness.py --extended``
+EXTENDED_SEEDS = range(0, 6)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -19,6 +25,26 @@ def test_random_model_is_exact_or_refused(seed):
     assert outcome.status != "mismatch", f"{outcome.detail}\n{case.describe()}"
     if outcome.status != "exact":
         assert outcome.detail, "a refusal must say why"
+
+
+@pytest.mark.parametrize("seed", EXTENDED_SEEDS)
+def test_random_model_of_the_newer_families_is_exact_or_says_so(seed):
+    case = generate(seed, EXTENDED_OPS)
+    outcome = check(case)
+    assert outcome.status != "mismatch", f"{outcome.detail}\n{case.describe()}"
+
+
+def test_newer_families_run_for_real_at_every_size():
+    # the generator's contract: every program runs at every size >= 1 of its dims (batch norm in
+    # training needs two values per channel: such a model is checked in eval mode at size 1)
+    for seed in range(60):
+        case = generate(seed, EXTENDED_OPS)
+        for dims in case.sizes:
+            x = torch.randn(*[dims[d] if isinstance(d, str) else d for d in case.specs[0]])
+            try:
+                case.model(x)
+            except ValueError as exc:
+                assert "per channel" in str(exc), (seed, dims, exc)
 
 
 def test_generator_is_deterministic_and_varied():

@@ -15,8 +15,9 @@ node's backward, and where the engine is during ``backward()``.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -34,6 +35,10 @@ class Autograd:
         self._pending: list[int] = []  # storages packed since the last op
         self._keeps: dict[str, list[int]] = {}  # fx node -> hidden storages kept, not yet bound
         self._unbound: list[tuple[Any, str, list[int]]] = []  # (weakref to op output, node, kept)
+        # reading a view's grad_fn after an in-place write through it makes autograd replay the view
+        # (an aten call the recorder sees) while it holds that tensor's autograd mutex: a second
+        # read of the same grad_fn from inside that call would wait on the mutex for ever
+        self._reading_grad_fn = False
         self._released: set[int] = set()
         self._closed = False
 
@@ -71,18 +76,30 @@ class Autograd:
 
     def bind(self) -> None:
         """Hook each kept storage to its op's ``grad_fn`` (runs at the next op, once autograd attached it)."""
-        for ref, node, indices in self._unbound:
-            t = ref()
-            fn = getattr(t, "grad_fn", None) if t is not None else None
-            if fn is None:
-                continue
-            fn.register_hook(_Release(self._release, indices))
-            left = [i for i in self._keeps.get(node, []) if i not in indices]
-            if left:
-                self._keeps[node] = left
-            else:
-                self._keeps.pop(node, None)
-        self._unbound.clear()
+        if self._reading_grad_fn or not self._unbound:
+            return  # inside autograd's replay of a view whose grad_fn is being read: at the next op
+        pending, self._unbound = self._unbound, []
+        with self.reading_grad_fn():
+            for ref, node, indices in pending:
+                t = ref()
+                fn = getattr(t, "grad_fn", None) if t is not None else None
+                if fn is None:
+                    continue
+                fn.register_hook(_Release(self._release, indices))
+                left = [i for i in self._keeps.get(node, []) if i not in indices]
+                if left:
+                    self._keeps[node] = left
+                else:
+                    self._keeps.pop(node, None)
+
+    @contextlib.contextmanager
+    def reading_grad_fn(self) -> Iterator[None]:
+        """While fxmem reads ``grad_fn`` s: no nested read from the aten calls that may run meanwhile."""
+        was, self._reading_grad_fn = self._reading_grad_fn, True
+        try:
+            yield
+        finally:
+            self._reading_grad_fn = was
 
     def release_keeps(self, node: str) -> None:
         """The backward of ``node`` ran: release what was kept for it (when no grad_fn was bound)."""
@@ -106,7 +123,9 @@ class Autograd:
         A post-hook on every node (but AccumulateGrad, whose refcount-based choice to steal the
         gradient a hook would change) sets the flag; a pre-hook on every node clears it.
         """
-        for fn in _autograd_nodes(loss):
+        with self.reading_grad_fn():
+            nodes = _autograd_nodes(loss)
+        for fn in nodes:
             if type(fn).__name__ == "AccumulateGrad":
                 continue
             fn.register_prehook(self._enter)
@@ -126,7 +145,8 @@ class Autograd:
         returns its producer's). The mark lives in the node's own ``metadata``: a set of ``id``s
         would skip a new node that got a dead one's id, leaving its backward unnamed."""
         for t in tc.tree_leaves(value):
-            fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+            with self.reading_grad_fn():
+                fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if fn is None or _NAMED in fn.metadata:
                 continue
             fn.metadata[_NAMED] = node_name

@@ -185,7 +185,10 @@ class Recorder(tc.DispatchMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         table, log = self.table, self.log
-        self.autograd.bind()
+        # a view op may be autograd replaying a view while it holds that view's autograd mutex
+        # (reading its grad_fn after an in-place write through it): no grad_fn is read here then
+        if not getattr(func, "is_view", False):
+            self.autograd.bind()
         name = tc.op_name(func)
         outs = [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outs:

@@ -59,20 +59,34 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
     return rows, skipped
 
 
-def fuzz_rows(seeds: range, extended: bool = False) -> list[dict]:
+def fuzz_row(seed: int, extended: bool = False, threads: int | None = None) -> dict:
+    """One fuzzer seed checked against real runs (a worker process's job with ``--jobs``)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from fuzz.generator import EXTENDED_OPS, generate
     from fuzz.runner import check
 
-    rows = []
-    for seed in seeds:
-        case = generate(seed, EXTENDED_OPS if extended else None)
-        outcome = check(case)
-        rows.append({"seed": seed, "status": outcome.status, "detail": outcome.detail[:400],
-                     "rows": [{"what": what, "sizes": dims, "predicted": list(p) if isinstance(p, tuple) else p,
-                               "measured": list(m) if isinstance(m, tuple) else m} for what, dims, p, m in outcome.rows],
-                     "program": case.describe() if outcome.status != "exact" else ""})
-        print(f"seed {seed}: {outcome.status} {outcome.detail[:120]}", file=sys.stderr, flush=True)
-    return rows
+    if threads:
+        torch.set_num_threads(threads)
+    case = generate(seed, EXTENDED_OPS if extended else None)
+    outcome = check(case)
+    print(f"seed {seed}: {outcome.status} {outcome.detail[:120]}", file=sys.stderr, flush=True)
+    return {"seed": seed, "status": outcome.status, "detail": outcome.detail[:400],
+            "rows": [{"what": what, "sizes": dims, "predicted": list(p) if isinstance(p, tuple) else p,
+                      "measured": list(m) if isinstance(m, tuple) else m} for what, dims, p, m in outcome.rows],
+            "program": case.describe() if outcome.status != "exact" else ""}
+
+
+def fuzz_rows(seeds: range, extended: bool = False, jobs: int = 1) -> list[dict]:
+    """Every seed's row; ``jobs`` > 1: that many worker processes, one intra-op thread each (each
+    seed's analysis and real runs share their process, so they see the same thread count)."""
+    if jobs <= 1:
+        return [fuzz_row(seed, extended) for seed in seeds]
+    import concurrent.futures
+    import functools
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(functools.partial(fuzz_row, extended=extended, threads=1), seeds))
 
 
 def main() -> None:
@@ -80,17 +94,18 @@ def main() -> None:
     parser.add_argument("--fuzz-seeds", default="0:300", help="start:stop of the fuzzer's seeds")
     parser.add_argument("--no-corpus", action="store_true")
     parser.add_argument("--extended", action="store_true", help="the fuzzer's newer op families too")
+    parser.add_argument("--jobs", type=int, default=1, help="fuzzer worker processes (one thread each)")
     args = parser.parse_args()
     start, stop = (int(v) for v in args.fuzz_seeds.split(":"))
     t0 = time.perf_counter()
     corpus, skipped = ([], []) if args.no_corpus else corpus_rows()
-    fuzz = fuzz_rows(range(start, stop), args.extended)
+    fuzz = fuzz_rows(range(start, stop), args.extended, args.jobs)
     stem = "exactness_extended" if args.extended else "exactness"
     from fxmem.measure import machine_name
 
     counts = collections.Counter(r["status"] for r in fuzz)
     meta = {"machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
+            "threads": 1 if args.jobs > 1 else torch.get_num_threads(), "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
             "seconds": round(time.perf_counter() - t0, 1)}
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)

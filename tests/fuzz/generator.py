@@ -551,6 +551,8 @@ def op_view_inplace(b: _Builder, v: Value) -> Value | None:
 def op_rnn(b: _Builder, v: Value) -> Value | None:
     if v.dtype != "float" or len(v.shape) != 3 or _const(v.shape[-1]) is None or _const(v.shape[-1]) > 16:
         return None
+    if isinstance(v.shape[1], tuple):  # a sequence of N*L steps: ~10,000 at the example sizes, each one
+        return None                    # simulated (PyTorch fixes the length: no formula in it)
     feat, hidden = _const(v.shape[-1]), _feature(b.rng)
     cls = b.rng.choice([nn.GRU, nn.LSTM, nn.RNN])
     name = b.module(cls(feat, hidden, batch_first=True))

@@ -136,16 +136,19 @@ def analyze(
                       hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
                       reanalyze=rerun, capture=capture)
 
-    def rerun(at: Mapping[str, int]) -> Report:
-        """evaluate() outside the formulas' region: a new analysis at those sizes, checked against a
-        real run there like the first one (the sizes the user asks about, not fxmem's examples)."""
-        report = run(at)
+    def checked(report: Report) -> Report:
+        """``report`` with its self-check made (or said to be off)."""
         if opts.check:
             from .selfcheck import self_check
             report.checked = self_check(report, model)
         else:
             report.checked = "not checked against a real run (check=False)"
         return report
+
+    def rerun(at: Mapping[str, int]) -> Report:
+        """evaluate() outside the formulas' region: a new analysis at those sizes, checked against a
+        real run there like the first one (the sizes the user asks about, not fxmem's examples)."""
+        return checked(run(at))
 
     def at_sizes(chosen: dict) -> Report:
         special = {k: v for k, v in chosen.items() if v in SPECIALISED_SIZES}
@@ -170,12 +173,7 @@ def analyze(
     note = ambient_grad_note(grad)
     if note:
         report.notes.insert(0, note)
-    if opts.check:
-        from .selfcheck import self_check
-        report.checked = self_check(report, model)
-    else:
-        report.checked = "not checked against a real run (check=False)"
-    return report
+    return checked(report)
 
 
 # other example sizes for the dims the user gave no hint for, tried in turn when the defaults fail:

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from .. import _torch_compat as tc
-from .calibrate import layout_key, real_like, run_and_read
-from .registry import OUT, Call, Kind, Unknown, hidden, require_args, rule
+from .calibrate import _freeze, _real_arg, run_and_read  # stand-ins laid out like the fake arguments
+from .registry import Call, Kind, Unknown, hidden, require_args, rule
 
 aten = torch.ops.aten
 MAX_MACS = 2 ** 31  # multiply-adds of the real run that measures one layer at the analysed sizes
@@ -74,24 +74,6 @@ def _symbolic(a: Any) -> bool:
     return isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape)
 
 
-def _frozen(value: Any) -> Any:
-    """A hashable description of an argument: tensors by shape, dtype and layout."""
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(int(d) for d in value.shape), value.dtype, layout_key(value))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
-
-
-def _real(frozen: Any) -> Any:
-    if isinstance(frozen, tuple) and frozen and frozen[0] == "T":
-        _, shape, dtype, layout = frozen
-        return real_like(layout, list(shape), dtype)
-    if isinstance(frozen, tuple):
-        return [_real(f) for f in frozen]
-    return frozen
-
-
 def _concrete(call: Call) -> bool:
     return not any(_symbolic(t) for t in tc.tree_leaves(list(call.bound.values())))
 
@@ -111,7 +93,7 @@ def _measured(op: Any, frozen_items: tuple, grad: bool) -> tuple[tuple, tuple]:
     frozen = dict(frozen_items)
     with tc.real_mode(), torch.set_grad_enabled(grad):
         if op is _FORWARD:
-            args = {name: _real(frozen[name]) for name in _FORWARD_ARGS}
+            args = {name: _real_arg(frozen[name]) for name in _FORWARD_ARGS}
             run = lambda: op(**args)  # noqa: E731
         else:
             run = _backward_run(frozen)
@@ -125,7 +107,7 @@ def _measured(op: Any, frozen_items: tuple, grad: bool) -> tuple[tuple, tuple]:
 def _backward_run(frozen: dict) -> Callable[[], Any]:
     """The backward at these arguments, its forward's results made by a real forward (oneDNN reads
     the workspace: it must be the one its forward wrote, at its real size)."""
-    real = {name: _real(f) for name, f in frozen.items()}
+    real = {name: _real_arg(f) for name, f in frozen.items()}
     with torch.enable_grad():  # the forward keeps its workspace only where autograd records
         output, hy, cy, workspace = _FORWARD(
             real["input"], real["weight1"], real["weight2"], real["weight3"], real["weight4"], real["hx_"],
@@ -142,7 +124,7 @@ def _run_of(call: Call) -> tuple[tuple, tuple] | Unknown:
     if _macs(call) > MAX_MACS:
         return Unknown(call.op, f"{what}; measured by one real run at the analysed sizes, which would take over "
                                 f"{MAX_MACS:,} multiply-adds here: give smaller example sizes (hints=) for exact numbers")
-    frozen = tuple((name, _frozen(v)) for name, v in call.bound.items())
+    frozen = tuple((name, _freeze(v)) for name, v in call.bound.items())
     return _measured(call.func, frozen, bool(call.grad_enabled))
 
 

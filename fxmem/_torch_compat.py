@@ -39,6 +39,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from .output_strides import aten_output_strides
 from .view_strides import size_one_strides
 
 try:  # torch >= 2.1
@@ -112,8 +113,18 @@ class _FakeMode(FakeTensorMode):
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _RESHAPES and not kwargs:
             return self._reshape(func, types, args)
-        self.cache_enabled = not (getattr(func, "is_view", False) or func in _NOT_CACHED)
-        return super().dispatch(func, types, args, kwargs)
+        view = getattr(func, "is_view", False)
+        self.cache_enabled = not (view or func in _NOT_CACHED)
+        out = super().dispatch(func, types, args, kwargs)
+        if view:
+            return out
+        # ATen's strides at size-1 dims (and empty_like's preserved layout), which kernels read to
+        # pick a memory format and Python's references choose otherwise
+        if isinstance(out, FakeTensor):
+            return _with_aten_strides(func, args, kwargs or {}, out)
+        if isinstance(out, tuple) and out and all(isinstance(o, FakeTensor) for o in out):
+            return tuple(_with_aten_strides(func, args, kwargs or {}, o) for o in out)
+        return out
 
     def _reshape(self, func: Any, types: Any, args: Any) -> Any:
         """``view`` / ``_unsafe_view``: their fake kernel works the new strides out in Python over
@@ -137,6 +148,14 @@ class _FakeMode(FakeTensorMode):
                 and out.untyped_storage()._cdata == a.untyped_storage()._cdata):
             self._views[key] = (out.size(), out.stride(), out.storage_offset())
         return out
+
+
+def _with_aten_strides(func: Any, args: tuple, kwargs: dict, out: FakeTensor) -> FakeTensor:
+    operands = None if mutates(func) else tensor_iterator_operands(func, args, kwargs)
+    fixed = aten_output_strides(func, args, kwargs, operands, out)
+    if fixed is None:
+        return out
+    return torch.ops.aten.as_strided.default(out, out.shape, fixed, out.storage_offset())
 
 
 _NOT_CACHED = frozenset({torch.ops.aten._unsafe_view.default})
@@ -487,6 +506,35 @@ def python_number_in_tensor_slot(func: Any, args: tuple, kwargs: dict) -> list[A
         if isinstance(value, _NUMBERS) and isinstance(arg.type, torch._C.TensorType):
             found.append(plain_number(value))
     return found
+
+
+def tensor_iterator_operands(func: Any, args: tuple, kwargs: dict) -> list[tuple[tuple, tuple]] | None:
+    """The (sizes, strides) of the operands ATen's TensorIterator gets for ``func``: its tensor
+    arguments, and ``((), ())`` for a Python number in a ``Tensor`` slot (wrapped into a 0-dim
+    tensor first, as ATen's ``.Scalar`` overloads wrap their ``self``/``other``: ``eq(x, 0)``); None
+    where an argument is a list of tensors (not an iterator op)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name, None)
+        if isinstance(value, torch.Tensor):
+            found.append((tuple(value.shape), tuple(value.stride())))
+        elif isinstance(value, _NUMBERS) and (isinstance(arg.type, torch._C.TensorType) or arg.name in _WRAPPED):
+            found.append(((), ()))
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return None
+    return found
+
+
+_WRAPPED = frozenset({"self", "other"})
+
+
+def mutates(func: Any) -> bool:
+    """Whether ``func`` writes into an argument (in place or ``out=``)."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or bool(schema.is_mutable)
 
 
 def scalar_args(func: Any, args: tuple, kwargs: dict, names: tuple = ("other",)) -> list[Any]:

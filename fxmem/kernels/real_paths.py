@@ -77,6 +77,25 @@ def _max_pool1d(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+@rule(Kind.REAL_PATH, F.one_hot, device="cpu")
+def _one_hot(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """ATen's one_hot on a real CPU tensor checks the classes' range (``aminmax``: two 8-byte
+    results, freed together) and scatters ones into a contiguous int64 zeros. A fake tensor
+    takes ``eq(x[..., None], arange(C)).to(long)`` instead: an arange, a bool tensor the output's
+    size and an output laid out by the broadcast. ``num_classes=-1`` reads the data: left as is."""
+    x = args[0] if args else kwargs["input"]
+    classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if not isinstance(classes, int) or classes < 1 or x.dtype != torch.long or x.is_quantized:
+        return NotImplemented
+    numel = x.numel()
+    if isinstance(numel, int) and numel == 0:
+        return NotImplemented
+    lo, hi = torch.aminmax(x)  # both alive together, as ATen's range check holds them
+    del lo, hi
+    out = torch.zeros((*x.shape, classes), dtype=torch.long, device=x.device)
+    return out.scatter_(-1, x.unsqueeze(-1), 1)
+
+
 def _pool_args(args: tuple, kwargs: dict) -> tuple:
     names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
     vals = list(args[:6]) + [kwargs[n] for n in names[len(args):] if n in kwargs]

@@ -290,6 +290,21 @@ def pinned_dims(env: ShapeEnv, symbols: dict) -> dict:
     return out
 
 
+def pin_symbols(values: Sequence[Any]) -> None:
+    """Fix every symbol the SymInts in ``values`` are made of at its example size (a guard each), as
+    ``int(size)`` does for a size that is one symbol: where a kernel fixes a product (``B*N``), its
+    factors are fixed too, so every expression over them becomes a number."""
+    for v in values:
+        if not isinstance(v, torch.SymInt):
+            continue
+        env = v.node.shape_env
+        hints = symbol_hints(env)
+        for sym in sorted(v.node.expr.free_symbols, key=str):
+            hint = hints.get(sym)
+            if hint is not None:
+                env.evaluate_expr(sympy.Eq(sym, hint))
+
+
 def size_hint(value: Any) -> int:
     """The example value of a size (an int, or a SymInt at the analysis' example sizes)."""
     if isinstance(value, torch.SymInt):

@@ -51,6 +51,18 @@ class Projected(nn.Module):
         return self.head(self.rnn(x)[0])
 
 
+class OverFlattenedBatches(nn.Module):
+    """An LSTM over (B*N) sequences: PyTorch fixes the product's size, so fxmem fixes B and N too
+    (the input's strides are over both; it was refused: "Cannot call numel() ... symbolic")."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(torch.nn.functional.dropout(x.flatten(0, 1), 0.5, self.training))[0]
+
+
 MODELS = {
     "lstm": (lambda: Tagger(), (("B", "T", 16),)),
     "lstm-2-layer-bidirectional": (lambda: Tagger(num_layers=2, bidirectional=True), (("B", "T", 16),)),
@@ -58,6 +70,7 @@ MODELS = {
     "gru": (lambda: Tagger(nn.GRU), (("B", "T", 16),)),
     "rnn-relu": (lambda: Tagger(nn.RNN, nonlinearity="relu"), (("B", "T", 16),)),
     "lstm-projected": (lambda: Projected(), (("B", "T", 16),)),  # not oneDNN: ATen's own loop
+    "lstm-over-flattened-batches": (lambda: OverFlattenedBatches(), (("B", 2, "T", 16),)),
 }
 SIZES = [dict(B=3, T=7), dict(B=2, T=19)]
 

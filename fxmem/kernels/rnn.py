@@ -59,7 +59,13 @@ def _aten_rnn(func: Callable, ctx: Any, *args: Any, **kwargs: Any) -> Any:
     same sizes as plain numbers: no memory."""
     if func is torch.lstm and any(_symbolic(a) for a in tc.tree_leaves((args, kwargs))):
         def fixed(a: Any) -> Any:
-            return a.view([int(d) for d in a.shape]) if _symbolic(a) else a
+            if not _symbolic(a):
+                return a
+            tc.pin_symbols([*a.shape, *a.stride()])
+            sizes = [int(d) for d in a.shape]
+            # a view into sizes equal to its own keeps its SymInts; through a flat view the strides
+            # are worked out again, from the sizes alone
+            return a.view(-1).view(sizes) if a.is_contiguous() else a.view(sizes)
 
         leaves, spec = tc.tree_flatten((args, kwargs))
         args, kwargs = tc.tree_unflatten([fixed(a) for a in leaves], spec)
@@ -71,7 +77,8 @@ def _aten_rnn(func: Callable, ctx: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _symbolic(a: Any) -> bool:
-    return isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape)
+    # strides too: an earlier layer may have fixed the sizes and left strides over the symbols
+    return isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride()))
 
 
 def _concrete(call: Call) -> bool:

@@ -277,6 +277,10 @@ RULES: dict[Any, tuple[Callable[..., list | None], bool]] = {
                                   aten.randn_like, aten.randint_like, aten.clone, aten._to_copy)},
     **{p: (_preserve, True) for p in (aten.flip, aten.sort)},
     aten.roll: (_suggested, True),
+    # batch norm's CPU kernels: empty_like(input, input.suggest_memory_format())
+    aten.native_batch_norm: (_suggested, True),
+    aten._native_batch_norm_legit: (_suggested, True),
+    aten._native_batch_norm_legit_no_training: (_suggested, True),
     # masked_fill: an expanded contiguous clone, filled in place; layer norm: contiguous Y, mean, rstd
     aten.masked_fill: (_contiguous, True),
     aten.native_layer_norm: (_contiguous, True),

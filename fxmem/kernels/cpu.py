@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch_compat as tc
 from .registry import ANY, OUT, Call, Kind, Unknown, hidden, require_args, rule
 
 aten = torch.ops.aten
@@ -545,3 +546,42 @@ def _trilinear_scratch(call: Call) -> list | Unknown:
     return [OUT] + [first, second, -first, -second] * int(w.shape[0])
 
 
+
+
+# --- upsampling (aten/src/ATen/native/cpu/UpSampleKernel.cpp; read off real runs) ----------------------
+# The generic kernel precomputes, for each spatial dim in order, ``pairs`` (index, weight) tensors as
+# long as the output there: int64 indices and weights of the input's dtype, all freed on return.
+# 2-d nearest and bilinear (and 3-d on a channels-last-3d input of more than 3 channels) take a
+# channels-last kernel instead where ATen's _use_vectorized_kernel_cond says so: it copies an input
+# that is not channels-last contiguous, computes into a channels-last buffer an output that is not,
+# then copies it back.
+_PAIRS = {"nearest": 1, "_nearest_exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
+_UPSAMPLE: dict = {}
+for _name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+              "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+              "upsample_trilinear3d", "upsample_bicubic2d"):
+    if hasattr(aten, _name):
+        _op = getattr(aten, _name)
+        require_args(_op.default, "self", "output_size")
+        _UPSAMPLE[_op] = (_PAIRS[_name.replace("upsample_", "")[:-2]], _name.endswith("2d") and "bicubic" not in _name,
+                          _name.endswith("3d"))
+
+
+@hidden(*_UPSAMPLE, device="cpu")
+def _upsample_cpu(call: Call) -> list:
+    """The channels-last kernel's copies, or the generic kernel's index and weight tensors: per
+    spatial dim ``pairs`` of int64 indices and input-dtype weights as long as the output there,
+    allocated after the output, in dim order, and freed in the same order."""
+    x, out = call.arg("self"), call.outputs[0]
+    pairs, two_d, three_d = _UPSAMPLE[tc.op_packet(call.func)]
+    fmt = torch.channels_last if two_d else torch.channels_last_3d
+    vectorized = ((two_d or three_d) and x.is_contiguous(memory_format=fmt) and x.shape[1] > 3
+                  or two_d and out.shape[-2] + out.shape[-1] <= 128)
+    if vectorized:
+        copy = 0 if x.is_contiguous(memory_format=fmt) else x.numel() * x.element_size()
+        buf = 0 if out.is_contiguous(memory_format=fmt) else out.numel() * out.element_size()
+        return [OUT, *[b for b in (copy, buf) if b], *[-b for b in (buf, copy) if b]]
+    made = []
+    for length in out.shape[2:]:
+        made += [8 * length, x.element_size() * length] * pairs
+    return [OUT, *made, *[-m for m in made]]

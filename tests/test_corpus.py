@@ -1,4 +1,5 @@
-"""Third-party models (transformers, PyTorch Geometric) built from configs with random weights,
+"""Third-party models (transformers, diffusers, PyTorch Geometric, and torch-only models of timm's and
+diffusers' building blocks) built from configs with random weights,
 forward and an AdamW training step, exact against the allocator at two held-out sizes including
 batch 1. Entries whose package is not installed skip (torchvision and timm need a CUDA build of
 torch from the registry; not part of this suite yet)."""

@@ -158,8 +158,84 @@ class PatchifyStem(nn.Module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+class SpatialReductionAttention(nn.Module):
+    """PVT-v2 / SegFormer's attention: queries from every patch token, keys and values from the
+    image reduced by a strided conv (with a symbolic image size the probe's every-dim-1 sizes once
+    gave keys of length 0 to SDPA's CPU kernel, which killed the process)."""
+
+    def __init__(self, c: int = 32, heads: int = 2, reduction: int = 2):
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, 4, stride=4)
+        self.q = nn.Linear(c, c)
+        self.sr = nn.Conv2d(c, c, reduction, stride=reduction)
+        self.norm = nn.LayerNorm(c)
+        self.kv = nn.Linear(c, 2 * c)
+        self.proj = nn.Linear(c, c)
+        self.heads = heads
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = self.embed(img)
+        B, C, H, W = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        q = self.q(tokens).reshape(B, -1, self.heads, C // self.heads).transpose(1, 2)
+        reduced = self.norm(self.sr(x).flatten(2).transpose(1, 2))
+        k, v = self.kv(reduced).reshape(B, -1, 2, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(B, -1, C))
+
+
+class UNetAttentionBlock(nn.Module):
+    """A diffusers UNet's attention block: GroupNorm, the image made tokens, attention, tokens made
+    an image again (at batch 1 ATen lays that view out as neither NCHW nor channels-last), a residual
+    and a rescale, then GroupNorm, SiLU and a conv that pick their path by that layout."""
+
+    def __init__(self, c: int = 32):
+        super().__init__()
+        self.norm = nn.GroupNorm(8, c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.out = nn.Linear(c, c)
+        self.norm2 = nn.GroupNorm(8, c)
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        h = self.norm(x).view(B, C, H * W).transpose(1, 2)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        h = self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        h = (h.transpose(-1, -2).reshape(B, C, H, W) + x) / 1.0
+        return self.conv(torch.nn.functional.silu(self.norm2(h)))
+
+
+class DiffusersUNet(nn.Module):
+    """diffusers' UNet2DModel (a tiny config with an attention level), called with a timestep."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers import UNet2DModel
+
+        self.unet = UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                                block_out_channels=(16, 32), norm_num_groups=8,
+                                down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        return self.unet(sample, timestep).sample
+
+
+def timesteps(shape: tuple, dims: dict) -> torch.Tensor:
+    return torch.randint(0, 1000, shape)
+
+
 CORPUS: dict[str, Entry] = {
     "coat-like-pos-conv": Entry(TokensAsImage, (("B", 3, 96, 96),), [dict(B=1), dict(B=3)], "torch"),
+    "coat-like-pos-conv-any-size": Entry(TokensAsImage, (("B", 3, "S", "S"),), [dict(B=1, S=16), dict(B=2, S=36)],
+                                         "torch"),
+    "pvt-like-reduced-keys": Entry(SpatialReductionAttention, (("B", 3, "S", "S"),),
+                                   [dict(B=1, S=16), dict(B=2, S=40)], "torch"),
+    "unet-attention-block": Entry(UNetAttentionBlock, (("B", 32, "S", "S"),), [dict(B=1, S=6), dict(B=2, S=9)],
+                                  "torch"),
+    "diffusers-unet": Entry(DiffusersUNet, (("B", 3, "S", "S"), fxmem.TensorSpec(("B",), dtype=torch.int64)),
+                            [dict(B=1, S=16), dict(B=2, S=24)], "diffusers", makers={"timestep": timesteps}),
     "convnext-stem": Entry(PatchifyStem, (("B", 3, "S", "S"),), [dict(B=1, S=16), dict(B=2, S=36)], "torch"),
     "mixtral-moe": Entry(_hf("MixtralConfig", "MixtralModel", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
@@ -169,6 +245,8 @@ CORPUS: dict[str, Entry] = {
                            eos_token_id=1, pad_token_id=1, **SMALL), (IDS,), SIZES, "transformers"),
     "gpt2": Entry(_hf("GPT2Config", "GPT2Model", n_embd=32, n_layer=2, n_head=4, n_positions=256,
                       bos_token_id=0, eos_token_id=0, **SMALL), (IDS,), SIZES, "transformers"),
+    # BertModel's pooler runs but the loss reads only the hidden states: its parameters get no
+    # gradient, so AdamW makes no state for them (HF's pooler, a class of issue 25)
     "bert": Entry(_hf("BertConfig", "BertModel", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       intermediate_size=64, max_position_embeddings=256, **SMALL), (IDS,), SIZES, "transformers"),
     "llama": Entry(_hf("LlamaConfig", "LlamaModel", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -33,11 +33,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
+costs: list[tuple[str, float, float]] = []  # (model, forward analysis seconds without / with the self-check)
+
+
+def _analysis_seconds(entry) -> tuple[float, float]:
+    """One forward analysis without and one with the self-check (its real run), in seconds."""
+    import fxmem
+
+    model = entry.build().train()
+    out = []
+    for check in (False, True):
+        t = time.perf_counter()
+        fxmem.analyze(model, *entry.specs, mode=entry.mode, check=check)
+        out.append(round(time.perf_counter() - t, 3))
+    return out[0], out[1]
+
+
 def corpus_rows() -> tuple[list[dict], list[str]]:
     from corpus.harness import compare
     from corpus.models import CORPUS
 
     rows, skipped = [], []
+    costs.clear()
     for name, entry in CORPUS.items():
         if not entry.available():
             skipped.append(f"{name} ({entry.requires} not installed)")
@@ -50,6 +67,7 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
             rows.append({"model": name, "mode": entry.mode, "what": "-", "sizes": {}, "predicted": None,
                          "measured": None, "difference": None, "status": f"refused: {exc}"[:300]})
             continue
+        costs.append((name, *_analysis_seconds(entry)))
         for r in found:
             diff = [p - m for p, m in zip(r.predicted, r.measured)]
             rows.append({"model": name, "mode": r.mode, "what": r.what, "sizes": r.sizes,
@@ -104,7 +122,7 @@ def main() -> None:
     from fxmem.measure import machine_name
 
     counts = collections.Counter(r["status"] for r in fuzz)
-    meta = {"machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
+    meta = {"self_check_seconds": [list(c) for c in costs], "machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
             "threads": 1 if args.jobs > 1 else torch.get_num_threads(), "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
             "seconds": round(time.perf_counter() - t0, 1)}
     out = os.path.join(HERE, "results")
@@ -134,6 +152,15 @@ def main() -> None:
                      f"{diff} |")
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped) + "."]
+    if costs:
+        off, on = sum(c[1] for c in costs), sum(c[2] for c in costs)
+        ratios = sorted(c[2] / c[1] for c in costs if c[1] > 0)
+        lines += ["", "### The self-check's cost", "",
+                  f"One forward analysis of each corpus model without and with the self-check (`check=False` / the "
+                  f"default), in the same process, once each: {off:.1f} s and {on:.1f} s in all ({on / off:.3f}x; "
+                  f"median per model {ratios[len(ratios) // 2]:.3f}x). Medians of repeated runs are in "
+                  f"`selfcheck_cost.md`.", "", "| model | without (s) | with (s) | ratio |", "|---|---|---|---|"]
+        lines += [f"| {m} | {a} | {b} | {b / a:.3f} |" for m, a, b in costs if a > 0]
     n = len(fuzz)
     lines += ["", f"## Fuzzer{' (with the newer op families)' if args.extended else ''}: seeds {start}..{stop - 1}", "",
               f"{counts.get('exact', 0)} of {n} random models exact "

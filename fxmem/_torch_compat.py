@@ -115,7 +115,17 @@ class _FakeMode(FakeTensorMode):
             return self._reshape(func, types, args)
         view = getattr(func, "is_view", False)
         self.cache_enabled = not (view or func in _NOT_CACHED)
-        out = super().dispatch(func, types, args, kwargs)
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        except RuntimeError as exc:
+            # a C++ meta kernel that takes int[] where the op's schema says SymInt[] (upsampling's
+            # backward, given an input size with a symbol and an output size Python already made a
+            # number): fix those sizes at their example values, as an int-only kernel would (the
+            # report names every dim that fixes), and run it again
+            if "Expected IntList but got GenericList" not in str(exc):
+                raise
+            args, kwargs = _int_lists(args), _int_lists(kwargs or {})
+            out = super().dispatch(func, types, args, kwargs)
         if view:
             return out
         # ATen's strides at size-1 dims (and empty_like's preserved layout), which kernels read to
@@ -148,6 +158,18 @@ class _FakeMode(FakeTensorMode):
                 and out.untyped_storage()._cdata == a.untyped_storage()._cdata):
             self._views[key] = (out.size(), out.stride(), out.storage_offset())
         return out
+
+
+def _int_lists(values: Any) -> Any:
+    """``values`` (args or kwargs) with every list of sizes made plain ints (a guard per SymInt)."""
+    def fix(v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and v and all(isinstance(d, (int, torch.SymInt)) for d in v) \
+                and any(isinstance(d, torch.SymInt) for d in v):
+            return type(v)(int(d) for d in v)
+        return v
+    if isinstance(values, dict):
+        return {k: fix(v) for k, v in values.items()}
+    return tuple(fix(v) for v in values)
 
 
 def _with_aten_strides(func: Any, args: tuple, kwargs: dict, out: FakeTensor) -> FakeTensor:

@@ -95,3 +95,47 @@ def fxmem_spec():
     import fxmem
 
     return fxmem.TensorSpec(("B", 3, "S", "T"), dtype=torch.float64)
+
+
+class UpsampleLast(nn.Module):
+    """The upsampling is the model's last op: the loss's gradient reaches its backward expanded
+    (``out.sum()``), which the backward kernel copies to a contiguous tensor first."""
+
+    def __init__(self, dims: int, mode: str):
+        super().__init__()
+        self.pre = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 4, 1)
+        self.mode = mode
+
+    def forward(self, x):
+        return F.interpolate(self.pre(x), scale_factor=2, mode=self.mode)
+
+
+@pytest.mark.parametrize("name", ["linear-1d", "bilinear-2d", "nearest-2d", "trilinear-3d"])
+def test_backward_copies_an_expanded_gradient(name):
+    torch.manual_seed(0)
+    dims, mode, _ = CASES[name]
+    report = check_training_against_real_run(UpsampleLast(dims, mode), _specs(dims), _sizes(dims),
+                                             lambda p: torch.optim.SGD(p, lr=0.1), hints=_hints(dims))
+    assert report.exact, report.notes
+
+
+class HalfTokensUpsampled(nn.Module):
+    """Every other token, made an image (12, 1, B, ceil(N/2)) and upsampled: Python's interpolate
+    makes the output size a number, the input size keeps a symbol, and PyTorch's fake backward
+    kernel (which takes int[]) failed on the mix ("Expected IntList but got GenericList")."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 12)
+
+    def forward(self, x):
+        h = self.lin(x[:, ::2]).permute(2, 0, 1).unsqueeze(1)
+        return F.interpolate(h, scale_factor=2, mode="bilinear")
+
+
+def test_sizes_a_fake_kernel_takes_as_numbers_are_fixed_not_refused():
+    torch.manual_seed(0)
+    report = check_training_against_real_run(HalfTokensUpsampled(), (("B", "N", 4),),
+                                             [dict(B=2, N=7), dict(B=3, N=4)], lambda p: torch.optim.SGD(p, lr=0.1))
+    assert report.exact, report.notes
+    assert any("fixed dim" in n for n in report.notes)  # the report says which dims PyTorch fixed

@@ -585,3 +585,21 @@ def _upsample_cpu(call: Call) -> list:
     for length in out.shape[2:]:
         made += [8 * length, x.element_size() * length] * pairs
     return [OUT, *made, *[-m for m in made]]
+
+
+_UPSAMPLE_BACKWARD = tuple(getattr(aten, f"{op.__name__.split('.')[-1]}_backward") for op in _UPSAMPLE
+                           if hasattr(aten, f"{op.__name__.split('.')[-1]}_backward"))
+for _op in _UPSAMPLE_BACKWARD:
+    require_args(_op.default, "grad_output", "output_size", "input_size")
+
+
+@hidden(*_UPSAMPLE_BACKWARD, device="cpu")
+def _upsample_backward_cpu(call: Call) -> list:
+    """The backward kernels read a contiguous (or channels-last contiguous) grad_output as it is and
+    copy any other (an expanded gradient, as ``out.sum()`` gives) to a contiguous one, after
+    allocating grad_input; no index tensors."""
+    g = call.arg("grad_output")
+    dense = g.is_contiguous() or (g.dim() == 4 and g.is_contiguous(memory_format=torch.channels_last)) \
+        or (g.dim() == 5 and g.is_contiguous(memory_format=torch.channels_last_3d))
+    copy = 0 if dense else g.numel() * g.element_size()
+    return [OUT, copy, -copy] if copy else [OUT]

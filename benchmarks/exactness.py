@@ -141,8 +141,9 @@ def main() -> None:
              "(`train`; AdamW for the corpus, SGD for the fuzzer), predicted by fxmem from one analysis and measured "
              "by the CPU allocator on real runs at sizes the analysis did not see.", "",
              f"## Third-party corpus: {exact_corpus} of {len(corpus)} rows exact", "",
-             f"{flagged_corpus} rows differ and their report says so (`Report.exact` is False, a note names the "
-             f"library function that decided on values fxmem was not given); "
+             f"{flagged_corpus} rows differ and their report says so (`Report.exact` is False and a note says "
+             f"why: a library function that decided on values fxmem was not given, a custom op's workspace only "
+             f"a real run shows); "
              f"{sum(r['status'] == 'MISMATCH' for r in corpus)} silent mismatches.", "",
              "| model | mode | step | sizes | predicted | measured | difference |", "|---|---|---|---|---|---|---|"]
     for r in corpus:

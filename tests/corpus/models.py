@@ -32,6 +32,7 @@ class Entry:
     mode: str = "auto"
     makers: dict = dataclasses.field(default_factory=dict)
     data: Callable[[list], dict] | None = None  # the values of sizes the data decides, from the inputs
+    flagged: bool = False  # fxmem cannot know its numbers (a kernel's hidden scratch): its report must say so
 
     def available(self) -> bool:
         return importlib.util.find_spec(self.requires) is not None
@@ -222,6 +223,32 @@ class DiffusersUNet(nn.Module):
         return self.unet(sample, timestep).sample
 
 
+@torch.library.custom_op("fxmem_corpus::scaled_with_workspace", mutates_args=())
+def scaled_with_workspace(x: torch.Tensor) -> torch.Tensor:
+    """A user's custom op whose real kernel takes a workspace of twice its input that its fake
+    kernel does not show: only a real run sees it, so the report must flag its numbers."""
+    work = torch.empty(2 * x.numel(), dtype=x.dtype)
+    work.fill_(2.0)
+    return x * work[: x.numel()].view_as(x)
+
+
+@scaled_with_workspace.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+scaled_with_workspace.register_autograd(lambda ctx, grad: grad * 2.0)
+
+
+class CustomOpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled_with_workspace(self.lin(x)).relu()
+
+
 def timesteps(shape: tuple, dims: dict) -> torch.Tensor:
     return torch.randint(0, 1000, shape)
 
@@ -234,6 +261,7 @@ CORPUS: dict[str, Entry] = {
                                    [dict(B=1, S=16), dict(B=2, S=40)], "torch"),
     "unet-attention-block": Entry(UNetAttentionBlock, (("B", 32, "S", "S"),), [dict(B=1, S=6), dict(B=2, S=9)],
                                   "torch"),
+    "custom-op-hidden-workspace": Entry(CustomOpBlock, (("B", 16),), [dict(B=1), dict(B=5)], "torch", flagged=True),
     "diffusers-unet": Entry(DiffusersUNet, (("B", 3, "S", "S"), fxmem.TensorSpec(("B",), dtype=torch.int64)),
                             [dict(B=1, S=16), dict(B=2, S=24)], "diffusers", makers={"timestep": timesteps}),
     "convnext-stem": Entry(PatchifyStem, (("B", 3, "S", "S"),), [dict(B=1, S=16), dict(B=2, S=36)], "torch"),

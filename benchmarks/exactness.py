@@ -123,7 +123,8 @@ def main() -> None:
 
     counts = collections.Counter(r["status"] for r in fuzz)
     meta = {"self_check_seconds": [list(c) for c in costs], "machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": 1 if args.jobs > 1 else torch.get_num_threads(), "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
+            "threads": (f"corpus {torch.get_num_threads()}, fuzzer workers 1 each" if args.jobs > 1
+                        else torch.get_num_threads()), "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
             "seconds": round(time.perf_counter() - t0, 1)}
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)

@@ -136,7 +136,7 @@ def main() -> None:
     exact_corpus = sum(r["status"] == "exact" for r in corpus)
     flagged_corpus = sum(r["status"] == "flagged" for r in corpus)
     lines = ["# Exactness: predictions next to the allocator", "",
-             f"Machine: {meta['machine']}; Python {meta['python']}; torch {meta['torch']}; {meta['threads']} threads; "
+             f"Machine: {meta['machine']}; Python {meta['python']}; torch {meta['torch']}; threads: {meta['threads']}; "
              f"command: `{meta['command']}` ({meta['seconds']} s).", "",
              "Bytes are (peak above start, retained) of one call (`forward`) or one steady-state training step "
              "(`train`; AdamW for the corpus, SGD for the fuzzer), predicted by fxmem from one analysis and measured "

@@ -235,6 +235,9 @@ def fused_value(dst: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None, x:
                 structure: tuple | None = None) -> torch.Tensor:
     """``zeros(n, ...).index_add_(0, dst, x[src] * w)`` as a CSR product (``structure`` reused when given)."""
     crow, col, perm = structure if structure is not None else csr_structure(dst, src, n)
+    if w is not None and w.dtype != x.dtype:  # x[src] * w promotes (bf16 features, float32 weights under autocast)
+        common = torch.promote_types(x.dtype, w.dtype)
+        x, w = x.to(common), w.to(common)
     m = x.shape[0]
     x3 = x.reshape(m, -1, x.shape[-1])
     out = spmm(dst, src, crow, col, perm, edge_weights(w, x, dst.shape[0]), x3, n)

@@ -149,7 +149,13 @@ def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequ
                 dtype: torch.dtype | None = torch.float64
             except Exception:  # some op has no float64 kernel: compare in the model's own dtype
                 ref, dtype = _run(reference, xs, None, seed + k, device, mode), None
-            got = _run(candidate, xs, dtype, seed + k, device, mode)
+            try:
+                got = _run(candidate, xs, dtype, seed + k, device, mode)
+            except Exception as exc:  # noqa: BLE001 - the original runs here and the candidate does not
+                where = f"{mode.name}, {str(dtype or 'its own dtype').replace('torch.', '')}: {type(exc).__name__}: " \
+                        f"{(str(exc).strip().splitlines() or [''])[0][:160]}"
+                return Difference(False, float("inf"), f"the rewrite fails where the original runs ({where})",
+                                  dtype or torch.float32)
             diff = _compare_runs(ref, got, dtype or torch.float32)
             diff = dataclasses.replace(diff, where=f"{diff.where} ({mode.name})" if diff.where else mode.name)
             if not diff.ok:

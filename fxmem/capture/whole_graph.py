@@ -50,6 +50,22 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     inputs = random_inputs(specs, sizes, device=str(device))
     twin = private_copy(model)  # its Python state is its own; its tensors are the model's
+    graph, out, flat = _compiled(twin, inputs, names, order, type(model).__name__)
+    if graph.specialised:
+        raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
+                         f"{type(model).__name__}, so it holds at that size only")
+    if graph.guards:  # a branch on sizes: the graph is one of several, a rewrite must hold at every size
+        raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
+                         f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
+    _follow_the_models_dtype(graph.module, model, inputs, names, order)
+    _restore_output(graph.module, out, flat, type(model).__name__)
+    _share_tensors(graph.module, model)
+    return graph.module
+
+
+def _compiled(twin: torch.nn.Module, inputs: list, names: dict, order: Sequence[str], name: str) -> tuple:
+    """Compile ``twin`` once on ``inputs``: the one graph Dynamo hands the backend, the call's result
+    and the graph's flat outputs."""
     found: list = []
     returned: list = []
 
@@ -66,20 +82,66 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
             out = torch.compile(twin, backend=backend, dynamic=True, fullgraph=True)(*inputs)
     except Exception as exc:  # Dynamo's refusal: no graph to rewrite
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TraceError(f"TorchDynamo cannot capture {type(model).__name__} as one graph: "
-                         f"{type(exc).__name__}: {text}") from exc
+        raise TraceError(f"TorchDynamo cannot capture {name} as one graph: {type(exc).__name__}: {text}") from exc
     if len(found) != 1 or not returned:
-        raise TraceError(f"TorchDynamo captured {len(found)} graphs of {type(model).__name__}, not one")
-    graph = found[0]
-    if graph.specialised:
-        raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
-                         f"{type(model).__name__}, so it holds at that size only")
-    if graph.guards:  # a branch on sizes: the graph is one of several, a rewrite must hold at every size
-        raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
-                         f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
-    _restore_output(graph.module, out, returned[0], type(model).__name__)
-    _share_tensors(graph.module, model)
-    return graph.module
+        raise TraceError(f"TorchDynamo captured {len(found)} graphs of {name}, not one")
+    return found[0], out, returned[0]
+
+
+def _follow_the_models_dtype(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list, names: dict,
+                             order: Sequence[str]) -> None:
+    """Dynamo writes a dtype the code reads from a tensor (``torch.zeros(n, dtype=x.dtype)``) into
+    its graph as a constant, so the graph would keep float32 after ``.double()`` or under autocast.
+    The model is captured once more in float64: a dtype constant that differs between the two
+    graphs follows the model's dtype, and becomes ``.dtype`` of the nearest floating-point tensor
+    computed before it (or of the first floating-point input). Graphs that do not align node for
+    node are left as they are (optimize's verification in float64 then declines their rewrites)."""
+    import copy
+
+    floating = [t for t in [*model.parameters(), *model.buffers(), *inputs] if t.is_floating_point()]
+    if not floating or any(t.dtype != torch.float32 for t in floating) or any(t.is_meta for t in floating):
+        return
+    try:
+        twin = copy.deepcopy(model).double()
+        doubled = [t.double() if t.is_floating_point() else t for t in inputs]
+        other, _, _ = _compiled(twin, doubled, names, order, type(model).__name__)
+    except (TraceError, RuntimeError, TypeError):
+        return
+    mine, theirs = list(gm.graph.nodes), list(other.module.graph.nodes)
+    if len(mine) != len(theirs) or any((a.op, a.target) != (b.op, b.target) for a, b in zip(mine, theirs)):
+        return
+    changed = False
+    source = None
+    for node, twin_node in zip(mine, theirs):
+        if any(a != b and isinstance(a, torch.dtype) and isinstance(b, torch.dtype)
+               for a, b in zip(tc.tree_leaves((node.args, node.kwargs)), tc.tree_leaves((twin_node.args, twin_node.kwargs)))):
+            ref = source or next((n for n in mine if n.op == "placeholder" and _floating(n)), None)
+            if ref is not None:
+                with gm.graph.inserting_before(node):
+                    dtype = gm.graph.call_function(getattr, (ref, "dtype"))
+                node.args, node.kwargs = _swap_dtypes((node.args, node.kwargs), (twin_node.args, twin_node.kwargs), dtype)
+                changed = True
+        if node.op != "placeholder" and _floating(node):
+            source = node
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _floating(node: torch.fx.Node) -> bool:
+    value = tc.dynamo_example_value(node)
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _swap_dtypes(mine: Any, theirs: Any, replacement: torch.fx.Node) -> Any:
+    """``mine`` with each dtype that differs from ``theirs`` at the same place replaced."""
+    if isinstance(mine, (list, tuple)):
+        return type(mine)(_swap_dtypes(a, b, replacement) for a, b in zip(mine, theirs))
+    if isinstance(mine, dict):
+        return {k: _swap_dtypes(v, theirs[k], replacement) for k, v in mine.items()}
+    if isinstance(mine, torch.dtype) and isinstance(theirs, torch.dtype) and mine != theirs:
+        return replacement
+    return mine
 
 
 def _restore_output(gm: torch.fx.GraphModule, out: Any, flat: Sequence[Any], name: str) -> None:

@@ -92,8 +92,14 @@ def _products(crow: torch.Tensor, col: torch.Tensor, perm: torch.Tensor, w: Opti
 
 def _product(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, dense: torch.Tensor,
              shape: tuple) -> torch.Tensor:
-    """A @ dense with A the CSR matrix of (crow, col, values); the matrix dies with the call."""
-    return torch.sparse.mm(_matrix(crow, col, values, shape), dense.contiguous())
+    """A @ dense with A the CSR matrix of (crow, col, values); the matrix dies with the call. MKL's
+    CPU product has no bfloat16 or half kernel (the model's gathers do, under autocast): those are
+    computed in float32 and returned in their own dtype (two float32 copies the size of the
+    operands, which fxmem's rule for this op does not count: a report says so when it checks itself)."""
+    if dense.device.type == "cpu" and dense.dtype in (torch.bfloat16, torch.float16):
+        return _product(crow, col, values.float(), dense.float(), shape).to(dense.dtype)
+    with torch.autocast(dense.device.type, enabled=False):  # the op computes in its operands' dtype
+        return torch.sparse.mm(_matrix(crow, col, values, shape), dense.contiguous())
 
 
 def _head_product(out: torch.Tensor, head: int, crow: torch.Tensor, col: torch.Tensor, perm: torch.Tensor,

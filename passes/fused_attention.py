@@ -174,9 +174,10 @@ class _Mask:
     fill: Any  # a number or a node
     cond: Any
     keep: bool  # cond says what stays (where(cond, e, fill)) or what is replaced (masked_fill)
+    additive: bool = False  # cond is added to the scores (softmax(e + mask)), fill unused
 
 
-def _mask(node: torch.fx.Node, env: Mapping) -> _Mask | str:
+def _mask(node: torch.fx.Node, env: Mapping, modules: Mapping) -> _Mask | str:
     key = _target_key(node)
     if key in (torch.where, "where") and len(node.args) == 3:
         cond, a, b = node.args
@@ -193,8 +194,43 @@ def _mask(node: torch.fx.Node, env: Mapping) -> _Mask | str:
             return "masked_fill's value is not one constant"
         return _Mask(node.args[0], value, node.args[1], False)
     if key in _ADDS:
-        return (f"the scores are masked by an addition ({op_name(node)}, node {node.name}), not by replacing "
-                f"entries with a constant; the fused kernel replaces masked scores (where/masked_fill)")
+        if len(node.args) == 2 and not node.kwargs and all(isinstance(a, torch.fx.Node) for a in node.args):
+            for scores, addend in (node.args, node.args[::-1]):
+                leaky, _ = _through_movement(scores, env, modules)
+                if isinstance(leaky, torch.fx.Node) and _leaky_slope(leaky, modules) is not None:
+                    why = _additive_problem(addend, scores, env, modules)
+                    return why if why is not None else _Mask(scores, 0.0, addend, True, additive=True)
+        return (f"the scores are added to {op_name(node)} (node {node.name}) with no LeakyReLU(s_i + t_j) on "
+                f"either side; the fused kernel adds a mask to GAT's scores only")
+    return None
+
+
+def _additive_problem(addend: torch.fx.Node, scores: torch.fx.Node, env: Mapping, modules: Mapping) -> str | None:
+    """Why an addend of the scores cannot be the fused kernel's additive mask (0 / -inf, or a bias):
+    it must hold the scores' dtype and get no gradient (the kernel does not compute one for it)."""
+    a, e = env.get(addend), env.get(scores)
+    if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor) or a.dtype != e.dtype:
+        return (f"the scores are added to {addend.name}, which is not a tensor of the scores' dtype; the fused "
+                f"kernel adds a mask of the scores' dtype")
+    seen, stack = set(), [addend]
+    root = modules.get("")
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        learnt = False
+        if n.op == "get_attr" and root is not None:
+            obj = root
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            learnt = isinstance(obj, torch.nn.Parameter) and obj.requires_grad
+        elif n.op == "call_module":
+            learnt = any(p.requires_grad for p in modules[str(n.target)].parameters())
+        if learnt:
+            return (f"the mask added to the scores ({addend.name}) is computed from parameters, so it needs a "
+                    f"gradient, which the fused kernel does not compute")
+        stack.extend(n.all_input_nodes)
     return None
 
 
@@ -358,7 +394,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     x = softmax.args[0]
     if not isinstance(x, torch.fx.Node):
         return None
-    mask = _mask(x, env)
+    mask = _mask(x, env, modules)
     if mask is None:
         return (f"the softmax's input is {op_name(x, modules)} (node {x.name}), not scores with a mask filled in "
                 f"(where/masked_fill); only masked attention is fused")
@@ -380,10 +416,13 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         what = f"{op_name(add, modules)} (node {add.name})" if isinstance(add, torch.fx.Node) else repr(add)
         return (f"LeakyReLU's input is {what}, not a broadcast sum s_i + t_j: only GAT's decomposed scores "
                 f"are fused")
-    compared = _comparison(mask.cond, env, mask.keep)
-    if isinstance(compared, str):
-        return compared
-    source, compare, threshold, keep = _bool_mask(*compared, env)
+    if mask.additive:
+        source, compare, threshold, keep = mask.cond, "add", 0.0, True
+    else:
+        compared = _comparison(mask.cond, env, mask.keep)
+        if isinstance(compared, str):
+            return compared
+        source, compare, threshold, keep = _bool_mask(*compared, env)
     u, v = _unexpanded(add, probes)
     parts = {"scores": x, "add": add, "u": u, "v": v, "source": source}
     per_probe = [_axes(parts, p.env) for p in probes]
@@ -564,9 +603,13 @@ def _name(node: torch.fx.Node, env: Mapping) -> str:
 def _describe(plan: AttentionPlan, env: Mapping) -> str:
     compare, threshold, keep, fill, slope, block_bytes = plan.options
     source = _name(plan.mask_source, env)
-    mask = (source if compare == "true" else
-            f"{source} {dict(gt='>', ge='>=', lt='<', le='<=', eq='==', ne='!=')[compare]} {threshold:g}")
-    text = (f"softmax_j({'where' if keep else 'masked_fill'}({mask}, LeakyReLU(s_i + t_j, {slope:g}), {fill:g})) "
+    if compare == "add":
+        scores = f"LeakyReLU(s_i + t_j, {slope:g}) + {source}"
+    else:
+        mask = (source if compare == "true" else
+                f"{source} {dict(gt='>', ge='>=', lt='<', le='<=', eq='==', ne='!=')[compare]} {threshold:g}")
+        scores = f"{'where' if keep else 'masked_fill'}({mask}, LeakyReLU(s_i + t_j, {slope:g}), {fill:g})"
+    text = (f"softmax_j({scores}) "
             f"@ {_name(plan.values, env)} with s from {plan.u.name}, t from {plan.v.name}: fused, in row blocks of "
             f"at most {block_bytes} bytes of scratch, no N x N float tensor built or kept")
     if plan.dropout_p > 0 and plan.training is not False:

@@ -25,6 +25,7 @@ import dataclasses
 import warnings
 from typing import Any, Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -194,7 +195,8 @@ def optimize(
     state = _search(gm, state, probes, specs, name, settings, None)
     switched = None
     if state.switch is not None:  # a rewrite that pays only where a condition holds: a second line
-        alt = _Search(gm, model, input_specs, kw, verify_inputs, symbols, hint_sizes, state.switch)
+        alt = _Search(gm, model, input_specs, state.switch_kw or kw, verify_inputs, symbols,
+                      state.switch_hints or hint_sizes, state.switch)
         alt.switch_text = state.switch_text
         alt = _search(gm, alt, probes, specs, name, settings, state.switch)
         switched = _switch(state, alt, model, specs, symbols, name)
@@ -368,6 +370,9 @@ class _Search:
         self.condition = condition
         self.switch: Condition | None = None  # the first condition a rewrite needed (main line)
         self.switch_text = ""
+        # where that condition was found, when it was found beyond the example sizes (see _beyond)
+        self.switch_hints: dict | None = None
+        self.switch_kw: AnalysisOptions | None = None
         self.kept = 0
         self._current: _Memory | None = None  # analysed when first needed: most models have no finding
         self.best = _build(gm, model, [])
@@ -392,6 +397,46 @@ class _Search:
     @current.setter
     def current(self, value: _Memory) -> None:
         self._current = value
+
+    def _beyond(self, trial: torch.fx.GraphModule, after: _Memory) -> Decision | None:
+        """A second look where the rewrite's analysis stops holding (its kernel changes regime at a
+        size, as the fused attention does when one row block no longer holds every row): both forms
+        analysed at example sizes doubled until every analysis holds with no upper end, and where the
+        rewrite is never higher there, a switch from the size that regime starts at (one dim's
+        condition: the model has one dim). None otherwise."""
+        dims = [n for n in self.hints if isinstance(self.symbols.get(n), sympy.Symbol)]
+        if len(dims) != 1:
+            return None
+        dim, sym = dims[0], self.symbols[dims[0]]
+        first = [m._plan.region for m in (after.report, after.inference)]
+        for k in range(1, 11):
+            scaled = {n: v * 2 ** k for n, v in self.hints.items()}
+            if not any(r.violations({sym: scaled[dim]}) for r in first):
+                continue  # still the example sizes' regime
+            kw = self.kw.replace(hints=scaled)
+            try:
+                before2, after2 = _memory(self.gm, self.input_specs, kw), _memory(trial, self.input_specs, kw)
+            except FxMemError:
+                return None
+            held = [m._plan.region for m in (before2.report, before2.inference, after2.report, after2.inference)]
+            if any(sym in r.upper for r in held):
+                continue  # a regime that ends too: look further
+            decision = _decide(before2, after2, self.symbols, scaled, None)
+            if decision.verdict == "keep":
+                least = 0
+            elif decision.verdict == "switch" and decision.condition.other is None and decision.condition.dim == dim:
+                least = decision.condition.k
+            else:
+                return None
+            start = _threshold(dim, held, self.symbols, scaled)
+            if start is None:
+                return None
+            cond = Condition(dim, max(start, least))
+            self.switch_hints, self.switch_kw = scaled, kw
+            return Decision("switch", f"{decision.text}; analysed at {dim}={scaled[dim]}: from {dim} >= {start} the "
+                                      f"kernels work in another regime than at the example sizes, and there every "
+                                      f"analysis holds with no upper end (checked to {dim}={4 * scaled[dim]})", cond)
+        return None
 
     def log_finding(self, finding: Finding) -> None:
         """Start the ``meta["fxmem"]`` entry of ``finding`` (declined until it is applied)."""
@@ -422,6 +467,8 @@ class _Search:
         for e in entries:
             e.update(after.formulas("after"))
         decision = _decide(self.current, after, self.symbols, self.hints, self.condition)
+        if decision.verdict == "decline" and self.condition is None:
+            decision = self._beyond(trial, after) or decision
         for e in entries:
             e["decision"] = decision.text
         if decision.verdict == "switch" and self.condition is not None:  # a stronger condition, same dims
@@ -450,6 +497,44 @@ class _Search:
         self.kept += len(group)
         self.current, self.best = after, trial
         return "kept"
+
+
+def _beyond_hints(hints: Mapping[str, int], symbols: Mapping, regions: list) -> dict | None:
+    """The example sizes doubled until they leave one of ``regions`` (a kernel's regime that ends at
+    a size, such as one row block holding every row), at most 64x; None if they never do."""
+    for k in range(1, 7):
+        scaled = {name: v * 2 ** k for name, v in hints.items()}
+        values = {symbols[n]: v for n, v in scaled.items() if isinstance(symbols.get(n), sympy.Symbol)}
+        if any(r.violations(values) for r in regions):
+            return scaled
+    return None
+
+
+def _threshold(dim: str, regions: list, symbols: Mapping, at: Mapping[str, int]) -> int | None:
+    """The smallest size of ``dim`` from which every one of ``regions`` holds (the other dims as in
+    ``at``), by bisection below ``at[dim]``; None where a guard or a fixed dim involves another
+    dim too, or the regions stop holding above it."""
+    sym = symbols[dim]
+    for r in regions:
+        if r.pinned or sym in r.upper or any(g.free_symbols - {sym} for g in r.guards if sym in g.free_symbols):
+            return None
+    values = {symbols[n]: v for n, v in at.items() if isinstance(symbols.get(n), sympy.Symbol)}
+
+    def holds(v: int) -> bool:
+        return not any(r.violations({**values, sym: v}) for r in regions)
+
+    hi = at[dim]
+    if not holds(hi):
+        return None
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    # from hi on: larger sizes up to 4x the look's must hold too (a regime that ends there is not taken)
+    return hi if all(holds(v) for v in (hi + 1, 2 * hi, 2 * at[dim], 4 * at[dim])) else None
 
 
 def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[str, int],

@@ -148,12 +148,27 @@ class GATv2Attention(nn.Module):
 
 
 class AdditiveMask(DecomposedHead):
-    """The mask added to the scores (-1e9 where there is no edge) instead of filled in."""
+    """The mask added to the scores (-1e9 where there is no edge) instead of filled in: fused, the
+    mask added block by block (tests/test_fused_attention.py)."""
 
     def forward(self, x, adj):
         h = torch.matmul(x, self.W)
         e = self.leakyrelu(torch.matmul(h, self.a[:FEAT]) + torch.matmul(h, self.a[FEAT:]).transpose(1, 2))
         return torch.matmul(F.softmax(e + (adj <= 0).float() * -1e9, dim=2), h)
+
+
+class LearnedBias(DecomposedHead):
+    """A bias added to the scores that is learnt (the adjacency times a parameter): it needs a
+    gradient, which the fused kernel does not compute for what it adds."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.beta = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, adj):
+        h = torch.matmul(x, self.W)
+        e = self.leakyrelu(torch.matmul(h, self.a[:FEAT]) + torch.matmul(h, self.a[FEAT:]).transpose(1, 2))
+        return torch.matmul(F.softmax(e + adj * self.beta, dim=2), h)
 
 
 class ExpandedOverNewAxis(DecomposedHead):
@@ -211,7 +226,7 @@ class SoftmaxOverRows(DecomposedHead):
 
 
 SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask, BothExpanded, HeadsFirstExpanded]
-LOOKALIKES = [GATv2Attention, AdditiveMask, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
+LOOKALIKES = [GATv2Attention, LearnedBias, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
 
 
 # --- composed and multi-head: pair-linear first, then fused attention --------------------------------

@@ -188,7 +188,7 @@ def test_kernel_gradients_match_autograd_of_the_plain_form():
 
 @pytest.mark.parametrize("cls,words", [
     (A.GATv2Attention, ["not LeakyReLU(s_i + t_j)", "GATv2"]),
-    (A.AdditiveMask, ["masked by an addition"]),
+    (A.LearnedBias, ["computed from parameters", "gradient"]),
     (A.DotProductScores, ["not LeakyReLU(s_i + t_j)", "dot products"]),
     (A.ProductScores, ["LeakyReLU's input is mul", "not a broadcast sum"]),
     (A.DropoutAlwaysOn, ["always on", "training=True"]),
@@ -205,6 +205,22 @@ def test_lookalike_is_declined(cls, words):
         assert w in entry["reason"], entry["reason"]
     if not any(r["status"] == "applied" for r in opt.meta["fxmem"]):
         assert opt.code == trace_modes(model).graph_module.code
+
+
+def test_an_additive_mask_is_fused_and_computes_the_same():
+    """softmax(LeakyReLU(s_i + t_j) + mask): the kernel adds the mask's rows to each block (and
+    gives the mask its gradient); a switch picks the fused form where it lowers the peak."""
+    torch.manual_seed(0)
+    model = A.AdditiveMask()
+    opt = optimize(model, *A.AdditiveMask.SPECS)
+    assert "applied" in [e["status"] for e in fused(opt)], opt.meta["fxmem"]
+    switch = [e for e in opt.meta["fxmem"] if e["rule"] == "switch" and e["status"] == "applied"]
+    sides = [{"B": 2, "N": 5}]
+    if switch:  # N >= k*B: one size on the fused side too
+        k = int(switch[0]["condition"].split(">=")[1].split("*")[0])
+        sides.append({"B": 1, "N": k + 2})
+    for at in sides:
+        assert_same_in_every_mode(model, opt, inputs(A.AdditiveMask.SPECS, at))
 
 
 def test_seed_layer_as_written_is_not_fused():

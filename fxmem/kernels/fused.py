@@ -52,6 +52,8 @@ def _drop_mask(call: Call, rows: Any) -> tuple[list, list]:
     adj, compare, keep = call.arg("adj"), call.arg("compare"), call.arg("keep")
     m = call.arg("t").shape[-1]
     size = adj.shape[0] * rows * m
+    if compare == "add":  # an additive mask is added in place from a view: no mask block
+        return [], []
     if compare == "true":
         return ([size], [-size]) if keep else ([], [])
     before, after = _compare_with_number(call.device, adj, size, call.arg("threshold"))
@@ -113,9 +115,20 @@ def _masked_attention_backward(call: Call) -> list:
     # torch.gt(top, below).all(): a bool per row, then one bool
     check_before, check_after = _compare_with_number(call.device, s, g * rows, 0.0)
     check = [*check_before, g * rows, *check_after, 1, -g * rows, -1]
+    if call.arg("compare") == "add":  # nothing is masked: no check; the mask's gradient, summed over heads
+        check = []
+        if call.arg("need_adj", False):
+            gm = s.shape[0]
+            part = gm * rows * m * es
+            whole = rows * m * es if call.arg("adj").shape[0] == 1 and not _is_one(gm) else 0
+            check = [part, whole, -part, -whole] if whole else [part, -part]
     block = [scores, *mask, scores, *grad_rows, scores, row, -row, -scores, *check, *unmask,
              scores, -scores, -scores, row, -row, g * m * es, -g * m * es, *[-b for b in grad_rows], -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
+
+
+def _is_one(size: Any) -> bool:
+    return isinstance(size, int) and size == 1
 
 
 def _copies(*operands: torch.Tensor) -> list:

@@ -2,6 +2,7 @@
 
     e_ij  = LeakyReLU(s_i + t_j)                      scores, decomposed (GAT: s = Wh·a1, t = Wh·a2)
     a_ij  = softmax_j(e_ij if keep_ij else fill)      keep_ij: adj_ij > threshold (or <, ==, ...), or not
+            (or softmax_j(e_ij + adj_ij): an additive mask, compare="add", as 0 / -inf connectivity masks)
     out_i = sum_j a_ij h_j
 
 Written out, autograd keeps the scores, the mask and the softmax, N x M each (seed 000's layer:
@@ -40,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_BLOCK_BYTES = 4 * 2**20  # scratch of one block; small enough to stay in cache-sized chunks
-# how the mask is read from adj: adj_ij <op> threshold, or "true" for a bool adj itself
-COMPARE = ("gt", "ge", "lt", "le", "eq", "ne", "true")
+# how the mask is read from adj: adj_ij <op> threshold, "true" for a bool adj itself, or "add": adj is
+# added to the scores (an additive mask: 0 where kept, -inf where not, or any bias)
+COMPARE = ("gt", "ge", "lt", "le", "eq", "ne", "true", "add")
 _LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.default
 _COMPARE = {"gt": torch.gt, "ge": torch.ge, "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne}
 
@@ -96,6 +98,9 @@ def _scores(s3: torch.Tensor, t3: torch.Tensor, adj: torch.Tensor, heads: int, r
     """The masked scores of rows r0..r0+rows as [G, rows, M], and the drop mask."""
     z = s3[:, r0:r0 + rows, None] + t3[:, None, :]
     F.leaky_relu_(z, slope)
+    if compare == "add":  # in place, from a view of adj's rows: nothing allocated
+        z.view(-1, heads, rows, z.shape[-1]).add_(adj[:, r0:r0 + rows].unsqueeze(1))
+        return z, None
     drop = _dropped(adj, r0, rows, compare, threshold, keep)
     z.view(-1, heads, rows, z.shape[-1]).masked_fill_(drop, fill)
     return z, drop
@@ -141,9 +146,10 @@ def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes):
 @torch.library.custom_op("fxmem::masked_attention_backward", mutates_args=())
 def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
                                  adj: torch.Tensor, top: torch.Tensor, compare: str, threshold: float, keep: bool,
-                                 fill: float, slope: float, block_bytes: int
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ds, dt, dh)`` from the gradient of ``out``, recomputing the scores block by block."""
+                                 fill: float, slope: float, block_bytes: int, need_adj: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ds, dt, dh, dadj)`` from the gradient of ``out``, recomputing the scores block by block;
+    ``dadj`` (an additive mask's gradient) is empty unless ``need_adj``."""
     gm, gh, n = s.shape
     m, f = t.shape[-1], h.shape[-1]
     g = gm * gh
@@ -152,18 +158,19 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
     ds = s.new_empty(gm, gh, n)
     dt = t.new_zeros(gm, gh, m)
     dh = h.new_zeros(gm, gh, m, f)
+    dadj = adj.new_zeros(adj.shape) if need_adj else adj.new_empty(0)
     ds2, dt2, dh3, top3 = ds.view(g, n), dt.view(g, m), dh.view(g, m, f), top.view(g, n, 1)
     # the masked pass is needed only where a masked entry's softmax is not exactly 0
     below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
     step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
     for r0 in range(0, n, step):
         _backward_block(grad3, s3, t3, h3, adj, top3, gh, ds2, dt2, dh3, r0, min(step, n - r0), compare, threshold,
-                        keep, fill, slope, below)
-    return ds, dt, dh
+                        keep, fill, slope, below, dadj if need_adj else None)
+    return ds, dt, dh, dadj
 
 
 def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows, compare, threshold, keep, fill,
-                    slope, below) -> None:
+                    slope, below, dadj=None) -> None:
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     p = torch.softmax(z, -1)  # the forward's softmax: the same op on the same scores
     g = grad3[:, r0:r0 + rows]
@@ -175,7 +182,13 @@ def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows
     row = dp.sum(-1, keepdim=True)
     dp.addcmul_(p, row, value=-1.0)  # softmax backward: P ⊙ (dP - rowsum(P ⊙ dP))
     del row, p
-    if not bool(torch.gt(top3[:, r0:r0 + rows], below).all()):  # some masked entry got weight
+    if dadj is not None:  # the additive mask's gradient: dE before LeakyReLU's, summed over the heads sharing it
+        part = dp.view(-1, heads, rows, dp.shape[-1]).sum(1)
+        if dadj.shape[0] == 1 and part.shape[0] > 1:
+            part = part.sum(0, keepdim=True)
+        dadj[:, r0:r0 + rows] += part
+        del part
+    if drop is not None and not bool(torch.gt(top3[:, r0:r0 + rows], below).all()):  # a masked entry got weight
         dp.view(-1, heads, rows, dp.shape[-1]).masked_fill_(drop, 0.0)  # where() sends nothing to them
     del drop
     torch.add(s3[:, r0:r0 + rows, None], t3[:, None, :], out=z)  # the scores before LeakyReLU, again
@@ -186,8 +199,9 @@ def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows
 
 
 @masked_attention_backward_op.register_fake
-def _(grad, s, t, h, adj, top, compare, threshold, keep, fill, slope, block_bytes):
-    return s.new_empty(s.shape), t.new_empty(t.shape), h.new_empty(h.shape)
+def _(grad, s, t, h, adj, top, compare, threshold, keep, fill, slope, block_bytes, need_adj=False):
+    return (s.new_empty(s.shape), t.new_empty(t.shape), h.new_empty(h.shape),
+            adj.new_empty(adj.shape) if need_adj else adj.new_empty(0))
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -198,8 +212,9 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad: torch.Tensor, grad_top: Any) -> tuple:
     s, t, h, adj, top = ctx.saved_tensors
-    ds, dt, dh = torch.ops.fxmem.masked_attention_backward(grad, s, t, h, adj, top, *ctx.options)
-    return ds, dt, dh, None, None, None, None, None, None, None
+    need_adj = bool(ctx.needs_input_grad[3]) and ctx.options[0] == "add"  # only an added mask has one
+    ds, dt, dh, dadj = torch.ops.fxmem.masked_attention_backward(grad, s, t, h, adj, top, *ctx.options, need_adj)
+    return ds, dt, dh, (dadj if need_adj else None), None, None, None, None, None, None
 
 
 masked_attention_op.register_autograd(_backward, setup_context=_setup)
@@ -211,7 +226,8 @@ def masked_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: tor
     """softmax_j(LeakyReLU(s_i + t_j) where kept, else fill) @ h, fused; [Gm, Gh, N, F] (see module doc).
 
     The mask: ``adj <compare> threshold`` (``compare="true"``: a bool ``adj`` itself) says which scores
-    stay (``keep=True``) or which are replaced by ``fill`` (``keep=False``).
+    stay (``keep=True``) or which are replaced by ``fill`` (``keep=False``); ``compare="add"`` adds
+    ``adj`` to the scores instead (an additive mask, whose gradient is computed where it needs one).
     """
     if compare not in COMPARE:
         raise ValueError(f"compare={compare!r}: use one of {COMPARE}")

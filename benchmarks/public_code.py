@@ -8,8 +8,8 @@ GPT-2 small's attention (B=8, L=1024, 768 wide, 12 heads) for the attention laye
 For each: the rules ``optimize`` applied (from ``meta["fxmem"]``), the peak above resident of one
 training step (forward, ``out.sum().backward()``) measured by the CPU allocator, the time of a step
 (median of ``--repeats``, taken round-robin over the original and the result in one process), the
-time ``optimize`` took, and whether the result's outputs and gradients equal the original's at the
-user's size (eval mode).
+time ``optimize`` took, and the largest difference of the result's outputs and gradients from the
+original's at the user's size (eval mode, relative to their largest magnitude).
 
     python benchmarks/public_code.py [--only NAME] [--repeats 3]
 Results: benchmarks/results/public_code_cpu.{json,md}
@@ -101,22 +101,36 @@ def step_peak(module: torch.nn.Module, xs: list) -> int:
     return measure(lambda: step(module, xs)).peak_above_start
 
 
-def same(a: torch.nn.Module, b: torch.nn.Module, xs: list) -> bool:
-    """Outputs and parameter gradients equal (eval mode: no dropout), at the user's size."""
+def difference(a: torch.nn.Module, b: torch.nn.Module, xs: list) -> float:
+    """The largest difference between the two modules' outputs and parameter gradients (eval mode:
+    no dropout) at the user's size, relative to the largest magnitude of each: float32 sums taken
+    in another order differ by about 1e-6 of it."""
     a.eval(), b.eval()
     try:
-        outs = []
+        runs = []
         for m in (a, b):
             m.zero_grad(set_to_none=True)
             out = m(*xs)
             out.float().sum().backward()
-            outs.append((out.detach(), [p.grad.clone() if p.grad is not None else None for p in m.parameters()]))
-        (oa, ga), (ob, gb) = outs
-        return torch.allclose(oa, ob, rtol=1e-4, atol=1e-5) and all(
-            (x is None and y is None) or (x is not None and y is not None and torch.allclose(x, y, rtol=1e-3, atol=1e-5))
-            for x, y in zip(ga, gb))
+            runs.append([out.detach(), *[p.grad.detach() for p in m.parameters() if p.grad is not None]])
+        worst = 0.0
+        for x, y in zip(*runs):
+            scale = float(x.abs().max()) or 1.0
+            worst = max(worst, float((x - y).abs().max()) / scale)
+        return worst
     finally:
         a.train(), b.train()
+
+
+def inference_peak(module: torch.nn.Module, xs: list) -> int:
+    """Peak above resident of one eval-mode forward without grad (dropout off)."""
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(*xs)
+            return measure(lambda: module(*xs)).peak_above_start
+    finally:
+        module.train()
 
 
 def timed(fns: dict, repeats: int) -> dict:
@@ -133,7 +147,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="one implementation (a substring of its name)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the stored .json")
     args = parser.parse_args()
+    if args.markdown_only:
+        path = os.path.join(HERE, "results", "public_code_cpu")
+        with open(path + ".json") as f:
+            stored = json.load(f)
+        write_markdown(stored["meta"], stored["rows"], stored["pyg"], path + ".md")
+        return
     graph = cora()
     tokens = torch.randn(GPT["B"], GPT["L"], GPT["C"], generator=torch.Generator().manual_seed(1))
     rows = []
@@ -149,10 +170,11 @@ def main() -> None:
         applied = sorted({e["rule"] for e in log if e["status"] == "applied"})
         xs = inputs(graph, tokens)
         before, after = step_peak(model, xs), step_peak(opt, xs)
+        infer_before, infer_after = inference_peak(model, xs), inference_peak(opt, xs)
         times = timed({"before": lambda: step(model, xs), "after": lambda: step(opt, xs)}, args.repeats)
         row = {"name": name, "source": source, "applied": applied, "optimize_s": round(took, 1),
-               "peak_before": before, "peak_after": after, "step_s_before": round(times["before"], 3),
-               "step_s_after": round(times["after"], 3), "same": same(model, opt, xs),
+               "peak_before": before, "peak_after": after, "inference_before": infer_before, "inference_after": infer_after, "step_s_before": round(times["before"], 3),
+               "step_s_after": round(times["after"], 3), "difference": difference(model, opt, xs),
                "declined": [f"{e['rule']}: {e['status']}" for e in log if e["status"] not in ("applied", "no match")]}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
@@ -168,37 +190,49 @@ def main() -> None:
             print(json.dumps(pyg[-1]), file=sys.stderr, flush=True)
     meta = {"machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "command": "python benchmarks/public_code.py " + " ".join(sys.argv[1:])}
-    out = os.path.join(HERE, "results")
-    os.makedirs(out, exist_ok=True)
     if args.only:
         return
+    out = os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "public_code_cpu.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "pyg": pyg}, f, indent=1)
+    write_markdown(meta, rows, pyg, os.path.join(out, "public_code_cpu.md"))
+
+
+def write_markdown(meta: dict, rows: list, pyg: list, path: str) -> None:
     mib = 2 ** 20
     lines = ["# fxmem.optimize on public implementations, at their users' sizes", "",
              f"Machine: {meta['machine']}; Python {meta['python']}; torch {meta['torch']}; {meta['threads']} threads; "
              f"command: `{meta['command']}`.", "",
              f"Graph layers at Cora's size (N={CORA['N']}, E={CORA['E']} random edges, {CORA['F']} features); attention "
              f"layers at GPT-2 small's (B={GPT['B']}, L={GPT['L']}, C={GPT['C']}, 12 heads). `optimize` is called "
-             "without hints. Peak: one training step's peak above resident (forward, `out.sum().backward()`), "
-             "measured by the CPU allocator. Time: median of the steps, taken round-robin. Same: the result's "
-             "outputs and gradients equal the original's at this size (eval mode).", "",
-             "| implementation | rules applied | peak before | peak after | ratio | step before | step after | same | optimize |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "without hints. Step peak: one training step's peak above resident (train mode, so dropout is on: "
+             "forward, `out.sum().backward()`); inference peak: one eval-mode forward without grad; both measured by "
+             "the CPU allocator. Where a layer has dropout on its attention (pyGAT p=0.6, the tutorial's), the "
+             "rewritten graph runs the original attention while dropout is on: a row-blocked kernel cannot draw "
+             "dropout's mask from the same random stream. Time: median of the steps, taken round-robin. Difference: "
+             "the largest difference of the result's outputs and parameter gradients from the original's at this "
+             "size (eval mode), relative to their largest magnitude (`optimize` verified each rewrite in float64 at "
+             "small sizes first). Every rule's record (`meta[\"fxmem\"]`) names the formula comparison its "
+             "decision rests on; they are in the JSON file.", "",
+             "| implementation | rules applied | step peak before | after | ratio | inference peak before | after | "
+             "step time before | after | difference | optimize |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {', '.join(r['applied']) or 'none'} | {r['peak_before'] / mib:.1f} MiB | "
                      f"{r['peak_after'] / mib:.1f} MiB | {r['peak_before'] / max(r['peak_after'], 1):.2f}x | "
-                     f"{r['step_s_before']:.3f} s | {r['step_s_after']:.3f} s | {'yes' if r['same'] else 'NO'} | "
+                     f"{r['inference_before'] / mib:.1f} MiB | {r['inference_after'] / mib:.1f} MiB | "
+                     f"{r['step_s_before']:.3f} s | {r['step_s_after']:.3f} s | {r['difference']:.1e} | "
                      f"{r['optimize_s']:.1f} s |")
     if pyg:
         lines += ["", "PyG's layers at the same graph size, for comparison (no rewrite):", "",
-                  "| layer | peak | step |", "|---|---|---|"]
+                  "| layer | step peak | step time |", "|---|---|---|"]
         lines += [f"| {p['name']} | {p['peak'] / mib:.1f} MiB | {p['step_s']:.3f} s |" for p in pyg]
-    declined = [(r["name"], d) for r in rows for d in r["declined"]]
-    if declined:
-        lines += ["", "Rules that matched and were declined (the record names the formula comparison): "
-                  + "; ".join(f"{n}: {d}" for n, d in declined) + "."]
-    with open(os.path.join(out, "public_code_cpu.md"), "w") as f:
+    missed = [f"{r['name']} ({', '.join(sorted({d.split(':')[0] for d in r['declined']}))})" for r in rows
+              if not r["applied"] and r["declined"]]
+    if missed:
+        lines += ["", "Matched and declined everywhere (the reasons are in the JSON file): " + "; ".join(missed) + "."]
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import sympy
 
 from ..accounting.symbolic import Region, terms
-from ..accounting.symbolic import _dominates  # the one dominance test, shared with Max pruning
+from ..accounting.symbolic import _dominates, _has_free_sign  # the one dominance test, shared with Max pruning
 
 _LIMIT = 1 << 20
 _ATOMS = (sympy.floor, sympy.ceiling, sympy.Mod)  # a ratio or bound beyond this is not one anyone's sizes reach
@@ -97,9 +97,46 @@ def never_higher(after: sympy.Expr, before: sympy.Expr, region: Region, substitu
             shifted = region.shifted(terms(high))
             if any(s is not None and _dominates(s, shifted) for s in shifted_lows):
                 continue
+            plain = [s for s in shifted_lows if s is not None]
+            if any(_under_a_mix(a, b, shifted) for a, b in itertools.combinations(plain, 2)):
+                continue
         if not any(_bounded(low, high, region) for low in lows):
             return False
     return True
+
+
+def _under_a_mix(a: dict, b: dict, c: dict) -> bool:
+    """``c <= Max(a, b)`` proven through a mix: ``c <= lam*a + (1 - lam)*b`` for one ``lam`` in [0, 1],
+    coefficient by coefficient over the region's offsets (``Max(a, b)`` is at least any such mix).
+
+    No single candidate of the original may bound a rewrite's candidate where the original's peak
+    moves from one candidate to another inside the region: ``24*E + 140*N`` is under neither
+    ``384*N`` nor ``64*E + 64*N`` alone, but under their mix with ``lam = 5/8`` (the fused message
+    passing of a mean aggregator, at every E and N). Terms are shifted (:meth:`Region.shifted`).
+    """
+    lo, hi = sympy.Integer(0), sympy.Integer(1)
+    for m in set(a) | set(b) | set(c):
+        slope = sympy.sympify(a.get(m, 0)) - b.get(m, 0)
+        rest = sympy.sympify(b.get(m, 0)) - c.get(m, 0)  # lam*slope + rest >= 0 (== 0 for a free sign)
+        if _has_free_sign(m):
+            if slope == 0:
+                if rest != 0:
+                    return False
+                continue
+            lam = -rest / slope
+            if not lo <= lam <= hi:
+                return False
+            lo = hi = lam
+            continue
+        if slope > 0:
+            lo = max(lo, -rest / slope)
+        elif slope < 0:
+            hi = min(hi, -rest / slope)
+        elif rest < 0:
+            return False
+        if lo > hi:
+            return False
+    return lo <= hi
 
 
 def _bounded(low: sympy.Expr, high: sympy.Expr, region: Region) -> bool:

@@ -100,3 +100,41 @@ def test_gcn_at_default_hints_gets_both_forms():
         assert twin(x.double(), ei, w.double()).dtype == torch.float64
     # fxmem's analysis of the returned module: the allocator agrees on both sides of the condition
     check_against_real_run(opt, S.GCNIndexAdd.SPECS, [{"N": 23, "E": 2300}, {"N": 31, "E": 29}], makers=S.EDGES)
+
+
+def test_a_candidate_under_the_max_of_two_but_neither_alone_is_kept():
+    # the mean aggregator's fused form (GraphSAGE by hand): its middle candidate is under
+    # Max(384*N, 64*E + 64*N) at every size, under neither alone (the original's peak moves from one
+    # to the other as E grows)
+    before = sympy.Max(384 * N, 4 * E + 68 * N, 64 * E + 64 * N)
+    after = sympy.Max(384 * N, 24 * E + 140 * N + 12, 32 * E + 8 * N + 8)
+    d = decide([("peak", before, after)], REGION, SYMBOLS, {"E": 97, "N": 98})
+    assert d.verdict == "keep", d.text
+    assert all(evaluate(after, p) <= evaluate(before, p) for p in _grid())
+    assert any(evaluate(after, p) < evaluate(before, p) for p in _grid())
+    # a candidate above every mix somewhere is not proven: 24*E + 300*N exceeds both at E = 8*N
+    over = sympy.Max(384 * N, 24 * E + 300 * N)
+    worse = [p for p in _grid() if evaluate(over, p) > evaluate(before, p)]
+    assert worse  # the numbers say it is higher somewhere ...
+    assert decide([("peak", before, over)], REGION, SYMBOLS, {"E": 97, "N": 98}).verdict != "keep"  # ... and so does decide
+
+
+def test_graphsage_by_hand_gets_the_fused_sum():
+    import public_impls as P
+
+    torch.manual_seed(0)
+    model = P.HandSAGE(16, 5)  # 16 features: a message (64 B) outweighs the CSR's per-edge bytes
+    specs = (("N", 16), fxmem.TensorSpec((2, "E"), dtype=torch.int64))
+    opt = fxmem.optimize(model, *specs)
+    applied = [r for r in opt.meta["fxmem"] if r["rule"] == "fused-message-passing" and r["status"] == "applied"]
+    assert len(applied) == 1 and "never higher for every size" in applied[0]["decision"], opt.meta["fxmem"]
+
+    def inputs(n, e, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.rand(n, 16, generator=gen), torch.randint(0, n, (2, e), generator=gen)]
+
+    for n, e in ((7, 3), (9, 40), (5, 5)):
+        assert_same_in_every_mode(model, opt, inputs(n, e))
+    xs = inputs(50, 2000)  # E = 40*N: the fused sum builds no message tensor
+    with torch.no_grad():
+        assert measure(lambda: opt(*xs)).peak_above_start < measure(lambda: model(*xs)).peak_above_start

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
 from .attention_layout import Axes, gather_axes, recipe, scatter_axes
 from .base import Finding, Probe
-from .data_movement import is_movement, method_name, op_name, provenance, trace_movement
+from .data_movement import Provenance, is_movement, method_name, op_name, provenance, trace_movement
 from .pair_layout import half_strides
 from .pair_reasons import variable_name
 
@@ -322,18 +322,19 @@ class _Axes:
     shape: tuple
     kinds: dict  # scores axis -> "g" | "i" | "j"
     mask: list  # scores axes (non-1) the mask varies along
+    amap: dict = dataclasses.field(default_factory=dict)  # sum axis -> scores axis (non-1 axes)
 
 
-def _axes(plan_nodes: dict, env: Mapping) -> _Axes | str:
+def _axes(plan_nodes: dict, env: Mapping, modules: Mapping | None = None) -> _Axes | str:
     scores, add, u, v, source = (env[plan_nodes[k]] for k in ("scores", "add", "u", "v", "source"))
-    shape, added = tuple(scores.shape), tuple(add.shape)
+    shape = tuple(scores.shape)
     nonone = [a for a, size in enumerate(shape) if size != 1]
-    added_nonone = [a for a, size in enumerate(added) if size != 1]
-    if [shape[a] for a in nonone] != [added[a] for a in added_nonone]:
-        return "the sum is reshaped on its way to the softmax (not only size-1 dims added or dropped)"
+    amap = _sum_axes(plan_nodes, env, modules or {})
+    if isinstance(amap, str):
+        return amap
     su, sv = _varies(u.shape, add.dim()), _varies(v.shape, add.dim())
     kinds = {}
-    for a, b in zip(nonone, added_nonone):
+    for b, a in amap.items():
         kinds[a] = "g" if su[b] and sv[b] else "i" if su[b] else "j"
     for kind, name in (("i", plan_nodes["u"].name), ("j", plan_nodes["v"].name)):
         found = [a for a, k in kinds.items() if k == kind]
@@ -347,7 +348,72 @@ def _axes(plan_nodes: dict, env: Mapping) -> _Axes | str:
     i, j = (next(a for a, k in kinds.items() if k == kind) for kind in ("i", "j"))
     if i not in mask or j not in mask:
         return "the mask does not vary along both the rows and the columns of the scores"
-    return _Axes(shape, kinds, mask)
+    return _Axes(shape, kinds, mask, amap)
+
+
+def _sum_axes(parts: dict, env: Mapping, modules: Mapping) -> dict | str:
+    """Which axis of the scores each non-1 axis of the sum ``s_i + t_j`` becomes, in the sum's order:
+    ``{sum axis: scores axis}``. The copying ops between them (and LeakyReLU, elementwise) must only
+    add or drop size-1 dims, permute, or merge axes and split them again the same way - as
+    ``(pairs @ a).view(B, N, N, H).permute(0, 3, 1, 2)`` does after the pair-linear rule flattened
+    ``s_i + t_j`` into the model's ``[B, N*N, H]``; found by running those ops on element ids."""
+    scores, add = env[parts["scores"]], env[parts["add"]]
+    shape, added = tuple(scores.shape), tuple(add.shape)
+    nonone = [a for a, size in enumerate(shape) if size != 1]
+    added_nonone = [a for a, size in enumerate(added) if size != 1]
+    if [shape[a] for a in nonone] == [added[a] for a in added_nonone] and not parts.get("chain"):
+        return dict(zip(added_nonone, nonone))
+    reshaped = "the sum is reshaped on its way to the softmax (not only size-1 dims added or dropped, or permuted)"
+    ids = _ids_through(parts, env, modules)
+    if ids is None or tuple(ids.shape) != shape or ids.numel() != add.numel():
+        return reshaped
+    own = {}
+    for b in added_nonone:
+        own[math.prod(added[b + 1:])] = b
+    found = half_strides(Provenance(torch.zeros_like(ids), ids, [added]), 0, shape[-1]) if ids.ndim else "no axes"
+    if isinstance(found, str) or found[2] != 0:
+        return reshaped
+    amap = {}
+    for a, stride in zip(range(len(shape)), found[1]):
+        if shape[a] == 1:
+            continue
+        b = own.get(stride)
+        if b is None or added[b] != shape[a]:
+            return reshaped
+        amap[b] = a
+    if sorted(amap) != added_nonone:
+        return reshaped
+    return dict(sorted(amap.items()))
+
+
+def _ids_through(parts: dict, env: Mapping, modules: Mapping) -> torch.Tensor | None:
+    """The sum's element ids carried to the scores through the chain's copying ops (LeakyReLU, an
+    elementwise op between them, keeps ids in place)."""
+    upper, leaky, lower = parts["chain"]
+    add = parts["add"]
+    values: dict = {add: torch.arange(env[add].numel()).reshape(env[add].shape)}
+    try:
+        for n in lower:  # graph order: from the sum up to LeakyReLU's input
+            values[n] = _run_copy(n, values, env, modules)
+        top_in = lower[-1] if lower else add
+        values[leaky] = values[top_in]
+        for n in upper:  # from LeakyReLU up to the masked scores
+            values[n] = _run_copy(n, values, env, modules)
+    except Exception:  # noqa: BLE001 - an op that does not take ids: not a plain copy
+        return None
+    return values[upper[-1] if upper else leaky]
+
+
+def _run_copy(node: torch.fx.Node, values: dict, env: Mapping, modules: Mapping) -> torch.Tensor:
+    def arg(a):
+        return values[a] if a in values else env[a]
+    args = torch.fx.node.map_arg(node.args, arg)
+    kwargs = torch.fx.node.map_arg(node.kwargs, arg)
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    raise ValueError(node.op)
 
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -402,14 +468,14 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         return mask
     if not isinstance(mask.scores, torch.fx.Node):
         return "the masked scores are not a tensor"
-    leaky, _ = _through_movement(mask.scores, env, modules)
+    leaky, upper = _through_movement(mask.scores, env, modules)
     slope = _leaky_slope(leaky, modules) if isinstance(leaky, torch.fx.Node) else None
     if slope is None:
         what = f"{op_name(leaky, modules)} (node {leaky.name})" if isinstance(leaky, torch.fx.Node) else repr(leaky)
         return (f"the scores are {what}, not LeakyReLU(s_i + t_j): only GAT's decomposed scores are fused "
                 f"(a nonlinearity before the attention vector, as in GATv2's a·LeakyReLU(Wh_i + Wh_j), or dot "
                 f"products have no s_i + t_j form)")
-    add, _ = _through_movement(leaky.args[0], env, modules)
+    add, lower = _through_movement(leaky.args[0], env, modules)
     if not (isinstance(add, torch.fx.Node) and _target_key(add) in _ADDS
             and len(add.args) == 2 and not add.kwargs
             and all(isinstance(a, torch.fx.Node) for a in add.args)):
@@ -424,8 +490,9 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
             return compared
         source, compare, threshold, keep = _bool_mask(*compared, env)
     u, v = _unexpanded(add, probes)
-    parts = {"scores": x, "add": add, "u": u, "v": v, "source": source}
-    per_probe = [_axes(parts, p.env) for p in probes]
+    chain = (upper[::-1], leaky, lower[::-1]) if upper or lower else None  # copying ops, in graph order
+    parts = {"scores": x, "add": add, "u": u, "v": v, "source": source, "chain": chain}
+    per_probe = [_axes(parts, p.env, modules) for p in probes]
     bad = next((a for a in per_probe if isinstance(a, str)), None)
     if bad is not None:
         return bad
@@ -442,7 +509,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         axes.kinds = {a: {"i": "j", "j": "i"}.get(k, k) for a, k in axes.kinds.items()}
         parts.update(u=u, v=v)
     i, j = (next(a for a, k in axes.kinds.items() if k == kind) for kind in ("i", "j"))
-    if tuple(env[x].shape) != tuple(env[leaky].shape) or tuple(env[softmax].shape) != tuple(env[x].shape):
+    if tuple(env[x].shape) != tuple(env[mask.scores].shape) or tuple(env[softmax].shape) != tuple(env[x].shape):
         return "the mask broadcasts the scores to a larger shape"
     groups_mask = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a in axes.mask]
     groups_heads = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a not in axes.mask]
@@ -475,8 +542,10 @@ def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, 
         return [a for a in nonone if kind_ok(a)]
 
     u_vals, v_vals = env[parts["u"]], env[parts["v"]]
-    u_axes = recipe(u_vals.shape, varying(lambda a: axes.kinds[a] in ("g", "i")), g_order + [i], (gm_n, gh_n))
-    v_axes = recipe(v_vals.shape, varying(lambda a: axes.kinds[a] in ("g", "j")), g_order + [j], (gm_n, gh_n))
+    # u's and v's own non-1 dims, in their order, are the sum's: the scores' axes they become
+    in_sum = [axes.amap[b] for b in sorted(axes.amap)] if axes.amap else nonone
+    u_axes = recipe(u_vals.shape, [a for a in in_sum if axes.kinds[a] in ("g", "i")], g_order + [i], (gm_n, gh_n))
+    v_axes = recipe(v_vals.shape, [a for a in in_sum if axes.kinds[a] in ("g", "j")], g_order + [j], (gm_n, gh_n))
     mask_axes = recipe(env[parts["source"]].shape, varying(lambda a: a in axes.mask), groups_mask + [i, j], (gm_n,))
     # the matmul's left operand: a permutation of the attention weights (which axis is which)
     lhs = env[weights_in]

@@ -6,7 +6,8 @@ that do not depend on the inputs - and how to split such a map where that dim is
     ([x1 || x2] * a).sum(-1) = (x1 * a[..., :F]).sum(-1) + (x2 * a[..., F:]).sum(-1)
 
 ``LINEAR_MAPS`` lists the recognisers (matmul with a parameter, ``nn.Linear``, ``F.linear``,
-``(x * a).sum(-1)``, and ``W @ xᵀ`` - a map of x's rows written from the left, "left"); ``SPLITS``
+``(x * a).sum(-1)``, ``x @ a.expand(B, 2F, k)`` (a batched copy of one weight, as
+``torch.bmm`` needs it), and ``W @ xᵀ`` - a map of x's rows written from the left, "left"); ``SPLITS``
 the rewriters, by kind (a "left" split gives its halves as ``xᵢ Wᵢᵀ``: the caller transposes).
 
 >>> linear_map(node, env, modules, Weights())                          # doctest: +SKIP
@@ -74,6 +75,29 @@ def _matmul(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weig
         return None
     features = wv.shape[0] if wv.ndim == 1 else wv.shape[-2]
     return LinearMap("matmul", node, x, w, None, features, ("ndim", wv.ndim)) if _fits(env.get(x), features) else None
+
+
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+
+
+def _batched_weight(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights) -> LinearMap | None:
+    # x @ a.expand(B, 2F, k) / torch.bmm(x, a.expand(B, -1, -1)): a per-batch copy of one weight
+    # [2F, k] is the weight itself (the batch size is the input's, so the expanded node is no weight)
+    if not ((node.op == "call_function" and node.target in (torch.matmul, operator.matmul, torch.bmm))
+            or method_name(node) in ("matmul", "bmm")) or len(node.args) != 2 or node.kwargs:
+        return None
+    x, w = node.args
+    if not isinstance(w, torch.fx.Node) or not w.args or not isinstance(w.args[0], torch.fx.Node):
+        return None
+    name = method_name(w) or (w.target.__name__ if w.op == "call_function" and hasattr(w.target, "__name__") else None)
+    a = w.args[0]
+    av, wv, xv = env.get(a), env.get(w), env.get(x)
+    if name not in _EXPANDS or not is_weight(a) or not isinstance(av, torch.Tensor) or av.ndim != 2 \
+            or not isinstance(wv, torch.Tensor) or wv.ndim != 3 or tuple(wv.shape[1:]) != tuple(av.shape) \
+            or not isinstance(xv, torch.Tensor) or xv.ndim != 3 or not isinstance(x, torch.fx.Node):
+        return None
+    features = av.shape[0]
+    return LinearMap("matmul", node, x, a, None, features, ("ndim", 2)) if _fits(xv, features) else None
 
 
 def _linear_module(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights) -> LinearMap | None:
@@ -160,8 +184,8 @@ def _left_matmul(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight:
 
 
 # Every way a node can apply a map linear in its input's last dim, tried in order.
-LINEAR_MAPS: tuple[Callable[..., LinearMap | None], ...] = (_matmul, _linear_module, _functional_linear, _mul_sum,
-                                                            _left_matmul)
+LINEAR_MAPS: tuple[Callable[..., LinearMap | None], ...] = (_matmul, _batched_weight, _linear_module,
+                                                            _functional_linear, _mul_sum, _left_matmul)
 
 
 def linear_map(node: torch.fx.Node, env: Mapping, modules: Mapping, is_weight: Weights) -> LinearMap | None:

@@ -50,6 +50,9 @@ class PairPlan:
     map: LinearMap
     left: Arrangement
     right: Arrangement
+    # the pair tensor's axis that merges (i, j) into one, i*N + j (``[B, N*N, 2F]``): the halves are
+    # laid out on it split in two, and the sum is flattened back; None when the axes are (.., i, j, ..)
+    merged: int | None = None
 
 
 def _decode(m: LinearMap, movements: list[Movement], provs: list[Provenance], probes: Sequence[Probe],
@@ -58,31 +61,70 @@ def _decode(m: LinearMap, movements: list[Movement], provs: list[Provenance], pr
     if any([s.name for s in mv.sources] != [s.name for s in movements[0].sources] for mv in movements):
         return "the tensor is built differently at different sizes"
     f = m.features // 2
-    halves: list[list] = [[], []]
-    for p, prov in enumerate(provs):
-        for h in (0, 1):
-            found = half_strides(prov, h * f, f)
-            if isinstance(found, str):
-                return not_pairs(m, movements[0], provs[0], probes[0], modules)
-            halves[h].append(found)
-    half_shapes = [tuple(p.env[m.x].shape[:-1]) + (f,) for p in probes]
+    merged = None
+    provs_unsplit = provs
+    halves = _halves(provs, f)
+    if halves is None:  # perhaps (i, j) merged into one axis, i*N + j: split it and look again
+        for axis, split in _splits(provs):
+            halves = _halves(split, f)
+            if halves is not None:
+                merged, provs = axis, split
+                break
+        else:
+            return not_pairs(m, movements[0], provs[0], probes[0], modules)
+    half_shapes = [tuple(pv.source.shape[:-1]) + (f,) for pv in provs]
     arranged = [arrangement(halves[h], movements[0].sources, [pv.source_shapes for pv in provs], half_shapes)
                 for h in (0, 1)]
     if any(isinstance(a, str) for a in arranged):
         return not_pairs(m, movements[0], provs[0], probes[0], modules)
     left, right = arranged
-    rank = probes[0].env[m.x].ndim
+    rank = provs[0].source.ndim
     for a in (left, right):
         if rank - 1 in a.unsqueeze and f > 1:
             return f"the features of {variable_name(a.source)} are not copied in order (one value fills the half)"
-    shape = probes[0].env[m.x].shape
+    shape = provs[0].source.shape
     spare = [ax for ax in range(rank - 1) if shape[ax] > 1 and ax not in left.axes | right.axes]
     if spare:
         return f"dim {spare[0]} of the pair tensor repeats the same pairs; not a plain pair tensor"
     if not (left.axes - right.axes) or not (right.axes - left.axes):
         return (f"only one side is broadcast: the tensor concatenates {variable_name(left.source)} and "
                 f"{variable_name(right.source)} without pairing a row i of one with every row j of the other")
-    return PairPlan(m, left, right)
+    if merged is not None and not ({merged, merged + 1} <= (left.axes ^ right.axes)):
+        return not_pairs(m, movements[0], provs_unsplit, probes[0], modules)
+    return PairPlan(m, left, right, merged)
+
+
+def _halves(provs: Sequence[Provenance], f: int) -> list[list] | None:
+    """Each half's (source, strides, offset) at every probe, or None where one is no affine view."""
+    halves: list[list] = [[], []]
+    for prov in provs:
+        for h in (0, 1):
+            found = half_strides(prov, h * f, f)
+            if isinstance(found, str):
+                return None
+            halves[h].append(found)
+    return halves
+
+
+def _splits(provs: Sequence[Provenance]):
+    """``(axis, provenances)`` with one non-feature axis of the pair tensor split in two, outer size
+    the size of one of the operands' dims at every probe (``N*N`` -> ``(N, N)``): the merged
+    ``i*N + j`` layout of ``cat([h.repeat_interleave(N, 1), h.repeat(1, N, 1)], -1)``."""
+    seen = set()
+    for axis in range(provs[0].source.ndim - 1):
+        for k, shape in enumerate(provs[0].source_shapes):
+            for d in range(len(shape)):
+                outer = tuple(pv.source_shapes[k][d] for pv in provs)
+                sizes = tuple(pv.source.shape[axis] for pv in provs)
+                if (axis, outer) in seen or any(a < 2 or s % a or s // a < 2 for a, s in zip(outer, sizes)):
+                    continue
+                seen.add((axis, outer))
+                split = []
+                for pv, a in zip(provs, outer):
+                    shape2 = (*pv.source.shape[:axis], a, pv.source.shape[axis] // a, *pv.source.shape[axis + 1:])
+                    split.append(dataclasses.replace(pv, source=pv.source.reshape(shape2),
+                                                     flat=pv.flat.reshape(shape2)))
+                yield axis, split
 
 
 # --- the rule -----------------------------------------------------------------------------------------
@@ -137,7 +179,8 @@ def _describe(plan: PairPlan, modules: Mapping) -> str:
         split = f"linear(x) = linear({hi}, W[:, :{f}], b) + linear({hj}, W[:, {f}:])"
     else:
         split = f"(x * {w}).sum(-1) = ({hi} * {w}[..., :{f}]).sum(-1) + ({hj} * {w}[..., {f}:]).sum(-1)"
-    return f"pairs {x}: {split}, a broadcast add"
+    merged = "" if plan.merged is None else f" (i and j merged in dim {plan.merged} as i*N + j: the sum is flattened back)"
+    return f"pairs {x}: {split}, a broadcast add{merged}"
 
 
 def _weight_name(ref: Any) -> str:
@@ -157,4 +200,7 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
         left = emit_arrangement(graph, nodes[plan.left.source], plan.left, shared)
         right = emit_arrangement(graph, nodes[plan.right.source], plan.right, shared)
         e1, e2 = SPLITS[plan.map.kind](graph, nodes, plan.map, left, right, plan.map.features // 2)
-        return graph.call_function(operator.add, (e1, e2))
+        out = graph.call_function(operator.add, (e1, e2))
+        if plan.merged is not None:  # back to the model's merged i*N + j axis (a view of the sum)
+            out = graph.call_method("flatten", (out, plan.merged, plan.merged + 1))
+        return out

@@ -71,6 +71,15 @@ class BatchedRepeatLastDim(_Logits):
         return torch.matmul(a_input.view(B, N, -1, 2 * FEAT), self.a).squeeze(3)
 
 
+class MergedPairsMap(_Logits):
+    """3b. the map applied before the view to N x N: pairs [B, N*N, 2F] (i*N + j), @ a, view(B, N, N)."""
+
+    def logits(self, h):
+        B, N = h.size(0), h.size(1)
+        a_input = torch.cat([h.repeat_interleave(N, dim=1), h.repeat(1, N, 1)], dim=-1)
+        return torch.matmul(a_input, self.a).view(B, N, N)
+
+
 class ConstantK(_Logits):
     """4. batched repeat_interleave(K, dim=1) + repeat(1, K, 1) with K a Python int (constant N)."""
 
@@ -233,7 +242,7 @@ class FlatRowsQueries(nn.Module):
         return torch.softmax(self.attn(pairs).squeeze(-1), dim=-1)  # [B*N, M]
 
 
-SPELLINGS = [PyGATRepeat, RepeatInterleave, BatchedRepeatLastDim, ConstantK, LinearOnPairs, Expand,
+SPELLINGS = [PyGATRepeat, RepeatInterleave, BatchedRepeatLastDim, MergedPairsMap, ConstantK, LinearOnPairs, Expand,
              MultiHeadLinearPerHead, MultiHeadMulSum, Einops, StackFlatten, Bipartite, SwappedSides,
              VectorA, FlatRowsQueries]
 

@@ -2,13 +2,17 @@
 
 * pyGAT's 2017 layer (pairs built by repeat_interleave/repeat, viewed to N x N x 2F) ends fused:
   pair-linear splits the pairs, then fused-attention takes its output (the mask [B, N, N] against
-  the squeezed scores), in spellings of the pairs x the mask x what lies between;
+  the squeezed scores), in the cross product of spellings of the pairs (repeated, expanded, or
+  mapped while merged as [B, N*N, 2F]) x the mask x what lies between x one head or heads laid
+  out last and permuted first;
 * pyGAT's multi-head GAT: every head and the output layer fused, and the training step's peak
   measured on a real run drops by at least the N x N tensors of every head;
 * ``dropout_p=self.dropout if self.training else 0`` (nanoGPT): the train and eval traces differ
   only in a number, which the graph reads from the flag: rewrites and ``budget=`` still apply.
 """
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -25,30 +29,53 @@ FIN, FEAT = A.FIN, A.FEAT
 
 
 class PairSpelling(nn.Module):
-    """One attention layer: ``pairs`` x ``mask`` x ``between`` spellings."""
+    """One attention layer: ``pairs`` x ``mask`` x ``between`` x ``heads`` spellings.
+
+    pairs: ``repeat`` (repeat_interleave/repeat, viewed to N x N x 2F), ``expand`` (both halves
+    expanded to N x N), ``merged`` (the map applied to the ``[B, N*N, 2F]`` tensor before it is
+    viewed as N x N: ``torch.bmm`` with the weight expanded over the batch when there are heads);
+    between the map and LeakyReLU: ``squeeze`` or ``view``; heads: 1, or 2 laid out last by the map
+    (``[B, N, N, H]``) and permuted first for the softmax, each head with its own values.
+    """
 
     SPECS = (("B", "N", FIN), ("B", "N", "N"))
 
-    def __init__(self, pairs: str, mask: str, between: str) -> None:
+    def __init__(self, pairs: str, mask: str, between: str, heads: int = 1) -> None:
         super().__init__()
-        self.W, self.a = A._param(FIN, FEAT), A._param(2 * FEAT, 1)
-        self.pairs, self.mask, self.between = pairs, mask, between
+        self.W, self.a = A._param(FIN, FEAT), A._param(2 * FEAT, heads)
+        self.Wv = A._param(FIN, heads * FEAT) if heads > 1 else None
+        self.pairs, self.mask, self.between, self.heads = pairs, mask, between, heads
 
     def forward(self, x, adj):
         h = x @ self.W
         b, n, f = h.shape
-        if self.pairs == "repeat":
-            pair = torch.cat([h.repeat_interleave(n, dim=1), h.repeat(1, n, 1)], dim=-1).view(b, n, n, 2 * f)
+        k = self.heads
+        if self.pairs == "merged":
+            flat = torch.cat([h.repeat_interleave(n, dim=1), h.repeat(1, n, 1)], dim=-1)  # [B, N*N, 2F]
+            s = torch.bmm(flat, self.a.expand(b, -1, -1)) if k > 1 else flat @ self.a
+            s = s.view(b, n, n, k)
         else:
-            pair = torch.cat([h.unsqueeze(2).expand(b, n, n, f), h.unsqueeze(1).expand(b, n, n, f)], dim=-1)
-        s = pair @ self.a
-        s = s.squeeze(-1) if self.between == "squeeze" else s.view(b, n, n)
+            if self.pairs == "repeat":
+                pair = torch.cat([h.repeat_interleave(n, dim=1), h.repeat(1, n, 1)], dim=-1).view(b, n, n, 2 * f)
+            else:
+                pair = torch.cat([h.unsqueeze(2).expand(b, n, n, f), h.unsqueeze(1).expand(b, n, n, f)], dim=-1)
+            s = pair @ self.a
+        if k > 1:
+            s = s.permute(0, 3, 1, 2)  # [B, H, N, N]
+        elif self.between == "squeeze":
+            s = s.squeeze(-1)
+        else:
+            s = s.view(b, n, n)
         e = F.leaky_relu(s, 0.2)
+        m = adj if k == 1 else adj.unsqueeze(1)
         if self.mask == "masked_fill":
-            e = e.masked_fill(adj == 0, float("-inf"))
+            e = e.masked_fill(m == 0, float("-inf"))
         else:
-            e = torch.where(adj > 0, e, -9e15 * torch.ones_like(e))
-        return torch.softmax(e, dim=-1) @ h
+            e = torch.where(m > 0, e, -9e15 * torch.ones_like(e))
+        if k == 1:
+            return torch.softmax(e, dim=-1) @ h
+        v = (x @ self.Wv).view(b, n, k, f).transpose(1, 2)
+        return (torch.softmax(e, dim=-1) @ v).transpose(1, 2).reshape(b, n, k * f)
 
 
 def _inputs(b: int, n: int, seed: int = 0) -> list:
@@ -62,12 +89,17 @@ def _statuses(opt, rule: str) -> list[str]:
     return [e["status"] for e in opt.meta["fxmem"] if e["rule"] == rule]
 
 
-CASES = [("repeat", "masked_fill", "squeeze"), ("expand", "where", "view"),
-         ("repeat", "where", "view"), ("expand", "masked_fill", "squeeze")]
+# the cross product of the spellings; the quick run takes one of each pairs spelling and the
+# multi-head merged form, the slow run every combination
+QUICK = [("repeat", "masked_fill", "squeeze", 1), ("expand", "where", "view", 1), ("merged", "where", "squeeze", 1),
+         ("merged", "masked_fill", "view", 2)]
+CASES = QUICK + [c for c in itertools.product(("repeat", "expand", "merged"), ("masked_fill", "where"),
+                                               ("squeeze", "view"), (1, 2))
+                 if c not in QUICK and not (c[3] > 1 and c[2] == "view")]  # with heads, a permute lies between
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if k >= 2 else [])
-                                  for k, c in enumerate(CASES)], ids="-".join)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c not in QUICK else [])
+                                  for c in CASES], ids=lambda c: "-".join(map(str, c)))
 def test_pairs_then_attention_end_fused(case):
     torch.manual_seed(0)
     model = PairSpelling(*case)

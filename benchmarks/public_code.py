@@ -11,7 +11,10 @@ training step (forward, ``out.sum().backward()``) measured by the CPU allocator,
 time ``optimize`` took, and the largest difference of the result's outputs and gradients from the
 original's at the user's size (eval mode, relative to their largest magnitude).
 
-    python benchmarks/public_code.py [--only NAME] [--repeats 3]
+    python benchmarks/public_code.py [--only NAME [--merge]] [--repeats 3]
+
+``--merge`` with ``--only``: the re-measured rows replace theirs in the stored results (the
+command that re-measured them is recorded next to the one that measured the rest).
 Results: benchmarks/results/public_code_cpu.{json,md}
 """
 from __future__ import annotations
@@ -148,6 +151,7 @@ def main() -> None:
     parser.add_argument("--only", help="one implementation (a substring of its name)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the stored .json")
+    parser.add_argument("--merge", action="store_true", help="with --only: replace those rows in the stored results")
     args = parser.parse_args()
     if args.markdown_only:
         path = os.path.join(HERE, "results", "public_code_cpu")
@@ -190,6 +194,20 @@ def main() -> None:
             print(json.dumps(pyg[-1]), file=sys.stderr, flush=True)
     meta = {"machine": machine_name("cpu"), "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "command": "python benchmarks/public_code.py " + " ".join(sys.argv[1:])}
+    if args.only and args.merge:
+        path = os.path.join(HERE, "results", "public_code_cpu")
+        with open(path + ".json") as f:
+            stored = json.load(f)
+        fresh = {r["name"]: r for r in rows}
+        stored["rows"] = [fresh.get(r["name"], r) for r in stored["rows"]]
+        if stored["meta"]["machine"] != meta["machine"] or stored["meta"]["torch"] != meta["torch"]:
+            raise SystemExit(f"the stored results were measured on {stored['meta']['machine']} with torch "
+                             f"{stored['meta']['torch']}; re-measure every row here instead of merging")
+        stored["meta"].setdefault("updates", []).append({"rows": sorted(fresh), "command": meta["command"]})
+        with open(path + ".json", "w") as f:
+            json.dump(stored, f, indent=1)
+        write_markdown(stored["meta"], stored["rows"], stored["pyg"], path + ".md")
+        return
     if args.only:
         return
     out = os.path.join(HERE, "results")
@@ -203,7 +221,9 @@ def write_markdown(meta: dict, rows: list, pyg: list, path: str) -> None:
     mib = 2 ** 20
     lines = ["# fxmem.optimize on public implementations, at their users' sizes", "",
              f"Machine: {meta['machine']}; Python {meta['python']}; torch {meta['torch']}; {meta['threads']} threads; "
-             f"command: `{meta['command']}`.", "",
+             f"command: `{meta['command']}`"
+             + "".join(f"; {', '.join(u['rows'])} re-measured by `{u['command']}`" for u in meta.get("updates", []))
+             + ".", "",
              f"Graph layers at Cora's size (N={CORA['N']}, E={CORA['E']} random edges, {CORA['F']} features); attention "
              f"layers at GPT-2 small's (B={GPT['B']}, L={GPT['L']}, C={GPT['C']}, 12 heads). `optimize` is called "
              "without hints. Step peak: one training step's peak above resident (train mode, so dropout is on: "

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
 from .attention_layout import Axes, gather_axes, recipe, scatter_axes
 from .base import Finding, Probe
+from .modes import by_flag
 from .data_movement import Provenance, is_movement, method_name, op_name, provenance, trace_movement
 from .pair_layout import half_strides
 from .pair_reasons import variable_name
@@ -144,8 +145,24 @@ def _dropout(node: torch.fx.Node, modules: Mapping) -> tuple[float, Any, str | N
     if isinstance(mod, torch.nn.Dropout):
         return float(mod.p), None, str(node.target)
     if (node.op == "call_function" and node.target is F.dropout) or method_name(node) == "dropout":
-        return float(_arg(node, 1, "p", 0.5)), _arg(node, 2, "training", True), None
+        return _dropout_p(_arg(node, 1, "p", 0.5), _arg(node, 2, "training", True))
     return None
+
+
+def _dropout_p(p: Any, training: Any) -> tuple[float, Any, None] | None:
+    """``(p, training, None)``, where ``p`` may be ``p if self.training else 0`` read by the graph (a
+    :func:`~.modes.by_flag` node: TorchDynamo inlines ``nn.Dropout`` that way); None where p is
+    another computed value."""
+    if isinstance(p, torch.fx.Node):
+        if not (p.op == "call_function" and p.target is by_flag and len(p.args) == 3):
+            return None
+        flag, when_training, otherwise = p.args
+        if not isinstance(when_training, (int, float)) or otherwise != 0 or training not in (True, flag):
+            return None
+        return float(when_training), flag, None
+    if not isinstance(p, (int, float)):
+        return None
+    return float(p), training, None
 
 
 def _softmax_dim(node: torch.fx.Node, modules: Mapping) -> Any:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .base import Finding, Probe
 from .data_movement import method_name, op_name
-from .fused_attention import _dropout, _fallback, _original, _softmax_dim
+from .fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim
 from .sdpa_masks import MaskPlan, fold_chain
 from .sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 
@@ -98,7 +98,7 @@ def _dropout_of(node: torch.fx.Node, modules: Mapping) -> tuple[float, Any, str 
     """(p, training, module path) for nn.Dropout, F.dropout, Tensor.dropout and torch.dropout(x, p, train)."""
     if node.op == "call_function" and node.target is torch.dropout:
         args = list(node.args) + [None] * 3
-        return float(node.kwargs.get("p", args[1])), node.kwargs.get("train", args[2]), None
+        return _dropout_p(node.kwargs.get("p", args[1]), node.kwargs.get("train", args[2]))
     return _dropout(node, modules)
 
 
@@ -129,9 +129,17 @@ def _opaque(scores: torch.fx.Node, modules: Mapping) -> str | None:
     return None
 
 
+def _metadata(node: torch.fx.Node) -> bool:
+    """``getattr(x, "dtype")`` (or device): a read of what a tensor is, not of its values."""
+    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+            and node.args[1] in ("dtype", "device"))
+
+
 def _single_user(chain: Sequence[torch.fx.Node], softmax: torch.fx.Node, end: torch.fx.Node) -> str | None:
     """A reason if a node of the attention (scores to weights) is read by anything outside it."""
     inside = set(chain) | {end}
+    for n in chain:  # x.dtype read only to cast x inside the attention (a TorchDynamo graph's .type(v.dtype))
+        inside |= {u for u in n.users if _metadata(u) and u.users and all(v in inside for v in u.users)}
     weights = False
     for n in chain:
         weights = weights or n is softmax

@@ -122,3 +122,31 @@ def test_the_fused_additive_mask_kernel_is_exact_against_the_allocator():
     grad_mask = (("N", 16), fxmem.TensorSpec(("N", "N"), requires_grad=True))  # the mask's gradient too
     report = check_training_against_real_run(opt, grad_mask, sizes[:1], lambda p: torch.optim.Adam(p), makers=makers)
     assert report.exact, report.notes
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(ids).logits
+
+
+def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_flag():
+    # transformers' GPT-2: fx cannot trace it; TorchDynamo sees its forward through a decorator's
+    # (*args, **kwargs), it returns a ModelOutput, and its nn.Dropout modules are inlined as
+    # dropout(p if training else 0): one graph that follows the flag, the attention found by sdpa
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32, use_cache=False,
+                                  attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = fxmem.optimize(model, fxmem.TensorSpec(("B", "L"), dtype=torch.int64))
+    log = opt.meta["fxmem"]
+    assert not [e for e in log if e["rule"] == "train/eval"], log
+    assert [e["status"] for e in log if e["rule"] == "sdpa"] in (["applied"], ["declined"]), log
+    assert all("formulas" in e["reason"] or "applied" == e["status"] for e in log if e["rule"] == "sdpa"), log
+    ids = torch.randint(0, 50, (2, 7))
+    assert type(opt(ids)) is type(model(ids))
+    assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])

@@ -136,6 +136,10 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             continue
         exprs = tc.dynamo_input_sizes(value) or [sympy.Integer(d) for d in real.shape]
         by_position = re.fullmatch(r"args_(\d+)", label)
+        if by_position and order is not None and label not in order and int(by_position.group(1)) < len(order):
+            # a forward wrapped in ``def wrapper(*args, **kwargs)`` (transformers' decorators): the
+            # call passed the forward's arguments in ``order``, so args_K is the K-th of them
+            label = order[int(by_position.group(1))]
         given = list(names.get(label) or (in_order[int(by_position.group(1))] if by_position and
                                           int(by_position.group(1)) < len(in_order) else ()))
         if given and len(given) != len(exprs):

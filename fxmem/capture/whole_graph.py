@@ -163,12 +163,25 @@ def _restore_output(gm: torch.fx.GraphModule, out: Any, flat: Sequence[Any], nam
         else:
             raise TraceError(f"{name} returns a {type(leaf).__name__}, which a graph cannot return")
     rebuilt = tc.tree_unflatten(mapped, spec)
-    if not _plain(rebuilt):
+    if _model_output(rebuilt):  # transformers' ModelOutput: a dict of its set fields, made into its class again
+        fields = {k: v for k, v in rebuilt.items()}
+        if not _plain(fields):
+            raise TraceError(f"{name} returns a {type(rebuilt).__name__} holding what a graph cannot return")
+        with gm.graph.inserting_before(output):
+            rebuilt = gm.graph.call_function(type(rebuilt), (), fields)  # the class itself, called with the fields
+    elif not _plain(rebuilt):
         raise TraceError(f"{name} returns a {type(rebuilt).__name__}; fxmem rebuilds tensors, tuples, lists and "
                          f"dicts of them only")
     output.args = (rebuilt,)
     gm.graph.lint()
     gm.recompile()
+
+
+def _model_output(value: Any) -> bool:
+    """Whether ``value`` is a transformers ``ModelOutput`` (an ordered dict of its set fields; found
+    by its class's bases, so transformers is never imported here)."""
+    return isinstance(value, dict) and any(c.__name__ == "ModelOutput" and c.__module__.startswith("transformers")
+                                           for c in type(value).__mro__)
 
 
 def _plain(value: Any) -> bool:

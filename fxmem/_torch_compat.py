@@ -1232,3 +1232,12 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
         return 0
     sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
     return sum(int(v) for v in sizes.split(",") if v.strip())
+
+
+def dynamo_cache_entries(code: Any) -> int:
+    """How many compiled frames TorchDynamo keeps for a code object (0 where this torch cannot say)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - older torch
+        return 0
+    return len(_debug_get_cache_entry_list(code))

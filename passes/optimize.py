@@ -169,6 +169,7 @@ def optimize(
                          f"traceable (mark the module that contains it as a leaf with leaf_modules=[...]), or "
                          f"optimize the submodules that can be captured") from exc
     gm = traced.graph_module
+    region = _region(gm, specs, symbols, name)
     # the rewrites are judged with the user's options; the training step's optimizer is optimize's own
     # choice (SGD without state: gradients, not state, are what a rewrite changes). Its many analyses
     # are not self-checked one by one (a real run each): each rewrite is verified on real runs against
@@ -179,6 +180,10 @@ def optimize(
     except ShapeError:
         analyze(gm, *input_specs, options=kw.replace(grad=False))  # a shape error at every size says where, in dims
         raise
+    if region is not None and not all(region[0].holds(sizes) for sizes in verify_at):
+        raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and fxmem's "
+                         f"verification sizes ({'; '.join(str(v) for v in verify_at)}) are outside it; pass "
+                         f"probe_sizes= inside it")
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     state = _Search(gm, model, input_specs, kw, verify_inputs, symbols, choose_hints(symbols, hints), None)
     if traced.capture:
@@ -188,8 +193,12 @@ def optimize(
         if budget is not None:  # never silence: the step must fit as it is, or say so
             _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
                       check_dims(dict(dims), symbols, "dims"), traced.reason)
-        gm.meta["fxmem"] = [log_entry("train/eval", "declined", name, traced.reason)] + [
+        log = [log_entry("train/eval", "declined", name, traced.reason)] + [
             log_entry(p.name, "no match", name, f"not looked for: {traced.reason}") for p in PASSES]
+        if region is not None:
+            gm, entry = _within(region, gm, model, name)
+            log.append(entry)
+        gm.meta["fxmem"] = log
         return gm
     hint_sizes = choose_hints(symbols, hints)
     state = _search(gm, state, probes, specs, name, settings, None)
@@ -209,6 +218,9 @@ def optimize(
         log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
     else:
         best, log = state.best, _tagged(state.log, None)
+    if region is not None:  # the captured graph holds within the model's own bounds: its forward elsewhere
+        best, entry = _within(region, best, model, name)
+        log += _tagged([entry], None)
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = log
     if traced.capture:  # what the rewritten graph is a graph of
@@ -260,6 +272,7 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
         state.log.append(log_entry("recompute", "no match", type(model).__name__,
                                    f"at dims {dims} the other form runs; the budget is fitted there"))
     else:  # after the rewrites: recompute what still does not fit
+        _share_modules(best, model)  # the model's modules under their names (tied weights by both names)
         best, entry = fit_budget(best, model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
                                  check_dims(dict(dims), symbols, "dims"), state.verify_inputs)
         state.log.append(entry)
@@ -277,6 +290,35 @@ def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwis
     for m in (best, forms, forms.when, forms.otherwise):
         m.training = model.training
     return best
+
+
+def _region(gm: torch.fx.GraphModule, specs: Sequence[InputSpec], symbols: Mapping, name: str) -> tuple | None:
+    """``(Guards, positions)`` where a captured graph holds only within size guards (``L <= 64``, the
+    model's own ``assert t <= block_size``), or None: every size."""
+    exprs = gm.meta.get("fxmem_guards")
+    if not exprs:
+        return None
+    guards = switch.Guards(exprs)
+    where = switch.positions(guards, specs, symbols)
+    try:
+        if where is None:
+            raise ValueError("a dim that is no input's size")
+        guards.holds({d: 2 for d in guards.dims})  # each can be evaluated on sizes
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {guards} (Python decides on "
+                         f"sizes there), and fxmem cannot check that at each call ({exc})") from exc
+    return guards, where
+
+
+def _within(region: tuple, best: torch.fx.GraphModule, model: torch.nn.Module, name: str) -> tuple:
+    """``best`` where the region's guards hold, the model's own forward elsewhere; and its record."""
+    guards, where = region
+    out = _forms(guards, where, best, model, model)
+    entry = log_entry("region", "applied", name,
+                      f"the graph TorchDynamo captured holds where {guards} (the model bounds its own sizes there, "
+                      f"with an assert or a branch on sizes): the result runs it there and the model's own forward "
+                      f"at every other size, so it computes what the model computes everywhere", when=None)
+    return out, entry
 
 
 def _tagged(log: list[dict], when: str | None) -> list[dict]:

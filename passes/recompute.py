@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
@@ -221,11 +220,14 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
             f"dims, or an optimizer with less state", best.peak, parts)
     best = min(fitting, key=lambda t: (t.flops, t.peak))
     diff = compare(model, best.module, verify_inputs)
-    if not diff.ok:
-        entry["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the recomputed "
-                           f"model does not compute what the original does; nothing is recomputed")
-        warnings.warn(f"fxmem.optimize: {entry['reason']}", RuntimeWarning, stacklevel=3)
-        return gm, entry
+    if not diff.ok:  # a budget that is not met is an error, never a warning beside a module that misses it
+        raise BudgetError(
+            f"fxmem.optimize(budget={budget!r}): recomputing {_where(best.plan)} would fit the training step at {at} "
+            f"into {format_bytes(limit)} ({format_bytes(best.peak)}), but fxmem's recomputed graph does not compute "
+            f"what the model does (verification: max diff {diff.max_abs:.3g} in {diff.where}) - a limit of fxmem's "
+            f"recomputation on this graph, not of your model; without it the step takes {format_bytes(base.peak)}. "
+            f"What to do: checkpoint the model's blocks yourself (torch.utils.checkpoint) and analyse it with "
+            f"fxmem.analyze, or a larger budget", base.peak, {})
     share = 100.0 * best.flops / planner.forward_flops if planner.forward_flops else 0.0
     entry.update(status="applied", where=_where(best.plan), plan=list(best.plan),
                  train_peak_after=str(best.report.train_peak), peak_at_dims_after=best.peak,
@@ -284,8 +286,18 @@ class _Planner:
     def trial(self, plan: tuple) -> Trial:
         by_name = {b.name: b for b in self.blocks}
         module = extract(self.gm, [(by_name[n], how) for n, how in plan]) if plan else self.gm
-        report = self.analyse(module)
-        peak = report.evaluate(**self.dims)["train_peak"]
+        try:
+            report = self.analyse(module)
+            peak = report.evaluate(**self.dims)["train_peak"]
+        except FxMemError as exc:
+            if not plan:
+                raise
+            # the plan's graph, not the user's shapes: say whose limit it is, and that the budget is not met
+            raise BudgetError(
+                f"fxmem.optimize: recomputing {_where(plan)} in backward (torch.utils.checkpoint) cannot be analysed "
+                f"on this model - a limit of fxmem's recomputation, not of your model or its shapes: "
+                f"{str(exc).splitlines()[0].replace(' on the given input shapes', '')}. The budget is not met; what to do: checkpoint the blocks yourself "
+                f"and analyse that model with fxmem.analyze, or a larger budget", 0, {}) from exc
         costs = {c.block.name: c for c in self.choices()} if plan else {}
         flops = sum(costs[n].flops[how] for n, how in plan)
         return Trial(plan, module, report, peak, flops)

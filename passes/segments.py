@@ -19,6 +19,7 @@ No submodule is added to the result, so its ``state_dict`` keys stay the model's
 from __future__ import annotations
 
 import dataclasses
+import re
 import functools
 import operator
 from typing import Any, Sequence
@@ -46,12 +47,18 @@ class Block:
     refusal: str | None = None  # why it cannot be recomputed (None: it can)
 
 
+def _path(entry: Any) -> str:
+    """A module path of an ``nn_module_stack`` entry, as the model names it: TorchDynamo writes
+    ``L['self'].blocks.0.attn`` for ``blocks.0.attn``."""
+    return re.sub(r"^L\['self'\]\.?", "", str(entry[0] if isinstance(entry, tuple) else entry))
+
+
 def _stack(node: torch.fx.Node) -> list[str]:
     if node.op == "call_module":
         stack = list((node.meta.get("nn_module_stack") or {}).values())
-        paths = [str(v[0] if isinstance(v, tuple) else v) for v in stack]
+        paths = [_path(v) for v in stack]
         return paths if paths and paths[-1] == node.target else paths + [str(node.target)]
-    return [str(v[0] if isinstance(v, tuple) else v) for v in (node.meta.get("nn_module_stack") or {}).values()]
+    return [_path(v) for v in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def blocks(gm: torch.fx.GraphModule) -> list[Block]:
@@ -158,7 +165,9 @@ def same_attributes(out: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> torc
     """Give ``out`` every submodule, parameter and buffer of ``gm`` (the same objects), not only
     those its graph uses: gradients and ``state_dict`` keys are the model's."""
     for name, child in gm.named_children():
-        if not hasattr(out, name):
+        # gm's own child, also where the GraphModule made a partial copy of it (parents of the
+        # attributes its graph reads, without those only a recomputed block reads now)
+        if getattr(out, name, None) is not child:
             setattr(out, name, child)
     for name, p in gm.named_parameters(recurse=False):
         if not hasattr(out, name):
@@ -181,6 +190,9 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 
 def _replace(gm: torch.fx.GraphModule, graph: torch.fx.Graph, nodes: list, selective: bool, name: str) -> None:
+    # a parameter or buffer the block reads (a causal mask buffer) stays an attribute of the module:
+    # the block gets it as an input (the block's own code has no attributes but its submodules)
+    nodes = [n for n in nodes if n.op != "get_attr"]
     inside = set(nodes)
     inputs: list = []
     for n in nodes:

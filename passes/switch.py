@@ -11,13 +11,68 @@ Condition(dim='E', k=2, other='N')
 """
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, Mapping, Sequence
+
+import sympy
 
 import torch
 import torch.fx
 
+from ..accounting.symbolic import _guard_text as guard_text
 from ..specs import InputSpec
 from .decide import Condition
+
+
+class Guards:
+    """Where a captured graph holds, as TorchDynamo's size guards in the user's dims (``L <= 64``
+    where the model asserts ``t <= block_size``): :meth:`holds` evaluates them on the call's sizes,
+    ints or symbolic sizes alike (Python comparisons: under fxmem's analysis they become its guards),
+    by walking the expressions - nothing is compiled or executed from text."""
+
+    def __init__(self, exprs: Sequence[sympy.Expr]) -> None:
+        self.exprs = tuple(exprs)
+        self.dims = sorted({str(x) for g in self.exprs for x in g.free_symbols})
+
+    def __str__(self) -> str:
+        return " and ".join(guard_text(g) for g in self.exprs)
+
+    def holds(self, sizes: Mapping[str, Any]) -> bool:
+        return all(bool(_value(g, sizes)) for g in self.exprs)
+
+
+_RELATIONS = {sympy.Le: operator.le, sympy.Lt: operator.lt, sympy.Ge: operator.ge, sympy.Gt: operator.gt,
+              sympy.Eq: operator.eq, sympy.Ne: operator.ne}
+
+
+def _value(expr: sympy.Expr, sizes: Mapping[str, Any]) -> Any:
+    """``expr`` at ``sizes`` with Python's operators (sizes may be SymInts)."""
+    if expr.is_Symbol:
+        return sizes[str(expr)]
+    if expr.is_Integer:
+        return int(expr)
+    if type(expr) in _RELATIONS:
+        return _RELATIONS[type(expr)](_value(expr.lhs, sizes), _value(expr.rhs, sizes))
+    args = [_value(a, sizes) for a in expr.args]
+    if isinstance(expr, sympy.Add):
+        return functools.reduce(operator.add, args)
+    if isinstance(expr, sympy.Mul):
+        return functools.reduce(operator.mul, args)
+    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) >= 0:
+        return functools.reduce(operator.mul, [args[0]] * int(expr.exp), 1)
+    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
+        num = [a for a in expr.args[0].args if not (a.is_Pow and a.exp == -1) and not a.is_Rational]
+        den = [a.base for a in expr.args[0].args if a.is_Pow and a.exp == -1]
+        q = [a for a in expr.args[0].args if a.is_Rational and not a.is_Integer]
+        top = functools.reduce(operator.mul, [_value(a, sizes) for a in num] + [int(r.p) for r in q], 1)
+        bottom = functools.reduce(operator.mul, [_value(a, sizes) for a in den] + [int(r.q) for r in q], 1)
+        return top // bottom
+    if type(expr).__name__ in ("FloorDiv",):
+        return args[0] // args[1]
+    if isinstance(expr, sympy.Mod) or type(expr).__name__ in ("PythonMod",):
+        return args[0] % args[1]
+    raise ValueError(f"cannot evaluate {expr} on sizes")
 
 
 class Forms(torch.nn.Module):
@@ -62,10 +117,12 @@ def _named_forms(module: Forms) -> list:
     return [("fxmem_forms.when", module.when), ("fxmem_forms.otherwise", module.otherwise)]
 
 
-def positions(condition: Condition, specs: Sequence[InputSpec], symbols: Mapping[str, Any]) -> dict | None:
-    """Where each dim of ``condition`` is an input's size (first plain occurrence); None if one is not."""
+def positions(condition: Any, specs: Sequence[InputSpec], symbols: Mapping[str, Any]) -> dict | None:
+    """Where each dim of ``condition`` (a :class:`Condition` or :class:`Guards`) is an input's size
+    (first plain occurrence); None if one is not."""
     out = {}
-    for dim in (condition.dim, condition.other):
+    dims = condition.dims if isinstance(condition, Guards) else (condition.dim, condition.other)
+    for dim in dims:
         if dim is None:
             continue
         at = next(((i, a) for i, s in enumerate(specs) for a, d in enumerate(s.dims) if d == symbols[dim]), None)
@@ -75,11 +132,12 @@ def positions(condition: Condition, specs: Sequence[InputSpec], symbols: Mapping
     return out
 
 
-def build(condition: Condition, where: Mapping[str, tuple[int, int]], when: torch.fx.GraphModule,
-          otherwise: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
+def build(condition: Any, where: Mapping[str, tuple[int, int]], when: torch.fx.GraphModule,
+          otherwise: torch.nn.Module, name: str) -> torch.fx.GraphModule:
     """A GraphModule with ``otherwise``'s call signature whose one node calls :class:`Forms`."""
     graph = torch.fx.Graph()
-    args = [graph.node_copy(n) for n in otherwise.graph.nodes if n.op == "placeholder"]
+    signature = otherwise if isinstance(otherwise, torch.fx.GraphModule) else when  # the model itself: when's
+    args = [graph.node_copy(n) for n in signature.graph.nodes if n.op == "placeholder"]
     out = graph.call_module("fxmem_forms", tuple(args))
     graph.output(out)
     root = torch.nn.Module()

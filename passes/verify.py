@@ -95,7 +95,9 @@ def _run(module: torch.nn.Module, inputs: Sequence[Any], dtype: torch.dtype | No
     weights = torch.Generator().manual_seed(seed + 1)
     terms = [(t * torch.randn(t.shape, generator=weights, dtype=t.dtype).to(t.device)).sum() for t in leaves
              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    named = [(f"gradient of {n}", p) for n, p in module.named_parameters() if p.requires_grad]
+    # every name of a tied parameter (wte.weight and lm_head.weight): which one named_parameters() keeps
+    # depends on the order the modules were registered in, which a graph's copy need not share
+    named = [(f"gradient of {n}", p) for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
     named += [(f"gradient of input {k}", x) for k, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
     if terms and named:
         grads = torch.autograd.grad(sum(terms), [t for _, t in named], allow_unused=True)

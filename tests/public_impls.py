@@ -188,6 +188,36 @@ class NanoGPTAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class NanoGPT(nn.Module):
+    """nanoGPT's ``GPT`` (pre-norm blocks of its attention and a GELU MLP, tied embeddings), with its
+    ``assert t <= self.config.block_size``: the model bounds its own sequence length."""
+
+    def __init__(self, vocab: int = 64, n_layer: int = 2, n_embd: int = 32, n_head: int = 4, block_size: int = 48,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.block_size = block_size
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(n_embd), attn=NanoGPTAttention(n_embd, n_head, block_size, dropout),
+            ln_2=nn.LayerNorm(n_embd), mlp=nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                                         nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))))
+            for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = x + block["attn"](block["ln_1"](x))
+            x = x + block["mlp"](block["ln_2"](x))
+        return self.lm_head(self.ln_f(x))
+
+
 class ViTAttention(nn.Module):
     """vit-pytorch's ``Attention``: a LayerNorm, one qkv map chunked in three, heads split with
     einops, scaled dot products, softmax, dropout, heads merged, an output map."""

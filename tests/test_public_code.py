@@ -150,3 +150,44 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     ids = torch.randint(0, 50, (2, 7))
     assert type(opt(ids)) is type(model(ids))
     assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
+
+
+def test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal():
+    # nanoGPT's GPT asserts t <= block_size: fx cannot trace it, TorchDynamo's graph holds where
+    # L <= block_size. The result runs the rewritten graph there and the model's forward elsewhere
+    torch.manual_seed(0)
+    model = P.NanoGPT(n_layer=1, block_size=48, dropout=0.1)
+    ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+    opt = fxmem.optimize(model, ids)
+    log = opt.meta["fxmem"]
+    (region,) = [e for e in log if e["rule"] == "region"]
+    assert region["status"] == "applied" and "L <= 48" in region["reason"], region
+    assert "sdpa" in _applied(opt), log
+    assert [n for n, _ in opt.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(opt.state_dict()) == list(model.state_dict())
+    # the capture leaves nothing in TorchDynamo's cache of the model's own code (the 9th capture of
+    # one class in a process hit the recompile limit; the user's torch.compile would count them)
+    from fxmem import _torch_compat as tc
+    assert tc.dynamo_cache_entries(P.NanoGPT.forward.__code__) == 0
+    assert tc.dynamo_cache_entries(P.NanoGPTAttention.forward.__code__) == 0
+    for t in (5, 48):  # inside: the rewritten graph, the same outputs and gradients in every mode
+        assert_same_in_every_mode(model, opt, [torch.randint(0, 64, (2, t))], rtol=1e-6, atol=1e-8)
+    with pytest.raises(AssertionError, match="block size is only 48"):  # outside: the model's own forward
+        opt(torch.randint(0, 64, (2, 49)))
+    # a budget at the model's own bound is met by recomputation (or refused), never left unmet in silence
+    from fxmem.passes.recompute import BudgetError
+    plain = P.NanoGPT(n_layer=2, block_size=48)
+    adamw = lambda p: torch.optim.AdamW(p, lr=1e-4)
+    step = fxmem.analyze(plain, ids, optimizer=adamw).evaluate(B=8, L=48)["train_peak"]
+    fitted = fxmem.optimize(plain, ids, budget=int(step * 0.75), dims={"B": 8, "L": 48}, optimizer=adamw)
+    (entry,) = [e for e in fitted.meta["fxmem"] if e["rule"] == "recompute"]
+    assert entry["status"] == "applied" and entry["peak_at_dims_after"] <= step * 0.75, entry
+    assert_same_in_every_mode(plain, fitted, [torch.randint(0, 64, (2, 9))], rtol=1e-6, atol=1e-8)
+    with pytest.raises(BudgetError):
+        fxmem.optimize(plain, ids, budget=int(step * 0.2), dims={"B": 8, "L": 48}, optimizer=adamw)
+    # fxmem's analysis of the result holds where the graph does, and agrees with the allocator
+    report = fxmem.analyze(opt, ids)
+    assert "L <= 48" in report.region, report.region
+    from conftest import check_against_real_run
+    tokens = {"idx": lambda shape, sizes: torch.randint(0, 64, shape)}
+    check_against_real_run(opt.eval(), (ids,), [{"B": 3, "L": 40}, {"B": 2, "L": 17}], makers=tokens)

@@ -44,6 +44,7 @@ class DynamoGraph:
     notes: list
     specialised: list = dataclasses.field(default_factory=list)  # the user's dims Dynamo fixed to a number
     guards: list = dataclasses.field(default_factory=list)  # where the graph holds (Dynamo's size guards)
+    guard_exprs: list = dataclasses.field(default_factory=list)  # the same, as sympy relations in the dims
 
 
 # higher-order operators whose graphs fxmem runs as Dynamo made them, checked against real runs
@@ -216,12 +217,13 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             _install(root, str(node.target), _get(gm, str(node.target)))
     module = torch.fx.GraphModule(root, graph, "CompiledGraph")
     dims_of = {s: sympy.Symbol(v) if isinstance(v, str) else sympy.Integer(v) for s, v in name_of.items()}
-    guards = [str(g.xreplace(dims_of)) for g in tc.dynamo_shape_guards([tc.dynamo_example_value(n)
+    guard_exprs = [g.xreplace(dims_of) for g in tc.dynamo_shape_guards([tc.dynamo_example_value(n)
                                                                           for n in placeholders])]
+    guards = [str(g) for g in guard_exprs]
     if guards:
         notes.append(f"TorchDynamo compiled this graph where {', '.join(guards)} (its guards; at other sizes the "
                      f"compiled model runs another graph)")
-    return DynamoGraph(module, specs, hints, notes, specialised, guards)
+    return DynamoGraph(module, specs, hints, notes, specialised, guards, guard_exprs)
 
 
 def _has(module: torch.nn.Module, path: str) -> bool:

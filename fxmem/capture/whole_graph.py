@@ -12,8 +12,10 @@ True
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -54,9 +56,13 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     if graph.specialised:
         raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
                          f"{type(model).__name__}, so it holds at that size only")
-    if graph.guards:  # a branch on sizes: the graph is one of several, a rewrite must hold at every size
-        raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
-                         f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
+    if graph.guards:  # a branch on sizes, or an assert: the graph holds where they do
+        if not all(isinstance(g, sympy.Rel) and {str(x) for x in g.free_symbols} <= set(dims)
+                   for g in graph.guard_exprs):
+            raise TraceError(f"the graph TorchDynamo captured of {type(model).__name__} holds only where "
+                             f"{', '.join(graph.guards)} (Python decides on sizes there), not at every size")
+        # the graph holds there; who uses it runs the model's own forward elsewhere (passes.switch.Guards)
+        graph.module.meta["fxmem_guards"] = tuple(graph.guard_exprs)
     _follow_the_models_dtype(graph.module, model, inputs, names, order)
     _restore_output(graph.module, out, flat, type(model).__name__)
     _share_tensors(graph.module, model)
@@ -79,13 +85,25 @@ def _compiled(twin: torch.nn.Module, inputs: list, names: dict, order: Sequence[
 
     try:
         with torch.no_grad():
-            out = torch.compile(twin, backend=backend, dynamic=True, fullgraph=True)(*inputs)
+            out = torch.compile(_fresh_entry(twin), backend=backend, dynamic=True, fullgraph=True)(*inputs)
     except Exception as exc:  # Dynamo's refusal: no graph to rewrite
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(f"TorchDynamo cannot capture {name} as one graph: {type(exc).__name__}: {text}") from exc
     if len(found) != 1 or not returned:
         raise TraceError(f"TorchDynamo captured {len(found)} graphs of {name}, not one")
     return found[0], out, returned[0]
+
+
+def _fresh_entry(module: torch.nn.Module) -> Any:
+    """A function calling ``module`` whose code object is new at each capture. TorchDynamo keeps its
+    compiled frames per code object: compiling ``module`` itself would add an entry to the cache of
+    its class's ``forward`` at each capture (each copy fails the last one's guards), until the
+    recompile limit fails a ``fullgraph`` capture (the 9th model of one class in a process) - and
+    those entries would count against the user's own ``torch.compile`` of that class. Everything the
+    call runs is inlined into this one frame, so the entries stay with this code object."""
+    def entry(*args: Any) -> Any:
+        return module(*args)
+    return types.FunctionType(entry.__code__.replace(), entry.__globals__, "entry", None, entry.__closure__)
 
 
 def _follow_the_models_dtype(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list, names: dict,

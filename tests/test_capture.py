@@ -77,9 +77,10 @@ def test_optimize_says_when_neither_fx_nor_dynamo_captures_a_graph():
         fxmem.optimize(OnValues(), ("B", 4))
 
 
-def test_a_graph_that_holds_for_some_sizes_only_is_not_rewritten():
-    """Dynamo follows ``if x.size(0) > 10`` for the size it ran at and guards on it; that graph is
-    wrong at other sizes, so optimize refuses it (fx would have refused the branch too)."""
+def test_a_graph_that_holds_for_some_sizes_only_runs_only_there():
+    """Dynamo follows ``if x.size(0) > 10`` for the size it ran at and guards on it; that graph holds
+    where N <= 10 only, so the result runs it there and the model's own forward (the other branch)
+    at every other size: the same numbers as the model on both sides."""
     class SizeBranch(ScatterGCN):
         def forward(self, x, edge_index):
             out = torch.zeros(x.size(0), 32)
@@ -87,5 +88,11 @@ def test_a_graph_that_holds_for_some_sizes_only_is_not_rewritten():
                 out = out + 1
             return out.index_add_(0, edge_index[1], self.lin(x)[edge_index[0]])
 
-    with pytest.raises(fxmem.TraceError, match=r"holds only where N <= 10"):
-        fxmem.optimize(SizeBranch(), ("N", 16), EDGES)
+    torch.manual_seed(0)
+    model = SizeBranch()
+    opt = fxmem.optimize(model, ("N", 16), EDGES)
+    (entry,) = [e for e in opt.meta["fxmem"] if e["rule"] == "region"]
+    assert entry["status"] == "applied" and "N <= 10" in entry["reason"], entry
+    for n, e in ((6, 40), (10, 25), (11, 30), (40, 300)):  # both sides of the guard
+        x, ei = _inputs(n, e, seed=n)
+        torch.testing.assert_close(opt(x, ei), model(x, ei))

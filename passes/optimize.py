@@ -184,6 +184,13 @@ def optimize(
         raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and fxmem's "
                          f"verification sizes ({'; '.join(str(v) for v in verify_at)}) are outside it; pass "
                          f"probe_sizes= inside it")
+    if region is not None and budget is not None and not region[0].holds(check_dims(dict(dims), symbols, "dims")):
+        # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
+        _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
+                  check_dims(dict(dims), symbols, "dims"),
+                  f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and at the dims the result "
+                  f"runs the model's own forward; what to do: checkpoint the model's blocks yourself "
+                  f"(torch.utils.checkpoint), dims inside that region, or a larger budget")
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
     state = _Search(gm, model, input_specs, kw, verify_inputs, symbols, choose_hints(symbols, hints), None)
     if traced.capture:
@@ -192,7 +199,9 @@ def optimize(
         _share_modules(gm, model)
         if budget is not None:  # never silence: the step must fit as it is, or say so
             _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                      check_dims(dict(dims), symbols, "dims"), traced.reason)
+                      check_dims(dict(dims), symbols, "dims"),
+                      f"{traced.reason}; what to do: make the model compute the same graph in train and eval mode, "
+                      f"or a larger budget")
         log = [log_entry("train/eval", "declined", name, traced.reason)] + [
             log_entry(p.name, "no match", name, f"not looked for: {traced.reason}") for p in PASSES]
         if region is not None:
@@ -316,8 +325,9 @@ def _within(region: tuple, best: torch.fx.GraphModule, model: torch.nn.Module, n
     out = _forms(guards, where, best, model, model)
     entry = log_entry("region", "applied", name,
                       f"the graph TorchDynamo captured holds where {guards} (the model bounds its own sizes there, "
-                      f"with an assert or a branch on sizes): the result runs it there and the model's own forward "
-                      f"at every other size, so it computes what the model computes everywhere", when=None)
+                      f"with an assert or a branch on sizes; Dynamo's guards): the result runs it there and the "
+                      f"model's own forward at every other size (none of the rewrites, none of their savings), so "
+                      f"it computes what the model computes everywhere", when=None)
     return out, entry
 
 
@@ -342,8 +352,7 @@ def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, b
     if peak > limit:
         at = ", ".join(f"{k}={v}" for k, v in dims.items())
         raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training step at {at} takes {peak:,} bytes, over "
-                          f"the budget, and nothing could be rewritten or recomputed: {why}; what to do: make the "
-                          f"model compute the same graph in train and eval mode, or a larger budget", peak, {})
+                          f"the budget, and nothing could be rewritten or recomputed: {why}", peak, {})
 
 
 def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list[InputSpec], symbols: Mapping,

@@ -594,14 +594,21 @@ def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, 
     if vals.dim() < 2 or vals.shape[-2] != lhs.shape[-1]:
         return "the values do not have one row per column j"
     padded = [1] * (len(batch) - (vals.dim() - 2)) + list(vals.shape[:-2])
-    if len(padded) != len(batch) or any((b is None) != (size == 1) for b, size in zip(batch, padded)):
-        return "the values are broadcast over the heads or the batch; only values with their own rows are fused"
+    if len(padded) != len(batch) or any(b is None and size != 1 for b, size in zip(batch, padded)):
+        return "the values have axes the attention weights do not"
+    # values shared by every head (att @ h[:, None]): the kernel takes them expanded over the heads
+    shared = [b for b, size in zip(batch, padded) if b is not None and size == 1]
+    if shared and sorted(shared) != sorted(groups_heads):
+        return ("the values are broadcast over the batch or over some of the heads; only values with their own "
+                "rows, or shared by every head, are fused")
     batch_axes = [b for b in batch if b is not None]
     if sorted(batch_axes) != sorted(g_order):
         return "the matmul's batch axes are not the attention's batch and head axes"
     value_squeeze = tuple(d for d, size in enumerate(vals.shape[:-2]) if size == 1)
-    values_axes = (value_squeeze, tuple(batch_axes.index(a) for a in g_order) + (len(batch_axes), len(batch_axes) + 1),
-                   (gm_n, gh_n))
+    own = [b for b, size in zip(batch, padded) if b is not None and size != 1]  # the values' non-1 axes, in order
+    wanted = groups_mask + ([] if shared else groups_heads)
+    values_axes = (value_squeeze, tuple(own.index(a) for a in wanted) + (len(own), len(own) + 1),
+                   (gm_n, 0 if shared else gh_n))
     # the fused result is [Gm.., Gh.., N, F]: back to the matmul's order, size-1 dims put back
     out_order = tuple(g_order.index(a) for a in batch_axes) + (len(g_order), len(g_order) + 1)
     out_unsqueeze = tuple(d for d, b in enumerate(batch) if b is None)
@@ -665,9 +672,11 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
     compare, threshold, keep, fill, slope, block_bytes = options
     s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
     h, adj = gather_axes(values, values_axes), gather_axes(source, mask_axes)
+    if h.shape[1] != s.shape[1]:  # values shared by the heads: a view over them (the kernel copies it once)
+        h = h.expand(h.shape[0], s.shape[1], *h.shape[2:])
     out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
                            block_bytes=block_bytes)
-    return scatter_axes(out, values, values_axes, out_order, out_unsqueeze)
+    return scatter_axes(out, u, u_axes, out_order, out_unsqueeze)  # u has every group axis of the result
 
 
 def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,

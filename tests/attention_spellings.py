@@ -87,6 +87,26 @@ class DenseGATLike(nn.Module):
         return out.movedim(1, 2).reshape(B, N, HEADS * FEAT)
 
 
+class SharedValues(nn.Module):
+    """Heads first [B, H, N, N], each head with its own scores, the values shared by every head
+    (``att @ g[:, None]``: one [B, 1, N, F] tensor broadcast over the heads), heads averaged."""
+
+    SPECS = (("B", "N", FIN), ("B", "N", "N"))
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lin, self.values = nn.Linear(FIN, HEADS * FEAT), nn.Linear(FIN, FEAT)
+        self.a_src, self.a_dst = _param(HEADS, FEAT), _param(HEADS, FEAT)
+
+    def forward(self, x, adj):
+        B, N = x.shape[0], x.shape[1]
+        h = self.lin(x).view(B, N, HEADS, FEAT).transpose(1, 2)  # [B, H, N, F]
+        s = (h * self.a_src[:, None]).sum(-1).unsqueeze(-1)
+        t = (h * self.a_dst[:, None]).sum(-1).unsqueeze(-2)
+        e = F.leaky_relu(s + t, 0.2).masked_fill(adj.unsqueeze(1) == 0, float("-inf"))
+        return (torch.softmax(e, dim=-1) @ self.values(x)[:, None]).mean(1)  # [B, N, F]
+
+
 class BothExpanded(DecomposedHead):
     """Both halves broadcast by hand: s.expand(B, N, N) + t.expand(B, N, N) (two N x N views)."""
 
@@ -225,7 +245,8 @@ class SoftmaxOverRows(DecomposedHead):
         return torch.matmul(F.softmax(torch.where(adj > 0, e, -9e15 * torch.ones_like(e)), dim=1), h)
 
 
-SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask, BothExpanded, HeadsFirstExpanded]
+SPELLINGS = [DecomposedHead, HeadsFirst, DenseGATLike, UnbatchedBoolMask, BothExpanded, HeadsFirstExpanded,
+             SharedValues]
 LOOKALIKES = [GATv2Attention, LearnedBias, DotProductScores, ProductScores, DropoutAlwaysOn, SoftmaxOverRows]
 
 

@@ -14,7 +14,7 @@ step, next to what the CPU allocator measured on real runs at held-out sizes (in
                                                          # group norm, grouped convs, interpolate, unfold,
                                                          # cdist, dtype casts, in-place through views, RNNs)
 
-Writes benchmarks/results/exactness.{json,md} (``--extended``: exactness_extended.{json,md}) with the
+Writes benchmarks/results/exactness.{json,md} (``--extended``: exactness_extended.{json,md}; ``--name``: another) with the
 machine, torch version and command.
 """
 from __future__ import annotations
@@ -113,12 +113,14 @@ def main() -> None:
     parser.add_argument("--no-corpus", action="store_true")
     parser.add_argument("--extended", action="store_true", help="the fuzzer's newer op families too")
     parser.add_argument("--jobs", type=int, default=1, help="fuzzer worker processes (one thread each)")
+    parser.add_argument("--name", help="the results' file name (default exactness or exactness_extended): "
+                                       "a run on another CPU kept next to the first")
     args = parser.parse_args()
     start, stop = (int(v) for v in args.fuzz_seeds.split(":"))
     t0 = time.perf_counter()
     corpus, skipped = ([], []) if args.no_corpus else corpus_rows()
     fuzz = fuzz_rows(range(start, stop), args.extended, args.jobs)
-    stem = "exactness_extended" if args.extended else "exactness"
+    stem = args.name or ("exactness_extended" if args.extended else "exactness")
     from fxmem.measure import machine_name
 
     counts = collections.Counter(r["status"] for r in fuzz)

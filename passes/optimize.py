@@ -184,6 +184,11 @@ def optimize(
         raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and fxmem's "
                          f"verification sizes ({'; '.join(str(v) for v in verify_at)}) are outside it; pass "
                          f"probe_sizes= inside it")
+    if region is not None and hints and not region[0].holds(choose_hints(symbols, hints)):
+        raise SpecError(f"hints={dict(hints)} lie outside where the graph TorchDynamo captured of {name} holds "
+                        f"({region[0]}; the model bounds its own sizes there), so the rewrites cannot be judged at "
+                        f"them: give hints inside it, or leave hints out (the result runs the model's own forward "
+                        f"outside it)")
     if region is not None and budget is not None and not region[0].holds(check_dims(dict(dims), symbols, "dims")):
         # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
         _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,

@@ -174,6 +174,8 @@ def test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal():
         assert_same_in_every_mode(model, opt, [torch.randint(0, 64, (2, t))], rtol=1e-6, atol=1e-8)
     with pytest.raises(AssertionError, match="block size is only 48"):  # outside: the model's own forward
         opt(torch.randint(0, 64, (2, 49)))
+    with pytest.raises(fxmem.SpecError, match=r"hints=\{'L': 48\} lie outside .*\(L <= 48 and L != 48"):
+        fxmem.optimize(model, ids, hints={"L": 48})  # named as such, not blamed on the shapes
     # a budget at the model's own bound is met by recomputation (or refused), never left unmet in silence
     from fxmem.passes.recompute import BudgetError
     plain = P.NanoGPT(n_layer=2, block_size=48)

@@ -384,14 +384,12 @@ def _sum_axes(parts: dict, env: Mapping, modules: Mapping) -> dict | str:
     ids = _ids_through(parts, env, modules)
     if ids is None or tuple(ids.shape) != shape or ids.numel() != add.numel():
         return reshaped
-    own = {}
-    for b in added_nonone:
-        own[math.prod(added[b + 1:])] = b
+    own = {math.prod(added[b + 1:]): b for b in added_nonone}  # a contiguous sum's stride -> its axis
     found = half_strides(Provenance(torch.zeros_like(ids), ids, [added]), 0, shape[-1]) if ids.ndim else "no axes"
     if isinstance(found, str) or found[2] != 0:
         return reshaped
     amap = {}
-    for a, stride in zip(range(len(shape)), found[1]):
+    for a, stride in enumerate(found[1]):
         if shape[a] == 1:
             continue
         b = own.get(stride)
@@ -404,33 +402,18 @@ def _sum_axes(parts: dict, env: Mapping, modules: Mapping) -> dict | str:
 
 
 def _ids_through(parts: dict, env: Mapping, modules: Mapping) -> torch.Tensor | None:
-    """The sum's element ids carried to the scores through the chain's copying ops (LeakyReLU, an
-    elementwise op between them, keeps ids in place)."""
-    upper, leaky, lower = parts["chain"]
-    add = parts["add"]
-    values: dict = {add: torch.arange(env[add].numel()).reshape(env[add].shape)}
+    """The sum's flat element ids laid out as the scores: the copying ops from the sum to LeakyReLU
+    and from LeakyReLU to the masked scores, each run on ids (:func:`.data_movement.provenance`),
+    composed (LeakyReLU, elementwise, keeps every element in place)."""
+    scores, leaky = parts["chain"]
     try:
-        for n in lower:  # graph order: from the sum up to LeakyReLU's input
-            values[n] = _run_copy(n, values, env, modules)
-        top_in = lower[-1] if lower else add
-        values[leaky] = values[top_in]
-        for n in upper:  # from LeakyReLU up to the masked scores
-            values[n] = _run_copy(n, values, env, modules)
-    except Exception:  # noqa: BLE001 - an op that does not take ids: not a plain copy
+        up, low = (trace_movement(t, env, modules) for t in (scores, leaky.args[0]))
+        if up.sources != [leaky] or low.sources != [parts["add"]]:
+            return None
+        above, below = provenance(up, env, modules), provenance(low, env, modules)
+    except (ValueError, TypeError, RuntimeError):  # an op that does not take ids: not a plain copy
         return None
-    return values[upper[-1] if upper else leaky]
-
-
-def _run_copy(node: torch.fx.Node, values: dict, env: Mapping, modules: Mapping) -> torch.Tensor:
-    def arg(a):
-        return values[a] if a in values else env[a]
-    args = torch.fx.node.map_arg(node.args, arg)
-    kwargs = torch.fx.node.map_arg(node.kwargs, arg)
-    if node.op == "call_method":
-        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    raise ValueError(node.op)
+    return below.flat.reshape(-1)[above.flat]
 
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -507,7 +490,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
             return compared
         source, compare, threshold, keep = _bool_mask(*compared, env)
     u, v = _unexpanded(add, probes)
-    chain = (upper[::-1], leaky, lower[::-1]) if upper or lower else None  # copying ops, in graph order
+    chain = (mask.scores, leaky) if upper or lower else None  # copying ops around LeakyReLU
     parts = {"scores": x, "add": add, "u": u, "v": v, "source": source, "chain": chain}
     per_probe = [_axes(parts, p.env, modules) for p in probes]
     bad = next((a for a in per_probe if isinstance(a, str)), None)

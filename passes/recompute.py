@@ -296,8 +296,9 @@ class _Planner:
             raise BudgetError(
                 f"fxmem.optimize: recomputing {_where(plan)} in backward (torch.utils.checkpoint) cannot be analysed "
                 f"on this model - a limit of fxmem's recomputation, not of your model or its shapes: "
-                f"{str(exc).splitlines()[0].replace(' on the given input shapes', '')}. The budget is not met; what to do: checkpoint the blocks yourself "
-                f"and analyse that model with fxmem.analyze, or a larger budget", 0, {}) from exc
+                f"{str(exc).splitlines()[0].replace(' on the given input shapes', '')}. The budget is not met; "
+                f"what to do: checkpoint the blocks yourself and analyse that model with fxmem.analyze, or a larger "
+                f"budget", 0, {}) from exc
         costs = {c.block.name: c for c in self.choices()} if plan else {}
         flops = sum(costs[n].flops[how] for n, how in plan)
         return Trial(plan, module, report, peak, flops)

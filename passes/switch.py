@@ -61,18 +61,11 @@ def _value(expr: sympy.Expr, sizes: Mapping[str, Any]) -> Any:
         return functools.reduce(operator.mul, args)
     if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) >= 0:
         return functools.reduce(operator.mul, [args[0]] * int(expr.exp), 1)
-    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
-        num = [a for a in expr.args[0].args if not (a.is_Pow and a.exp == -1) and not a.is_Rational]
-        den = [a.base for a in expr.args[0].args if a.is_Pow and a.exp == -1]
-        q = [a for a in expr.args[0].args if a.is_Rational and not a.is_Integer]
-        top = functools.reduce(operator.mul, [_value(a, sizes) for a in num] + [int(r.p) for r in q], 1)
-        bottom = functools.reduce(operator.mul, [_value(a, sizes) for a in den] + [int(r.q) for r in q], 1)
-        return top // bottom
-    if type(expr).__name__ in ("FloorDiv",):
+    if type(expr).__name__ == "FloorDiv":  # torch's own sympy functions in ShapeEnv guards
         return args[0] // args[1]
-    if isinstance(expr, sympy.Mod) or type(expr).__name__ in ("PythonMod",):
+    if isinstance(expr, sympy.Mod) or type(expr).__name__ == "PythonMod":
         return args[0] % args[1]
-    raise ValueError(f"cannot evaluate {expr} on sizes")
+    raise ValueError(f"cannot evaluate {expr} on sizes")  # the caller refuses the graph, saying so
 
 
 class Forms(torch.nn.Module):

@@ -182,7 +182,7 @@ def _restore_output(gm: torch.fx.GraphModule, out: Any, flat: Sequence[Any], nam
             raise TraceError(f"{name} returns a {type(leaf).__name__}, which a graph cannot return")
     rebuilt = tc.tree_unflatten(mapped, spec)
     if _model_output(rebuilt):  # transformers' ModelOutput: a dict of its set fields, made into its class again
-        fields = {k: v for k, v in rebuilt.items()}
+        fields = dict(rebuilt)
         if not _plain(fields):
             raise TraceError(f"{name} returns a {type(rebuilt).__name__} holding what a graph cannot return")
         with gm.graph.inserting_before(output):

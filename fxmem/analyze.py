@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -16,14 +17,14 @@ from .isolation import ambient_grad_note, isolated
 from .accounting import MemoryPlan
 from .capture import forward_parameters, trace
 from .capture import Capture, fallback
-from .errors import FxMemError, InternalError, ModelError, ShapeError, TraceError
+from .errors import FxMemError, InternalError, ModelError, ShapeError, SpecError, TraceError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
-from .options import AnalysisOptions
+from .options import WORLD_SIZE_AND_PARALLELIZE, AnalysisOptions
 from .progress import progress_to_stderr, showing
-from .distributed import Parallel, refuse_wrapped
+from .distributed import Parallel, adopt, adopted_parallel, refuse_wrapped
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
@@ -71,10 +72,19 @@ def analyze(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
     training = Training(optimizer, loss, opts.step) if optimizer is not None else None
-    parallel = Parallel(opts.world_size, opts.rank, opts.parallelize) if opts.parallelize is not None else None
+    parallel = Parallel(opts.world_size, opts.rank or 0, opts.parallelize) if opts.parallelize is not None else None
     if isinstance(model, torch.nn.Module):
         check_runnable(model)
+        adopted = adopt(model) if parallel is None else None
+        if adopted is not None:  # the user's own wrapping, applied again to fxmem's copy in a group of its own
+            model, parallel = adopted.model, adopted_parallel(adopted, opts)
+            # the report's options say what was analysed (a re-analysis then needs no wrapper)
+            opts = dataclasses.replace(opts, world_size=parallel.world_size, rank=parallel.rank,
+                                       parallelize=parallel.fn)
         refuse_wrapped(model)
+    if parallel is None and (opts.world_size is not None or opts.rank not in (None, 0)):
+        raise SpecError(WORLD_SIZE_AND_PARALLELIZE if opts.world_size is not None else
+                        f"rank={opts.rank!r} needs world_size= and parallelize= (or a model you wrapped already)")
 
     symbols: dict = {}
     target: torch.nn.Module | Blueprint
@@ -102,7 +112,7 @@ def analyze(
     capture = Capture(mode, "the original forward" if mode == "eager" else "the GraphModule as given"
                       if isinstance(example, torch.fx.GraphModule) else "torch.fx symbolic trace")
     if parallel is not None:  # FSDP2's and DDP's hooks work through the modules' own calls
-        capture = Capture("eager", f"the original forward, parallelised by parallelize= over "
+        capture = Capture("eager", f"the original forward, parallelised by {parallel.how} over "
                                    f"{parallel.world_size} ranks (rank {parallel.rank})")
         mode = "eager"
     if isinstance(target, torch.nn.Module) and mode != "eager":

@@ -34,6 +34,11 @@ __all__ = ["AnalysisOptions", "MODES"]
 MODES = ("auto", "graph", "eager")
 
 
+WORLD_SIZE_AND_PARALLELIZE = (
+    "world_size= and parallelize= go together: parallelize=fn shards the model over world_size ranks (fn(model, "
+    "mesh) calls fully_shard or wraps in DistributedDataParallel); a model you wrapped already needs neither")
+
+
 @dataclasses.dataclass(frozen=True)
 class AnalysisOptions:
     """The options of one analysis (bytes are always what is reported; these say of what).
@@ -72,12 +77,16 @@ class AnalysisOptions:
             ``False`` simulates every block: the same numbers, slower.
         world_size: the number of ranks (GPUs) ``parallelize`` shards the model over; the report
             is one rank's memory (bytes per rank). See :mod:`fxmem.distributed`.
+            A model you wrapped already (``DistributedDataParallel``, ``fully_shard``) needs neither:
+            fxmem reads the wrapping and your group's size (``world_size=`` then asks about another
+            number of ranks). See :mod:`fxmem.distributed.adopt`.
         parallelize: ``fn(model, mesh)`` - your training script's code that applies
             ``fully_shard`` (FSDP2, per block and on the root) or wraps the model in
             ``DistributedDataParallel``, returning the model to run. fxmem calls it on its own fake
             copy, with a 1-D ``DeviceMesh`` over torch's fake process group of ``world_size`` ranks
             (the original forward runs: eager mode).
-        rank: which rank's memory to report (default 0).
+        rank: which rank's memory to report (default 0; for a model you wrapped already, this
+            process's rank in its group).
         step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
             gradient accumulation, clipping, a GradScaler, ``zero_grad(set_to_none=False)``, several
             losses ...), with ``optimizer=``: the training formulas are of that function's steady
@@ -108,7 +117,7 @@ class AnalysisOptions:
     repeats: bool = True
     world_size: int | None = None
     parallelize: Callable[..., torch.nn.Module] | None = None
-    rank: int = 0
+    rank: int | None = None
     step: Callable[..., Any] | None = None
     verbose: bool = False
     check: bool = True
@@ -180,19 +189,16 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         value = getattr(opts, name)
         if value is not None and not isinstance(value, Mapping):
             raise SpecError(f"{name}= must be a dict, got {type(value).__name__} {value!r:.60}")
-    if (opts.world_size is None) != (opts.parallelize is None):
-        raise SpecError("world_size= and parallelize= go together: parallelize=fn shards the model over world_size "
-                        "ranks (fn(model, mesh) calls fully_shard or wraps in DistributedDataParallel)")
+    if opts.parallelize is not None and opts.world_size is None:
+        raise SpecError(WORLD_SIZE_AND_PARALLELIZE)
     if opts.parallelize is not None:
         from .distributed import Parallel
-        Parallel(opts.world_size, opts.rank, opts.parallelize).check()
+        Parallel(opts.world_size, opts.rank or 0, opts.parallelize).check()
         if opts.device not in ("cpu", "cuda"):
             raise SpecError(f"device={opts.device!r} with parallelize=: use 'cpu' or 'cuda'")
         if opts.mode == "graph":
             raise SpecError("mode='graph' with parallelize=: FSDP2 and DDP work through the module's own call "
                             "(hooks), so the original forward runs; use mode='auto' or 'eager'")
-    elif opts.rank != 0:
-        raise SpecError(f"rank={opts.rank!r} needs world_size= and parallelize=")
     leaves = check_leaf_modules(opts.leaf_modules)
     if leaves != opts.leaf_modules:
         opts = dataclasses.replace(opts, leaf_modules=leaves)

@@ -70,6 +70,25 @@ def ddp_view(model, mesh):
     return DistributedDataParallel(model, bucket_cap_mb=0.004, gradient_as_bucket_view=True)
 
 
+def ddp_static(model, mesh):  # the reducer keeps a used-parameter map (host and device) and rebuilds late
+    return DistributedDataParallel(model, bucket_cap_mb=0.004, static_graph=True, gradient_as_bucket_view=True)
+
+
+def ddp_unused(model, mesh):  # the reducer reads which parameters got a gradient after every backward
+    return DistributedDataParallel(model, bucket_cap_mb=0.004, find_unused_parameters=True)
+
+
+class PartlyUsed(nn.Module):
+    """A decoder with a head the forward does not use: its parameter gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder, self.spare = Decoder(), nn.Linear(D, 5)
+
+    def forward(self, x):
+        return self.decoder(x)
+
+
 class Scale(nn.Module):  # elementwise only: no matmul, whose CPU bfloat16 kernels have scratch of their own
     def __init__(self):
         super().__init__()
@@ -96,3 +115,35 @@ def fsdp_offload(model, mesh):  # CPUOffloadPolicy: sharded parameters, gradient
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, offload_policy=policy)
     return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def fsdp_tuned(model, mesh):  # FSDPModule's setters after fully_shard: prefetching, no reshard after backward
+    fsdp(model, mesh)
+    layers = list(model.layers)
+    for a, b in zip(layers, layers[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
+    model.set_reshard_after_backward(False)
+    return model
+
+
+def analyse_wrapped(model, inputs, optimizer, loss):
+    """Run on each gloo rank after its measured step: fxmem's analysis of the model as the rank
+    wrapped it (in the rank's own process group), then the rank's group and step used again."""
+    import torch.distributed as dist
+
+    import fxmem
+    from fxmem.measure import measure
+    from fxmem.training import train_step
+
+    names = dict(dist.distributed_c10d._world.pg_names)
+    report = fxmem.analyze(model, ("B", "L", D), optimizer=adamw)
+    b, length = inputs[0].shape[:2]
+    e = report.evaluate(B=b, L=length)
+    total = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(total)  # the rank's own group, after the analysis
+    again = measure(lambda: train_step(model, inputs, optimizer, loss), warmup=0)
+    return {"predicted": (e["train_peak"] - e["train_resident"], e["train_retained"], e["train_resident"],
+                          e["optimizer_state"]),
+            "notes": report.notes, "all_reduce": total.item(), "groups_kept": names == dict(
+                dist.distributed_c10d._world.pg_names), "peak_again": again.peak_above_start}

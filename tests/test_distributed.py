@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import fxmem
-from distributed_models import (D, Decoder, Elementwise, adamw, ddp_small, ddp_view, fsdp, fsdp_bf16, fsdp_keep,
-                                fsdp_offload, fsdp_reshard_2)
+from distributed_models import (D, Decoder, Elementwise, PartlyUsed, adamw, analyse_wrapped, ddp_small, ddp_static,
+                                ddp_unused, ddp_view, fsdp, fsdp_bf16, fsdp_keep, fsdp_offload, fsdp_reshard_2,
+                                fsdp_tuned)
 from fxmem.distributed.parallel import late_bytes
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
@@ -35,7 +36,9 @@ def predicted(report, dims):
     # a group of 2 (a sub-mesh FSDP2 builds), gathered from there for backward
     (fsdp_reshard_2, 4, 0), (fsdp_reshard_2, 4, 3),
     # CPU offload on a CPU mesh: FSDP2's host copies (to the "device", here the CPU too) each all-gather
-    (fsdp_offload, 2, 1)])
+    (fsdp_offload, 2, 1),
+    # DDP(static_graph=True): its used-parameter map (two int32 tensors) is resident
+    (ddp_static, 3, 1)])
 def test_synchronous_schedule_exact_per_rank(fn, world_size, rank):
     torch.set_num_threads(1)
     report = analyse(fn, world_size, rank)
@@ -59,15 +62,50 @@ def test_mixed_precision_exact():
     assert any(s.dtype == torch.bfloat16 for s in report.storages if s.name.startswith("all-gather"))
 
 
-def test_gloo_ddp_exact_on_every_rank():
+@pytest.mark.parametrize("fn", [ddp_small, ddp_static])
+def test_gloo_ddp_exact_on_every_rank(fn):
     torch.set_num_threads(1)
     x = torch.randn(5, 7, D)
-    ranks = measure_ranks(Decoder, (x,), ddp_small, 2, adamw)
-    report = analyse(ddp_small, 2, 0)
+    ranks = measure_ranks(Decoder, (x,), fn, 2, adamw)
+    report = analyse(fn, 2, 0)
     peak, retained, resident, state = predicted(report, dict(B=5, L=7))
     for r in ranks:  # resident: storages and DDP's bucket count (gloo's late frees can reach the allocator's)
         assert (r.peak_above_start, r.retained, r.optimizer_state) == (peak, retained, state)
-        assert r.extra["state_storages"] + r.extra["ddp_bucket_bytes"] == resident
+        assert r.extra["state_storages"] + r.extra["ddp_bucket_bytes"] + r.extra["ddp_used_map_bytes"] == resident
+
+
+@pytest.mark.parametrize("fn", [ddp_unused, ddp_static])
+def test_ddp_that_reads_which_parameters_got_gradients(fn):
+    # find_unused_parameters=True and static_graph=True: after each backward DDP's reducer reads its
+    # used-parameter map (values fake tensors do not have); a parameter the forward does not use gets
+    # no gradient and its .grad stays None - on every rank, at sizes the analysis did not see
+    torch.set_num_threads(1)
+    report = fxmem.analyze(PartlyUsed(), ("B", "L", D), optimizer=adamw, world_size=3, parallelize=fn, rank=2)
+    maps = [s for s in report.storages if s.name.startswith("DDP used-parameter map")]
+    assert len(maps) == 2 and all(int(s.bytes) == 4 * 39 for s in maps)  # int32, one per parameter (+2 spare)
+    for dims in SIZES:
+        x = torch.randn(dims["B"], dims["L"], D)
+        real = measure_synchronous(PartlyUsed, (x,), fn, 3, 2, adamw)
+        assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims), \
+            f"{fn.__name__} at {dims}"
+
+
+def test_ddp_forward_counts_the_buckets_as_resident():
+    # a forward alone (evaluation under DDP) touches no bucket; DDP allocated them when it was built
+    from fxmem import _torch_compat as tc
+    from fxmem.measure import measure
+    torch.set_num_threads(1)
+    report = fxmem.analyze(Decoder(), ("B", "L", D), world_size=2, parallelize=ddp_small, rank=1)
+    for dims in SIZES:
+        x = torch.randn(dims["B"], dims["L"], D)
+        with tc.fake_process_group(2, 1):
+            torch.manual_seed(0)
+            built = measure(lambda: ddp_small(Decoder(), None), warmup=0, keep_result=True)
+            model = built.result
+            real = measure(lambda: model(x), warmup=0)
+        e = report.evaluate(**dims)
+        assert built.retained + x.nbytes == e["resident"]  # parameters, buckets and the input
+        assert real.peak_above_start == e["peak"] - e["resident"]
 
 
 def test_gloo_fsdp_within_the_stated_late_bound():
@@ -110,13 +148,11 @@ def test_refusals():
     torch.nn.Module.__init__(fsdp1)
     with pytest.raises(ModelError, match="'1' is FSDP1's FullyShardedDataParallel"):
         fxmem.analyze(torch.nn.Sequential(torch.nn.Linear(3, 3), fsdp1), ("B", 3))
-    with pytest.raises(ModelError, match="wrapped in DistributedDataParallel"):
+    with pytest.raises(ModelError, match="'0' is wrapped in DistributedDataParallel"):
         from fxmem import _torch_compat as tc
         with tc.fake_process_group(2, 0):
             wrapped = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 3))
-        fxmem.analyze(wrapped, ("B", 3))
-    with pytest.raises(ModelError, match="static_graph=True"):
-        analyse(lambda m, mesh: torch.nn.parallel.DistributedDataParallel(m, static_graph=True), 2, 0)
+        fxmem.analyze(torch.nn.Sequential(wrapped), ("B", 3))  # DDP inside a model: not the model's wrapping
 
 
 def test_tensor_parallel_refused():
@@ -128,11 +164,126 @@ def test_tensor_parallel_refused():
         analyse(tp, 2, 0)
 
 
-def test_default_group_of_the_users_is_not_replaced():
+@pytest.fixture
+def users_group():
+    """A default process group of the user's (rank 2 of 3), as a training script has one."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=3)
+    hook = sys.excepthook
+    try:
+        yield dist.distributed_c10d._world.pg_names.copy(), hook
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _state(group) -> tuple:
+    import sys
+
+    import torch.distributed as dist
+    return (dist.get_world_size(), dist.get_rank(), dist.distributed_c10d._world.pg_names == group[0],
+            sys.excepthook is group[1])
+
+
+def test_the_users_own_group_is_set_aside_and_back_untouched(users_group):
+    import torch.distributed as dist
+    report = analyse(fsdp, 2, 1)  # fxmem's group of 2 ranks, while the user's of 3 exists
+    assert "rank 1 of 2" in report.notes[0]
+    assert _state(users_group) == (3, 2, True, True)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the user's group still runs its collectives
+    assert torch.equal(t, torch.ones(2))
+
+
+@pytest.mark.parametrize("fn, world_size, rank, model", [
+    (fsdp_keep, 3, 2, Decoder), (fsdp_tuned, 3, 2, Decoder), (ddp_view, 3, 2, Decoder),
+    (fsdp_bf16, 3, 2, Elementwise)])
+def test_a_model_the_user_wrapped_is_analysed_as_that_wrapping(users_group, fn, world_size, rank, model):
+    # the user's script: its own group (rank 2 of 3), its model wrapped in it; fxmem is given the wrapped
+    # model alone and must find the wrapping, the world size and the rank
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    wrapped = fn(model(), init_device_mesh("cpu", (3,))) or model
+    before = {k: tc_local(v).clone() for k, v in wrapped.state_dict().items()}
+    report = fxmem.analyze(wrapped, ("B", "L", D), optimizer=adamw)
+    assert f"rank {rank} of {world_size}, parallelised by your " in report.notes[0]
+    assert _state(users_group) == (3, 2, True, True)
+    assert all(torch.equal(before[k], tc_local(v)) for k, v in wrapped.state_dict().items())
+    for dims in SIZES:  # the same wrapping's real step, at sizes the analysis did not see
+        x = torch.randn(dims["B"], dims["L"], D)
+        real = measure_synchronous(model, (x,), fn, world_size, rank, adamw)
+        assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims), \
+            f"{fn.__name__} at {dims}"
+
+
+def tc_local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_a_wrapped_model_at_another_world_size(users_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    wrapped = fsdp(Decoder(), init_device_mesh("cpu", (3,)))
+    report = fxmem.analyze(wrapped, ("B", "L", D), optimizer=adamw, world_size=4, rank=3)
+    assert "rank 3 of 4" in report.notes[0]
+    x = torch.randn(5, 7, D)
+    real = measure_synchronous(Decoder, (x,), fsdp, 4, 3, adamw)
+    assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims=dict(
+        B=5, L=7))
+    # world_sizes() re-applies the same wrapping at each size (rank 0 of each)
+    table = fxmem.world_sizes(wrapped, ("B", "L", D), optimizer=adamw, sizes=[2, 4])
+    assert set(table) == {2, 4} and "rank 0 of 2" in table[2].notes[0]
+    real = measure_synchronous(Decoder, (x,), fsdp, 2, 0, adamw)
+    assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(table[2], dims=dict(
+        B=5, L=7))
+
+
+def test_what_a_wrapping_cannot_be_recreated_from_is_refused(users_group):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.device_mesh import init_device_mesh
+    with tc_ddp_on_fake():
+        ddp = torch.nn.parallel.DistributedDataParallel(Decoder())
+    ddp.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(ModelError, match="uses a communication hook"):
+        fxmem.analyze(ddp, ("B", "L", D), optimizer=adamw)
+    from fxmem.distributed import adopt, adopted_parallel
+    wrapped = fsdp(Decoder(), init_device_mesh("cpu", (3,)))
+    with pytest.raises(SpecError, match="keeps its parameters on cpu: pass device='cpu'"):
+        adopted_parallel(adopt(wrapped), fxmem.AnalysisOptions(device="cuda"))
+    with pytest.raises(SpecError, match="needs world_size= and parallelize="):
+        fxmem.analyze(Decoder(), ("B", "L", D), rank=1)
+
+
+def tc_ddp_on_fake():
     from fxmem import _torch_compat as tc
-    with tc.fake_process_group(2, 0):
-        with pytest.raises(fxmem.FxMemError, match="already initialised"):
-            analyse(fsdp, 2, 0)
+    return tc.ddp_on_fake_tensors()
+
+
+@pytest.mark.parametrize("fn, world_size", [(ddp_small, 2), (fsdp, 3)])
+def test_gloo_ranks_analyse_the_model_they_wrapped(fn, world_size):
+    # real processes, each with its own gloo group: after its measured step each rank hands fxmem
+    # its wrapped model and nothing else; then its group and its step run again as before
+    torch.set_num_threads(1)
+    x = torch.randn(5, 7, D)
+    for r in measure_ranks(Decoder, (x,), fn, world_size, adamw, probe=analyse_wrapped):
+        e = r.extra
+        peak, retained, resident, state = e["predicted"]
+        assert f"rank {r.rank} of {world_size}" in e["notes"][0]
+        assert e["groups_kept"] and e["all_reduce"] == world_size * (world_size + 1) / 2
+        assert r.optimizer_state == state
+        if fn is ddp_small:  # DDP: exact (resident: storages and DDP's own bucket count)
+            assert (r.peak_above_start, r.retained) == (peak, retained) and e["peak_again"] == r.peak_above_start
+            assert e["state_storages"] + e["ddp_bucket_bytes"] == resident
+        else:  # FSDP2 on gloo: between the synchronous numbers and the bound the report states
+            late = int(e["notes"][1].split("by up to ")[1].split(" bytes")[0].replace(",", ""))
+            assert e["state_storages"] == resident
+            assert peak <= r.peak_above_start <= peak + late, f"rank {r.rank}"
+            assert retained <= r.retained <= retained + late
 
 
 @pytest.mark.slow  # the per-W numbers are also checked one by one above; this checks the table's plumbing

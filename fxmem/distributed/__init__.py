@@ -6,9 +6,11 @@
 real code on fake tensors), and records rank ``rank``'s training step like any other.
 
 * :mod:`.parallel` - the option (world size, rank, the user's function) and the fake world it runs in.
-* :mod:`.wrappers` - models wrapped already, and what fxmem does not model: refused with what to do.
+* :mod:`.adopt` - a model the user wrapped already: its wrapping read and applied again to fxmem's copy.
+* :mod:`.wrappers` - what fxmem does not model: refused with what to do.
 """
+from .adopt import adopt, adopted_parallel
 from .parallel import Parallel
 from .wrappers import refuse_wrapped
 
-__all__ = ["Parallel", "refuse_wrapped"]
+__all__ = ["Parallel", "adopt", "adopted_parallel", "refuse_wrapped"]

@@ -41,6 +41,7 @@ class Parallel:
     world_size: int
     rank: int
     fn: Callable[[torch.nn.Module, Any], torch.nn.Module]
+    how: str = "parallelize="  # what the report says parallelised the model
 
     def check(self) -> None:
         """Refuse what cannot mean anything, naming the argument."""
@@ -58,15 +59,8 @@ class Parallel:
     def world(self, device: str = "cpu") -> Iterator[Any]:
         """torch's fake process group for this rank, with a 1-D device mesh; removed on exit.
 
-        A process group the user started is never replaced: fxmem refuses instead (torch has one
-        default group per process)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            raise FxMemError(
-                "a default process group is already initialised in this process (torch.distributed."
-                "init_process_group was called); fxmem simulates ranks in a fake process group of its own and "
-                "will not replace yours. Run the analysis before init_process_group, or in a separate process")
+        A process group the user started is set aside meanwhile (never used: its collectives would
+        reach the other ranks) and is back, untouched, on exit."""
         with tc.fake_process_group(self.world_size, self.rank, device) as mesh, tc.fsdp_without_gpu(device):
             yield mesh
 
@@ -75,7 +69,7 @@ class Parallel:
         much an asynchronous backend can hold beyond it (bytes)."""
         gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
         reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
-        out = [f"rank {self.rank} of {self.world_size}, parallelised by parallelize=: torch's fake process group "
+        out = [f"rank {self.rank} of {self.world_size}, parallelised by {self.how}: torch's fake process group "
                f"ran the collectives (they allocate nothing of their own there)"]
         if device == "cuda":
             out.append("on CUDA, NCCL's own buffers live outside PyTorch's caching allocator and are not counted "
@@ -92,10 +86,12 @@ class Parallel:
                 f"{sum(reduces):,} B)")
         return out
 
-    def apply(self, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-        """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place)."""
+    def apply(self, model: torch.nn.Module, mesh: Any) -> tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]:
+        """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place),
+        and what its wrapper keeps besides parameters and buffers, as ``(name, tensor)``: DDP's
+        gradient buckets and maps (resident from the start, see :func:`~fxmem.distributed.ddp.reducer_state`)."""
         try:
-            with tc.ddp_on_fake_tensors(), tc.fsdp_meshes_outside_fake():
+            with tc.ddp_on_fake_tensors(), tc.fsdp_meshes_outside_fake(), tc.tensors_made() as made:
                 out = self.fn(model, mesh)
         except FxMemError:
             raise
@@ -113,7 +109,7 @@ class Parallel:
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")
-        from .ddp import install_allreduce
+        from .ddp import install_allreduce, reducer_state
         from .wrappers import refuse_unmodelled
         refuse_unmodelled(out, "parallelize=")
         if getattr(mesh, "device_type", "cpu") == "cuda" and any(
@@ -122,4 +118,4 @@ class Parallel:
                              "orders gradient buckets with CUDA events fxmem does not simulate; analyse DDP with "
                              "device='cpu' (the bucket and gradient bytes are the same; CUDA rounds each "
                              "allocation up to 512 bytes), or FSDP2 with device='cuda'")
-        return install_allreduce(out)
+        return install_allreduce(out), reducer_state(out, made)

@@ -105,20 +105,21 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
 
 def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,
                  optimizer: Callable, loss: Callable = default_loss, probe: Any = None) -> RankMeasurement:
-    """This process's rank: resident bytes after set-up and two steps, then one step measured.
+    """This process's rank: resident bytes after set-up and three steps, then one step measured.
 
     On gloo the allocator's resident count can include a late free (800 B once, with DDP, on a loaded
     machine): ``extra["state_storages"]`` (+ ``extra["ddp_bucket_bytes"]``) count storages instead."""
     from .. import _torch_compat as tc
 
     def setup() -> tuple:
-        # built, parallelised, and two steps taken (DDP rebuilds its buckets in the second):
-        # what this leaves allocated is the rank's resident memory, buckets included
+        # built, parallelised, and three steps taken (DDP rebuilds its buckets in the second, or
+        # with static_graph=True in the third): what this leaves allocated is the rank's resident
+        # memory, buckets included
         torch.manual_seed(0)
         model = make_model()
         model = parallelize(model, mesh) or model
         opt = optimizer(list(model.parameters()))
-        for _ in range(2):
+        for _ in range(3):
             train_step(model, inputs, opt, loss)
         return model, opt
 
@@ -129,6 +130,9 @@ def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, para
     extra = probe(model, inputs, opt, loss) if probe is not None else {}
     extra["state_storages"] = _storages([*model.parameters(), *model.buffers(), *opt_state_tensors(opt), *tensors])
     extra["ddp_bucket_bytes"] = tc.ddp_bucket_bytes(model)  # DDP's own count (0 for other models)
+    used_map = tc.ddp_used_map(model) if extra["ddp_bucket_bytes"] else None
+    # its used-parameter map, host and device side of the same size (static_graph, find_unused_parameters)
+    extra["ddp_used_map_bytes"] = 2 * used_map.nbytes if used_map is not None else 0
     return RankMeasurement(rank, m.peak_above_start, m.retained, made.retained + _storages(tensors),
                            _storages(opt_state_tensors(opt)), extra)
 

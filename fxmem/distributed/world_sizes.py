@@ -57,15 +57,22 @@ class WorldSizes(dict):
     __repr__ = __str__
 
 
-def world_sizes(model: Any, *input_specs: Any, parallelize: Callable, sizes: Sequence[int] = (1, 2, 4, 8),
-                **options: Any) -> WorldSizes:
+def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = None,
+                sizes: Sequence[int] = (1, 2, 4, 8), **options: Any) -> WorldSizes:
     """Analyse ``model`` parallelised by ``parallelize`` at each world size in ``sizes`` (rank
-    ``rank=``, default 0); ``options`` as for :func:`fxmem.analyze` (``optimizer=`` for a step)."""
+    ``rank=``, default 0); ``options`` as for :func:`fxmem.analyze` (``optimizer=`` for a step).
+    A model you wrapped already (``DistributedDataParallel``, ``fully_shard``) needs no
+    ``parallelize``: its own wrapping is applied again at each size."""
     from ..analyze import analyze
+    from .adopt import adopt
 
     if isinstance(sizes, (int, str)) or not sizes:
         raise SpecError(f"sizes= must be a list of world sizes, e.g. [1, 2, 4, 8], got {sizes!r}")
     if "world_size" in options:
         raise SpecError("world_sizes() takes sizes=[...]; world_size= is for one analysis (fxmem.analyze)")
-    return WorldSizes({int(w): analyze(model, *input_specs, parallelize=parallelize, world_size=w, **options)
-                       for w in sizes})
+    if parallelize is None and adopt(model) is None:
+        raise SpecError("world_sizes() needs parallelize=fn (fn(model, mesh) calls fully_shard or wraps in "
+                        "DistributedDataParallel), or a model you wrapped already")
+    if parallelize is not None:
+        options["parallelize"] = parallelize
+    return WorldSizes({int(w): analyze(model, *input_specs, world_size=w, **options) for w in sizes})

@@ -1,8 +1,9 @@
 """What fxmem does not model in distributed training, refused by name with what to do instead.
 
-A model the user wrapped already (DDP, FSDP2, FSDP1) belongs to their own process group, which
-fxmem must not use or touch: the analysis takes the unwrapped model and the wrapping code as
-``parallelize=``. Tensor parallelism (DTensor parameters the user placed, ``parallelize_module``),
+A model the user wrapped already with ``DistributedDataParallel`` at its root or ``fully_shard``
+is read and wrapped again in fxmem's own fake group (:mod:`fxmem.distributed.adopt`); what is left
+here is what cannot be read back: DDP nested inside the model, ``DataParallel``, FSDP1, and a
+wrapping with settings fxmem does not recreate. Tensor parallelism (DTensor parameters the user placed, ``parallelize_module``),
 FSDP1's ``FullyShardedDataParallel``, pipeline stages and DeepSpeed engines are not modelled.
 
 >>> refuse_wrapped(torch.nn.Linear(2, 2))   # an ordinary model passes                # doctest: +SKIP
@@ -14,8 +15,9 @@ import torch
 from .. import _torch_compat as tc
 from ..errors import ModelError
 
-_UNWRAP = ("analyse the unwrapped model and pass the wrapping code as parallelize=fn, fn(model, mesh) returning "
-           "the model to run, with world_size= (fxmem applies it to its own fake copy, in a fake process group)")
+_UNWRAP = ("pass either the wrapped model without parallelize= (fxmem reads its wrapping), or the unwrapped model "
+           "with the wrapping code as parallelize=fn, fn(model, mesh) returning the model to run, and world_size= "
+           "(fxmem applies it to its own fake copy, in a fake process group)")
 
 
 def _library(module: torch.nn.Module) -> str:
@@ -23,13 +25,18 @@ def _library(module: torch.nn.Module) -> str:
 
 
 def refuse_wrapped(model: torch.nn.Module) -> None:
-    """Refuse a model already wrapped for distributed training (its process group is the user's)."""
+    """Refuse a model still wrapped for distributed training after :func:`~fxmem.distributed.adopt`
+    (a wrapper inside the model, or one fxmem does not read back)."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     for qual, module in model.named_modules():
         where = f"'{qual}'" if qual else "the model"
+        if isinstance(module, DistributedDataParallel) and qual:
+            raise ModelError(f"{where} is wrapped in DistributedDataParallel inside the model; fxmem reads a "
+                             f"DistributedDataParallel only at the model's root: pass the unwrapped model with "
+                             f"parallelize=lambda m, mesh: ... (wrapping {where} as your script does) and world_size=")
         if isinstance(module, DistributedDataParallel):
-            raise ModelError(f"{where} is wrapped in DistributedDataParallel; {_UNWRAP}, e.g. "
+            raise ModelError(f"the model is wrapped in DistributedDataParallel; {_UNWRAP}, e.g. "
                              f"parallelize=lambda m, mesh: DistributedDataParallel(m) (with your bucket_cap_mb=...)")
         if isinstance(module, DataParallel):
             raise ModelError(f"{where} is wrapped in DataParallel (one process, several GPUs), which fxmem does not "

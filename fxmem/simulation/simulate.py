@@ -236,7 +236,8 @@ def simulate_once(
     recorder.rename = lambda text: renamer({**names, **{str(s): d for d, s in table.data_dims.named().items()}})(text)
     table.rename = recorder.rename
     world = parallel.world(device) if parallel is not None else contextlib.nullcontext()
-    with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs():
+    with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs(), \
+            contextlib.ExitStack() as wrapped:
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
         for spec, t in zip(specs, inputs):
@@ -252,9 +253,12 @@ def simulate_once(
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad))
-        warm = None
+        warm, held = None, []
         if parallel is not None:
-            fake_model = parallel.apply(fake_model, mesh)
+            fake_model, held = parallel.apply(fake_model, mesh)
+            # DDP's reducer reads its used-parameter map (static_graph, find_unused_parameters)
+            wrapped.enter_context(tc.ddp_used_map_reads(fake_model, next(
+                (t for name, t in held if name == "DDP used-parameter map (host)"), None)))
             if training is not None:  # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state
                 warm = _warm_up(fake_model, inputs, training, recorder)
         for spec, t in zip(specs, inputs):
@@ -266,6 +270,10 @@ def simulate_once(
             table.add(b, Role.BUFFER, qual)
         for qual, t in tc.tensor_attributes(fake_model):
             table.add(t, Role.CONSTANT, qual)
+        for name, t in held:  # what the wrapper keeps (DDP's buckets): resident from the start
+            if table.lookup(t) is None:
+                table.add(t, Role.CONSTANT, name)
+        del held
         real_paths = RealPaths(device, recorder.quiet, log.note)
         module_stack = None
         if mode == "graph":

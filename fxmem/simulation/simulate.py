@@ -412,7 +412,10 @@ def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise FxMemError("no parameter requires grad, so there is nothing to train")
-    with recorder.quiet(), failures("a first (warm-up) training step", recorder.rename):
+    # in the recorder (quiet: nothing recorded) so that its symbolic kernels run here too: a fake
+    # kernel that reads sizes as numbers would fix the user's dims (transformers' loss pads the
+    # labels: F.pad's fake kernel took B and L as ints, and a whole FSDP2 analysis held only there)
+    with recorder, recorder.quiet(), failures("a first (warm-up) training step", recorder.rename):
         optimizer = training.make_optimizer(params)
         with tc.optimizers_treat_fake_as_real():
             train_step(model, tuple(inputs), optimizer, training.loss_fn)

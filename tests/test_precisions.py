@@ -55,6 +55,9 @@ def test_each_precision_against_a_real_run(build):
     text = str(table)
     assert "precision" in text and "autocast-bfloat16" in text
     assert ("cannot predict" in text) == (build is mlp)
+    if build is mlp:  # one line for every node it is true of, not a line per node
+        said = [n for n in table[1].report.notes if "may use workspace fxmem cannot predict" in n]
+        assert len(said) == 1 and said[0].startswith("nodes '"), table[1].report.notes
 
 
 def test_autocast_counts_the_casts_and_keeps_the_weights():

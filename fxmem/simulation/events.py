@@ -24,6 +24,7 @@ class EventLog:
         self.steps: list[Step] = []
         self.nodes: list[Node] = []
         self.notes: list[str] = []
+        self._places: dict[str, tuple[int, list[str]]] = {}  # note_at: text -> (its index in notes, places)
         self.node = "<input>"  # the fx node, source line or phase being executed
         self.phase = Phase.FORWARD
 
@@ -64,6 +65,18 @@ class EventLog:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def note_at(self, place: str, text: str) -> None:
+        """One note ``text`` for every ``place`` it is true of (a model's 32 layers make one line
+        naming the first places and how many more, not 160 lines that differ in the node)."""
+        if text not in self._places:
+            self._places[text] = (len(self.notes), [])
+            self.notes.append("")
+        index, places = self._places[text]
+        if place not in places:
+            places.append(place)
+        shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
+        self.notes[index] = f"{'node' if len(places) == 1 else 'nodes'} {shown}: {text}"
 
     def mark(self) -> int:
         """The current length of the log (``Recording.forward_end``)."""

@@ -250,8 +250,8 @@ class Recorder(tc.DispatchMode):
             new.append(index)
             kept.append(index)
         for unknown in [p for p in program if isinstance(p, Unknown)]:
-            log.note(f"node '{log.node}': {unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
-                     f"{INEXACT}")
+            log.note_at(f"'{log.node}'", f"{unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
+                                         f"{INEXACT}")
         self.autograd.keep(kept, outs[0] if outs else None)
         program = [p for p in program if not isinstance(p, (Keep, Unknown))
                    and not (isinstance(p, OutAt) and p.index not in position)]  # not new: nothing placed

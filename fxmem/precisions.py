@@ -26,6 +26,7 @@ from .isolation import isolated
 from .analyze import analyze
 from .errors import ModelError, SpecError
 from .report import Report
+from .simulation.events import places
 from .views.text import format_bytes, formula_text, text_table
 
 DEFAULT = ("float32", "bfloat16", "float16", "autocast-bfloat16")
@@ -67,7 +68,8 @@ class PrecisionTable(list):
                 cells = [formula_text(getattr(p.report, k)) for k in keys]
             rows.append((p.name, format_bytes(params), *cells, "yes" if p.exact else "no: see notes"))
         table = text_table(header, rows, right=tuple(range(1, len(keys) + 2)) if self.dims else (1,))
-        notes = [f"{p.name}: {sum('cannot predict' in n for n in p.report.notes)} kernel call(s) with workspace fxmem "
+        notes = [f"{p.name}: {sum(places(n) for n in p.report.notes if 'cannot predict' in n)} kernel call(s) "
+                 f"with workspace fxmem "
                  f"cannot predict, so the peak may be higher (.report.notes says which)" for p in self if not p.exact]
         return table + "".join("\n  note: " + n for n in notes)
 

@@ -89,18 +89,18 @@ def _fsdp2(model: torch.nn.Module) -> Adopted:
     copy_of = dict(zip([id(m) for _, m in model.named_modules(remove_duplicate=False)],
                        [m for _, m in unwrapped.named_modules(remove_duplicate=False)]))
     managed = tc.fsdp2_managed(model)
-    ignored_names = [(id(m), n) for m in model.modules() for n, p in m._parameters.items()
-                     if p is not None and tc.fsdp2_state(m) is not None and id(p) not in managed
+    ignored_names = [(id(m), n) for m in model.modules() for n, p in m.named_parameters(recurse=False)
+                     if tc.fsdp2_state(m) is not None and id(p) not in managed
                      and not any((id(m), n) in g["placements"] for g in groups)]
 
     def fn(m: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         ours = dict(zip([id(x) for _, x in unwrapped.named_modules(remove_duplicate=False)],
                         [x for _, x in m.named_modules(remove_duplicate=False)]))
         mine = {k: ours[id(v)] for k, v in copy_of.items()}  # the user's module -> the module fn gets
-        ignored = {mine[mid]._parameters[n] for mid, n in ignored_names}
+        ignored = {getattr(mine[mid], n) for mid, n in ignored_names}
         for g in groups:
             targets = [mine[id(x)] for x in g["modules"]]
-            by_param = {id(mine[mid]._parameters[n]): placement for (mid, n), placement in g["placements"].items()}
+            by_param = {id(getattr(mine[mid], n)): placement for (mid, n), placement in g["placements"].items()}
             kwargs = dict(g["kwargs"])
             if any(getattr(pl, "dim", 0) != 0 for pl in by_param.values()):
                 kwargs["shard_placement_fn"] = lambda p, by_param=by_param: by_param.get(id(p))

@@ -13,6 +13,7 @@ step - so every allocation is attributed without the runners reaching into it.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator
 
 from ..records import FREE, NODE, STEP, Node, Phase, Step
@@ -72,11 +73,11 @@ class EventLog:
         if text not in self._places:
             self._places[text] = (len(self.notes), [])
             self.notes.append("")
-        index, places = self._places[text]
-        if place not in places:
-            places.append(place)
-        shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
-        self.notes[index] = f"{'node' if len(places) == 1 else 'nodes'} {shown}: {text}"
+        index, where = self._places[text]
+        if place not in where:
+            where.append(place)
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        self.notes[index] = f"{'node' if len(where) == 1 else 'nodes'} {shown}: {text}"
 
     def mark(self) -> int:
         """The current length of the log (``Recording.forward_end``)."""
@@ -85,3 +86,13 @@ class EventLog:
     def __repr__(self) -> str:
         return f"<EventLog {len(self.events)} events, {len(self.steps)} steps, {len(self.nodes)} nodes>"
 
+
+_PLACES = re.compile(r"^nodes? ((?:'[^']*'(?:, )?)+)(?: and (\d+) more)?: ")
+
+
+def places(note: str) -> int:
+    """How many places a note of :meth:`EventLog.note_at` names (1 for any other note)."""
+    m = _PLACES.match(note)
+    if m is None:
+        return 1
+    return m.group(1).count("'") // 2 + int(m.group(2) or 0)

@@ -608,7 +608,7 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 def _original(output: torch.fx.Node, inputs: Sequence[torch.fx.Node]) -> tuple:
     """The nodes that compute ``output`` from ``inputs`` (the attention itself), in graph order, and
-    every other node they read."""
+    every other node they read. A node whose value is also read outside them is read, not copied."""
     outside: set = set()
     stack = list(inputs)
     while stack:  # what the inputs depend on stays outside
@@ -624,6 +624,12 @@ def _original(output: torch.fx.Node, inputs: Sequence[torch.fx.Node]) -> tuple:
             continue
         inside.add(n)
         stack.extend(n.all_input_nodes)
+    # a value something else also reads (a causal mask built once and read by every layer's
+    # attention) stays in the graph and is read: a copy would build it a second time, next to it
+    shared = True
+    while shared:
+        shared = {n for n in inside if n is not output and any(u not in inside for u in n.users)}
+        inside -= shared
     order = {n: k for k, n in enumerate(output.graph.nodes)}
     nodes = sorted(inside, key=order.__getitem__)
     reads = sorted({a for n in nodes for a in n.all_input_nodes if a not in inside}, key=order.__getitem__)
@@ -663,12 +669,14 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
 
 
 def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
-                    dropout: bool = False, original: Any = None, *reads: Any) -> torch.Tensor:
+                    dropout: bool = False, original: Any = None, box: list | None = None) -> torch.Tensor:
     """What the rewritten graph calls: the fused attention, or - while its dropout is on (``dropout``
-    true: train mode, p > 0) - the original nodes (``original[0]``, a GraphModule of them, on ``reads``),
-    which draw the same random mask as the model."""
+    true: train mode, p > 0) - the original nodes (``original[0]``, a GraphModule of them, on the
+    values in the list ``box``, which it empties), which draw the same random mask as the model."""
     if dropout and original is not None:
-        return original[0](*reads)
+        return original[0](box)
+    if box is not None:
+        box.clear()
     return fused_value(u, v, values, source, data)
 
 
@@ -709,18 +717,30 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
             else:
                 flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
             original = graph.create_node("get_attr", holder)
-            args += [flag, original, *[nodes[r] for r in plan.fallback[1]]]
+            args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
         return graph.call_function(fused_attention, tuple(args))
+
+
+def boxed(graph: torch.fx.Graph, values: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    """A list node of ``values``: what the rewritten graph hands a fallback (see :func:`_fallback`)."""
+    return graph.call_function(list, (tuple(values),))
 
 
 def _fallback(plan: AttentionPlan, gm: torch.fx.GraphModule) -> str:
     """A GraphModule of the original attention nodes, held (in a tuple: not a submodule, so
-    ``state_dict`` keys stay the model's) by ``gm`` under a name the rewritten graph reads."""
+    ``state_dict`` keys stay the model's) by ``gm`` under a name the rewritten graph reads.
+
+    It takes what it reads as one list (:func:`boxed`), takes the values out and empties it before
+    it runs: each is then freed after its last use inside, as in the original graph (a causal mask
+    added to the scores is freed once added). Passed as arguments, they would be held by the call
+    until it returns - through the whole attention."""
     inside, reads = plan.fallback
     sub = torch.fx.Graph()
     env: dict = {}
-    for r in reads:
-        env[r] = sub.placeholder(r.name)
+    box = sub.placeholder("box")
+    for k, r in enumerate(reads):
+        env[r] = sub.call_function(operator.getitem, (box, k))
+    sub.call_method("clear", (box,))
     for n in inside:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(env[plan.output])

@@ -254,8 +254,12 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
             state.log.append(log_entry(rule.name, "no match", name, f"looked for {rule.looks_for}; none in the graph"))
         for _, finding in findings:
             state.log_finding(finding)
-        unpaid = [g for g in _groups([(r, f) for r, f in findings if f.status == "match"])
-                  if state.try_group(g) == "no gain"]
+        tried = [(g, state.try_group(g)) for g in _groups([(r, f) for r, f in findings if f.status == "match"])]
+        last_kept = max((k for k, (_, verdict) in enumerate(tried) if verdict == "kept"), default=-1)
+        # a site tried before a later one was kept is tried again on top of it (the first layer's
+        # attention pays only once the second layer's no longer sets the peak)
+        unpaid = [g for k, (g, verdict) in enumerate(tried) if verdict == "no gain"
+                  and (k > last_kept or state.try_group(g) == "no gain")]
         if len(unpaid) > 1:  # sites that pay only together (the heads of a layer, the layers of a model)
             together = [x for g in unpaid for x in g]
             if state.try_group(together) == "kept":

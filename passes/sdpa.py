@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .base import Finding, Probe
 from .data_movement import method_name, op_name
-from .fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim
+from .fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim, boxed
 from .sdpa_masks import MaskPlan, fold_chain
 from .sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 
@@ -257,15 +257,22 @@ def _check(plan: SdpaPlan, probes: Sequence[Probe]) -> str | None:
     return None
 
 
-def sdpa_unless_dropout(dropout: bool, original: Any, reads: tuple, q: Any, k: Any, v: Any, mask: Any,
-                        mask_reads: tuple, scale: Any, orders: tuple, causal: bool) -> torch.Tensor:
+def sdpa_unless_dropout(dropout: bool, original: Any, box: list, q: Any, k: Any, v: Any, mask: Any,
+                        mask_box: list, scale: Any, orders: tuple, causal: bool) -> torch.Tensor:
     """What the rewritten graph calls where the attention has dropout with p > 0 that follows the
     module's flag: SDPA while it is off, the original nodes (``original[0]``, a GraphModule of them,
-    on ``reads``) while it is on - they draw the same random mask as the model. SDPA's mask is
-    built (``mask[0]`` on ``mask_reads``) only when SDPA runs."""
+    on the values in the list ``box``) while it is on - they draw the same random mask as the model.
+    SDPA's mask is built (``mask[0]`` on the values in ``mask_box``) only when SDPA runs. Both lists
+    are emptied here, so that nothing is held longer than the path taken needs it."""
+    mask_reads = list(mask_box)
+    mask_box.clear()
     if dropout:
-        return original[0](*reads)
-    return attention(q, k, v, mask[0](*mask_reads) if mask is not None else None, scale, orders, causal)
+        del mask_reads
+        return original[0](box)
+    box.clear()
+    built = mask[0](*mask_reads) if mask is not None else None
+    del mask_reads
+    return attention(q, k, v, built, scale, orders, causal)
 
 
 def _deferred_mask(plan: SdpaPlan, gm: torch.fx.GraphModule) -> str | None:
@@ -318,10 +325,10 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
                 flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
             original = graph.create_node("get_attr", holder)
             mask = graph.create_node("get_attr", mask_holder) if mask_holder is not None else None
-            reads = tuple(nodes[r] for r in plan.fallback[1])
-            mask_reads = tuple(nodes[r] for r in dict.fromkeys(plan.mask.nodes()))
+            box = boxed(graph, [nodes[r] for r in plan.fallback[1]])
+            mask_box = boxed(graph, [nodes[r] for r in dict.fromkeys(plan.mask.nodes())])
             scale = scale.node if isinstance(scale, torch.fx.Proxy) else scale
-            return graph.call_function(sdpa_unless_dropout, (flag, original, reads, q.node, k.node, v.node, mask,
-                                                             mask_reads, scale, plan.layout.orders, plan.mask.causal))
+            return graph.call_function(sdpa_unless_dropout, (flag, original, box, q.node, k.node, v.node, mask,
+                                                             mask_box, scale, plan.layout.orders, plan.mask.causal))
         mask = plan.mask.build(proxy)
         return attention(q, k, v, mask, scale, plan.layout.orders, plan.mask.causal).node

@@ -216,6 +216,41 @@ class TwoLayersOneMask(nn.Module):
         return x
 
 
+class SharedMaskDropout(nn.Module):
+    """Two layers with attention dropout reading one causal mask built once (a GPT's blocks); the
+    train-mode fallback must read the mask, not build a second one beside it."""
+
+    SPECS = (("B", "L", C),)
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.first, self.second, self.p = Heads(), Heads(), dropout
+
+    def forward(self, x):
+        L = x.shape[1]
+        holes = torch.triu(x.new_ones(L, L, dtype=torch.bool), diagonal=1)
+        for layer in (self.first, self.second):
+            q, k, v = layer.split(x)
+            w = (q @ k.transpose(-2, -1) * D ** -0.5).masked_fill(holes, -math.inf).softmax(-1)
+            x = x + layer.merge(F.dropout(w, self.p, self.training) @ v, x)
+        return x
+
+
+class FloatMaskDropout(Heads):
+    """HF GPT-2's eager attention: a [B, 1, L, L] float mask made from the input, added to the
+    scores (and freed once added), then dropout; the train-mode fallback must free it there too."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__(dropout)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        B, L = x.shape[:2]
+        bias = x.new_full((B, 1, L, L), float("-inf")).triu(1)
+        w = torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5 + bias, -1)
+        return self.merge(F.dropout(w, self.p, self.training) @ v, x)
+
+
 SPELLINGS = [DivAfter, ScaleOnQuery, ScaleOnBoth, KeyLaidOut, Bmm, Einsum, SeedRearrange, AdditiveMask,
              PaddingMask, CausalTriu, CausalBuffer, CausalWhere, CausalAdditive, CastsAround]
 CAUSAL = [CausalTriu, CausalBuffer, CausalWhere, CausalAdditive]

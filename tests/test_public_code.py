@@ -139,14 +139,15 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     # dropout(p if training else 0): one graph that follows the flag, the attention found by sdpa
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32, use_cache=False,
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32, use_cache=False,
                                   attn_implementation="eager", bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg)
     opt = fxmem.optimize(model, fxmem.TensorSpec(("B", "L"), dtype=torch.int64))
     log = opt.meta["fxmem"]
     assert not [e for e in log if e["rule"] == "train/eval"], log
-    assert [e["status"] for e in log if e["rule"] == "sdpa"] in (["applied"], ["declined"]), log
-    assert all("formulas" in e["reason"] or "applied" == e["status"] for e in log if e["rule"] == "sdpa"), log
+    # both layers' attention: while dropout is on the original runs and frees the [B, 1, L, L] mask
+    # once added, as the model does (it used to be held through the call: declined, 4·B·L² higher)
+    assert [e["status"] for e in log if e["rule"] == "sdpa"] == ["applied", "applied"], log
     ids = torch.randint(0, 50, (2, 7))
     assert type(opt(ids)) is type(model(ids))
     assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])

@@ -151,6 +151,25 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     assert_same_in_every_mode(model, opt, inputs(cls, {"B": 2, "L": 6}))
 
 
+@pytest.mark.parametrize("cls", [S.SharedMaskDropout, S.FloatMaskDropout], ids=lambda c: c.__name__)
+def test_train_mode_fallback_holds_nothing_the_original_does_not(cls):
+    # while dropout is on the original nodes run; they read what they need (a mask shared with the
+    # next layer is read, not built again) and free each input after its last use (a float mask
+    # once added), as the original graph does: the rewrite is never higher, so it is applied
+    torch.manual_seed(0)
+    model = cls()
+    opt = optimize(model, *cls.SPECS)
+    entries = sdpa_entries(opt)
+    assert entries and all(e["status"] == "applied" for e in entries), entries
+    assert all(e["train_peak_after"] == e["train_peak_before"] for e in entries)
+    assert all(e["peak_after"] == e["peak_before"] for e in entries)  # train-mode forward, with grad
+    check_against_real_run(opt.train(), cls.SPECS, [{"B": 3, "L": 37}])
+    check_training_against_real_run(opt.train(), cls.SPECS, [{"B": 3, "L": 37}], torch.optim.SGD, num_threads=1)
+    inference = check_against_real_run(opt.eval(), cls.SPECS, [{"B": 3, "L": 37}], grad=False)
+    assert quadratic_float_activations(inference) == []
+    assert_same_in_every_mode(model, opt, inputs(cls, {"B": 2, "L": 6}))
+
+
 # --- look-alikes ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls,words", [

@@ -85,7 +85,6 @@ def tiny_row(batch: int, seq: int) -> dict:
     """fxmem's step peak, the real one on this CPU, and the estimators', for the tiny model."""
     import torch
 
-    import fxmem
     from fxmem.llm import OPTIMIZERS, llm_answer, training_module
     from fxmem.measure import measure
     from fxmem.training import train_step

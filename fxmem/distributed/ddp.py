@@ -18,6 +18,7 @@ resident bytes, also for a forward-only analysis, where no step touches them.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import torch
 
@@ -49,6 +50,15 @@ def install_allreduce(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+_HOST_MAP = "DDP used-parameter map (host)"
+
+
+def used_map_reads(model: torch.nn.Module, held: list[tuple[str, torch.Tensor]]) -> Any:
+    """:func:`fxmem._torch_compat.ddp_used_map_reads` for ``model``, with the host-side map
+    :func:`reducer_state` found among ``held`` (the reducer reads it before any copy shows it)."""
+    return tc.ddp_used_map_reads(model, next((t for name, t in held if name == _HOST_MAP), None))
+
+
 def reducer_state(model: torch.nn.Module, made: list) -> list[tuple[str, torch.Tensor]]:
     """The tensors a DDP ``model``'s reducer keeps, as ``(name, tensor)``: those of ``made`` (weak
     references to the tensors made while it was built, :func:`fxmem._torch_compat.tensors_made`)
@@ -74,7 +84,7 @@ def reducer_state(model: torch.nn.Module, made: list) -> list[tuple[str, torch.T
             out.append((f"DDP gradient bucket {buckets}", t))
             buckets += 1
         elif t.dtype == torch.int32 and device_map is not None and t.numel() == device_map.numel():
-            out.append(("DDP used-parameter map" + (" (device)" if key == device_key else " (host)"), t))
+            out.append(("DDP used-parameter map (device)" if key == device_key else _HOST_MAP, t))
         else:
             out.append(("DistributedDataParallel state", t))
     return out

@@ -86,6 +86,12 @@ class Parallel:
                 f"{sum(reduces):,} B)")
         return out
 
+    def reads(self, model: torch.nn.Module, held: list[tuple[str, torch.Tensor]]) -> Any:
+        """While ``model`` (what :meth:`apply` returned, with its ``held`` tensors) runs: the values
+        its wrapper reads that fake tensors do not have (DDP's used-parameter map)."""
+        from .ddp import used_map_reads
+        return used_map_reads(model, held)
+
     def apply(self, model: torch.nn.Module, mesh: Any) -> tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]:
         """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place),
         and what its wrapper keeps besides parameters and buffers, as ``(name, tensor)``: DDP's

@@ -256,9 +256,7 @@ def simulate_once(
         warm, held = None, []
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
-            # DDP's reducer reads its used-parameter map (static_graph, find_unused_parameters)
-            wrapped.enter_context(tc.ddp_used_map_reads(fake_model, next(
-                (t for name, t in held if name == "DDP used-parameter map (host)"), None)))
+            wrapped.enter_context(parallel.reads(fake_model, held))  # DDP's used-parameter map
             if training is not None:  # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state
                 warm = _warm_up(fake_model, inputs, training, recorder)
         for spec, t in zip(specs, inputs):

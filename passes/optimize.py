@@ -65,7 +65,7 @@ def _plain_sgd(params: Any) -> torch.optim.Optimizer:
 
 @dataclasses.dataclass
 class _Memory:
-    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes and at twice them.
+    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes.
 
     ``report`` is the train-mode analysis (with a training step when there is grad), ``inference``
     the eval-mode analysis under ``no_grad``: a rewrite must not raise either.
@@ -73,7 +73,7 @@ class _Memory:
 
     report: Report
     inference: Report
-    points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) per point
+    points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) at the example sizes
 
     def lower_than(self, other: "_Memory") -> bool:
         """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
@@ -174,7 +174,9 @@ def optimize(
     # choice (SGD without state: gradients, not state, are what a rewrite changes). Its many analyses
     # are not self-checked one by one (a real run each): each rewrite is verified on real runs against
     # the original, and the user's own analysis of the result checks itself
-    kw = opts.replace(optimizer=None, mode="auto", check=False)
+    # with budget=, the user's optimizer: the analyses that decide the rewrites are then also the
+    # training step the budget is fitted to (one analysis of the graph serves both)
+    kw = opts.replace(optimizer=optimizer if budget is not None else None, mode="auto", check=False)
     try:
         probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
     except ShapeError:
@@ -254,7 +256,10 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
             state.log.append(log_entry(rule.name, "no match", name, f"looked for {rule.looks_for}; none in the graph"))
         for _, finding in findings:
             state.log_finding(finding)
-        tried = [(g, state.try_group(g)) for g in _groups([(r, f) for r, f in findings if f.status == "match"])]
+        groups = _groups([(r, f) for r, f in findings if f.status == "match"])
+        if len(groups) > 1 and _whole(state, groups, rule):
+            continue
+        tried = [(g, state.try_group(g)) for g in groups]
         last_kept = max((k for k, (_, verdict) in enumerate(tried) if verdict == "kept"), default=-1)
         # a site tried before a later one was kept is tried again on top of it (the first layer's
         # attention pays only once the second layer's no longer sets the peak)
@@ -271,12 +276,31 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
     return state
 
 
+def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
+    """Every site of ``rule`` tried in one trial (one verification, one analysis): a model's layers
+    are alike, and one trial then decides them all. True when that settles them: kept, or the same
+    peak formulas as before (no site touches a peak: none alone can lower one) or lower only where
+    a condition holds (the conditioned line tries them again). False when a site must be tried
+    alone: the verification failed (which one?) or some peak is higher somewhere (a site that
+    raises it may hide one that lowers it)."""
+    whole = [x for g in groups for x in g]
+    verdict = state.try_group(whole, culprit=False, together=f"tried in one trial with the other {len(whole) - 1} "
+                                                               f"{rule.name} site(s)")
+    if verdict == "kept":
+        for _, f in whole:
+            e = state._entries[id(f)]
+            e["reason"] = (f"{e['reason']}; applied with the other {len(whole) - 1} {rule.name} site(s) in one trial "
+                           f"(one verification, one analysis): together never higher")
+        return True
+    return verdict == "no gain" and state.last is not None and (state.last.same or state.last.verdict == "switch")
+
+
 def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
             optimizer) -> torch.fx.GraphModule:
     """Reorder, then (with ``budget=``) recompute, on one line's best graph; their entries go to its log."""
     best = state.best
     best, entry = reorder(best, state.verify_inputs[-1], specs, choose_hints(symbols, hints),
-                          lambda g: _memory(g, input_specs, kw), lambda g: compare(model, g, state.verify_inputs),
+                          state.memory, lambda g: compare(model, g, state.verify_inputs),
                           verify_at)
     state.log.append(entry if entry is not None else log_entry(
         "reorder", "no match", type(model).__name__, "looked for another order of the nodes with a lower modelled "
@@ -291,8 +315,10 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
                                    f"at dims {dims} the other form runs; the budget is fitted there"))
     else:  # after the rewrites: recompute what still does not fit
         _share_modules(best, model)  # the model's modules under their names (tied weights by both names)
+        known = state.analysed(best)  # the step analysed already (its graph was decided on): not again
         best, entry = fit_budget(best, model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                                 check_dims(dict(dims), symbols, "dims"), state.verify_inputs)
+                                 check_dims(dict(dims), symbols, "dims"), state.verify_inputs,
+                                 base=known.report if known is not None and state.kw == kw and kw.grad else None)
         state.log.append(entry)
     return best
 
@@ -434,11 +460,26 @@ class _Search:
         self.switch_hints: dict | None = None
         self.switch_kw: AnalysisOptions | None = None
         self.kept = 0
+        self.last: Decision | None = None  # the decision of the last trial (None: it failed verification)
         self._current: _Memory | None = None  # analysed when first needed: most models have no finding
         self.best = _build(gm, model, [])
         self.accepted: list[tuple[Pass, Finding]] = []
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
+        self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its _Memory): each analysed once
+
+    def memory(self, gm: torch.fx.GraphModule) -> "_Memory":
+        """fxmem's analysis of ``gm`` with this line's options, made once per graph module."""
+        known = self.analysed(gm)
+        if known is None:
+            known = _memory(gm, self.input_specs, self.kw)
+            self._analysed[id(gm)] = (gm, known)
+        return known
+
+    def analysed(self, gm: torch.fx.GraphModule) -> "_Memory | None":
+        """The analysis of ``gm`` made already, or None."""
+        held = self._analysed.get(id(gm))
+        return held[1] if held is not None and held[0] is gm else None
 
     def rebase(self) -> bool:
         """Make the graph with every rewrite kept so far the one later rewrites apply to; whether it changed."""
@@ -451,7 +492,7 @@ class _Search:
     def current(self) -> _Memory:
         """The memory of the graph with every rewrite kept so far."""
         if self._current is None:
-            self._current = _memory(self.gm, self.input_specs, self.kw)
+            self._current = self.memory(self.best)
         return self._current
 
     @current.setter
@@ -504,9 +545,12 @@ class _Search:
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
-    def try_group(self, group: list[tuple[Pass, Finding]]) -> str:
+    def try_group(self, group: list[tuple[Pass, Finding]], culprit: bool = True, together: str | None = None) -> str:
         """Apply ``group`` on top of what is kept; keep it if it is verified and lowers the peak.
-        Returns ``"kept"``, ``"failed"`` (verification) or ``"no gain"`` (exact, not lower)."""
+        Returns ``"kept"``, ``"failed"`` (verification) or ``"no gain"`` (exact, not lower).
+        ``culprit``: on a failed verification of several, try each alone (else the caller does);
+        ``together``: how the group was tried, for the records (default: on the same pairs)."""
+        self.last = None
         entries = [self._entries[id(f)] for _, f in group]
         for e in entries:
             e.update(self.current.formulas("before"))
@@ -514,7 +558,7 @@ class _Search:
         diff = compare(self.model, trial, self.verify_inputs)
         if not diff.ok:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
-                for member in group:
+                for member in group if culprit else ():
                     self.try_group([member])
                 return "failed"
             _, finding = group[0]
@@ -523,7 +567,7 @@ class _Search:
             warnings.warn(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
                           f"{entries[0]['reason']}", RuntimeWarning, stacklevel=3)
             return "failed"
-        after = _memory(trial, self.input_specs, self.kw)
+        after = self.memory(trial)
         for e in entries:
             e.update(after.formulas("after"))
         decision = _decide(self.current, after, self.symbols, self.hints, self.condition)
@@ -531,6 +575,7 @@ class _Search:
             decision = self._beyond(trial, after) or decision
         for e in entries:
             e["decision"] = decision.text
+        self.last = decision
         if decision.verdict == "switch" and self.condition is not None:  # a stronger condition, same dims
             self.condition = decision.condition
             self.switch_text = decision.text
@@ -542,7 +587,8 @@ class _Search:
                                f"{decision.condition}: {decision.text}; this form keeps the original")
             return "no gain"
         if decision.verdict == "decline":
-            together = f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else ""
+            together = (f" ({together})" if together else
+                        f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else "")
             for e, (_, f) in zip(entries, group):
                 e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's formulas of the "
                                f"rewrite{together} are {decision.text}; so the original is kept")
@@ -731,6 +777,33 @@ def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     # in the model's order (a graph copies what it reads in the order it reads it): parameters() then
     # come as the model's do, so an optimizer state loaded by position matches; the graph's own last
     tc.order_like(out, model)
+    for name, held in vars(out).items():  # the graphs a rewrite holds (the original attention a fallback runs)
+        if name.startswith("_fxmem_") and isinstance(held, tuple):
+            for sub in held:
+                if isinstance(sub, torch.fx.GraphModule):
+                    _share_held(sub, model)
+
+
+def _share_held(sub: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Point what ``sub`` reads of the model (a dropout module, a mask buffer) at the model's own
+    objects: they were copied from the traced graph's copy of the model when ``sub`` was built, and
+    a copy's flag does not follow ``model.train()``/``eval()`` (a dropout that never turns on)."""
+    for n in sub.graph.nodes:
+        if n.op not in ("call_module", "get_attr"):
+            continue
+        parent_path, _, leaf = str(n.target).rpartition(".")
+        try:
+            owner = model.get_submodule(parent_path) if parent_path else model
+            parent = sub.get_submodule(parent_path) if parent_path else sub
+        except AttributeError:
+            continue
+        children = dict(owner.named_children())
+        if n.op == "call_module" and leaf in children:
+            setattr(parent, leaf, children[leaf])
+        elif leaf in dict(owner.named_parameters(recurse=False)):
+            parent.register_parameter(leaf, getattr(owner, leaf))
+        elif leaf in dict(owner.named_buffers(recurse=False)):
+            parent.register_buffer(leaf, getattr(owner, leaf))
 
 
 def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:
@@ -739,16 +812,13 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
     train, evals = in_mode(gm, True), in_mode(gm, False)
     report = None
     if kw.grad:
-        try:
-            report = analyze(train, *input_specs, options=kw.replace(optimizer=_plain_sgd))
+        try:  # SGD without state unless budget= brought the user's optimizer
+            report = analyze(train, *input_specs, options=kw.replace(optimizer=kw.optimizer or _plain_sgd))
         except FxMemError:  # nothing to train (no parameter reaches the output): forward only
             report = None
     if report is None:
-        report = analyze(train, *input_specs, options=kw)
-    inference = analyze(evals, *input_specs, options=kw.replace(grad=False))
-    points = []
-    for scale in (1, 2):
-        at = {k: v * scale for k, v in report.hints.items()}
-        values = report.evaluate(**at)
-        points.append((values["peak"], values.get("train_peak", 0), inference.evaluate(**at)["peak"]))
+        report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
+    inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))
+    values = report.evaluate(**report.hints)
+    points = [(values["peak"], values.get("train_peak", 0), inference.evaluate(**report.hints)["peak"])]
     return _Memory(report, inference, points)

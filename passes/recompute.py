@@ -48,7 +48,8 @@ from .verify import compare
 RULE = "recompute"
 HOW = ("whole", "selective")
 _BUCKETS = 200  # resolution of the knapsack over bytes saved
-_ROUNDS = 8  # how many plans are chosen (each one analysed exactly)
+_ROUNDS = 8  # how many plans are chosen
+_TRIALS = 4  # how many distinct ones of them are analysed exactly (an analysis each: the cost)
 
 
 class BudgetError(FxMemError):
@@ -153,15 +154,17 @@ def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
 
 
 def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions,
-               budget: Any, dims: Mapping[str, int], verify_inputs: list) -> tuple[torch.fx.GraphModule, dict]:
+               budget: Any, dims: Mapping[str, int], verify_inputs: list,
+               base: Report | None = None) -> tuple[torch.fx.GraphModule, dict]:
     """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``.
 
+    ``base``: the training step of ``gm`` analysed with ``options`` already (not analysed again).
     Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
     fits. ``gm`` itself is returned when the step already fits.
     """
     limit = parse_bytes(budget)
     planner = _Planner(gm, input_specs, options, dims)
-    base = planner.trial(())
+    base = planner.trial((), known=base)
     entry = {"rule": RULE, "status": "declined", "where": "", "budget": limit, "dims": dict(dims),
              "train_peak_before": str(base.report.train_peak), "train_peak_after": None,
              "peak_at_dims_before": base.peak, "peak_at_dims_after": None, "recompute_flops": 0,
@@ -186,7 +189,7 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
     fitting: list[Trial] = []
     for _ in range(_ROUNDS):
         plan = cheapest(choices, need)
-        if plan is None:
+        if plan is None or plan not in tried and len(tried) >= _TRIALS and fitting:
             break
         if plan not in tried:
             tried[plan] = planner.trial(plan)
@@ -283,11 +286,13 @@ class _Planner:
         usable = [b for b in self.blocks if b.refusal is None]
         return block_costs(self._base, usable, self.costs, self.dims)
 
-    def trial(self, plan: tuple) -> Trial:
+    def trial(self, plan: tuple, known: Report | None = None) -> Trial:
         by_name = {b.name: b for b in self.blocks}
         module = extract(self.gm, [(by_name[n], how) for n, how in plan]) if plan else self.gm
+        if known is not None and self._base is None:
+            self._base = known
         try:
-            report = self.analyse(module)
+            report = known if known is not None else self.analyse(module)
             peak = report.evaluate(**self.dims)["train_peak"]
         except FxMemError as exc:
             if not plan:

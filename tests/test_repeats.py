@@ -222,3 +222,19 @@ def test_what_is_not_a_chain_of_identical_blocks_is_simulated_whole(model):
 def test_reanalysis_outside_the_region_keeps_repeating_blocks():
     fast, slow = both(GPT(5), TOKENS, hints={"B": 4, "L": 40})
     assert dict(fast.evaluate(B=1, L=1)) == dict(slow.evaluate(B=1, L=1))
+
+
+def test_blocks_rewritten_by_optimize_still_repeat_and_match_real_steps():
+    """A rewrite holds a graph per site (the original attention that runs while dropout is on): the
+    held graphs compute the same in every block, so the rewritten model's blocks still repeat."""
+    torch.manual_seed(0)
+    opt = fxmem.optimize(GPT(6).train(), TOKENS)
+    assert [e["status"] for e in opt.meta["fxmem"] if e["rule"] == "sdpa"] == ["applied"] * 6
+    assert any(k.startswith("_fxmem_original_") for k in vars(opt))
+    adam = lambda p: torch.optim.Adam(p)  # noqa: E731
+    assert_same(*both(opt.train(), TOKENS, optimizer=adam), 6)
+    assert_same(*both(opt.eval(), TOKENS, grad=False), 6)
+    makers = {"tokens": lambda shape, sizes: torch.randint(0, 50, shape)}
+    report = check_training_against_real_run(opt.train(), (TOKENS,), [{"B": 2, "L": 7}, {"B": 3, "L": 12}], adam,
+                                             makers=makers)
+    assert any(REPEATED in n for n in report.notes)

@@ -131,6 +131,39 @@ def test_layers_sharing_a_causal_mask_are_rewritten_together():
     check_against_real_run(opt, model.SPECS, [{"B": 2, "L": 41}])
 
 
+def test_alike_layers_are_decided_in_one_trial(monkeypatch):
+    """Six blocks of the same code: one verification and one analysis decide all six sites (not
+    one each); the original graph is analysed once. The result is still exact and the same."""
+    import importlib
+
+    from test_repeats import GPT, TOKENS
+
+    driver = importlib.import_module("fxmem.passes.optimize")  # the module, not the function it exports
+
+    calls = {"memory": 0, "compare": 0}
+    memory, compare = driver._memory, driver.compare
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(driver, "_memory", counting("memory", memory))
+    monkeypatch.setattr(driver, "compare", counting("compare", compare))
+    torch.manual_seed(0)
+    model = GPT(6).eval()
+    opt = fxmem.optimize(model, TOKENS)
+    entries = sdpa_entries(opt)
+    assert [r["status"] for r in entries] == ["applied"] * 6
+    assert all("in one trial" in r["reason"] for r in entries)
+    assert calls == {"memory": 2, "compare": 1}  # the original and the trial; the trial's verification
+    tokens = torch.randint(0, 50, (3, 11))
+    assert_same_in_every_mode(model, opt, [tokens])
+    check_against_real_run(opt, (TOKENS,), [{"B": 3, "L": 13}],
+                           makers={"tokens": lambda shape, sizes: torch.randint(0, 50, shape)})
+
+
 # --- dropout ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls,p", [(S.Bmm, 0.3), (S.PaddingMask, 0.2), (S.SeedRearrange, 0.1)],
@@ -149,6 +182,28 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     # the model's keys (fx keeps the -inf of torch.full((), -inf) as a tensor constant the original nodes read)
     assert set(model.state_dict()) <= set(opt.state_dict())
     assert_same_in_every_mode(model, opt, inputs(cls, {"B": 2, "L": 6}))
+
+
+def test_a_model_in_eval_mode_gets_a_fallback_whose_dropout_follows_train():
+    """The original attention the fallback runs reads the model's own dropout module, not the
+    traced copy's: optimized while in eval mode, the result still drops out in train mode (the
+    copy's flag stayed off, and verification declined the rewrite), also in a deep copy."""
+    import copy
+
+    from test_repeats import GPT, TOKENS
+
+    torch.manual_seed(0)
+    model = GPT(2).eval()  # an nn.Dropout module, read by the attention and the MLP
+    opt = optimize(model, TOKENS)
+    assert [r["status"] for r in sdpa_entries(opt)] == ["applied"] * 2
+    held = [v[0] for k, v in vars(opt).items() if k.startswith("_fxmem_original_")]
+    drops = [m for h in held for m in h.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(any(d is m for m in model.modules()) for d in drops)
+    twin = copy.deepcopy(opt).train()
+    assert all(m.training for h in (v[0] for k, v in vars(twin).items() if k.startswith("_fxmem_original_"))
+               for m in h.modules() if isinstance(m, torch.nn.Dropout))
+    assert_same_in_every_mode(model, opt, [torch.randint(0, 50, (2, 6))])
+    assert not model.training  # the user's flag is theirs
 
 
 @pytest.mark.parametrize("cls", [S.SharedMaskDropout, S.FloatMaskDropout], ids=lambda c: c.__name__)

@@ -79,7 +79,20 @@ def shorten(gm: torch.fx.GraphModule, chain: Chain) -> torch.fx.GraphModule:
         copy = graph.node_copy(n, lambda a: env[a])
         copy.name = n.name
         env[n] = copy
-    return torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    out = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    _order_like(out, gm)
+    return out
+
+
+def _order_like(out: torch.nn.Module, gm: torch.nn.Module) -> None:
+    """The containers fx makes for ``out`` list modules in the order the graph uses them; ``gm``'s may
+    list them in the model's (a rewritten model shares the model's ModuleList): an optimizer then
+    steps the parameters in another order. Put each container's in ``gm``'s order."""
+    tc.order_like(out, gm)
+    for name, child in out.named_children():
+        twin = getattr(gm, name, None)
+        if isinstance(twin, torch.nn.Module) and child is not twin:
+            _order_like(child, twin)
 
 
 # --- finding the chain ---------------------------------------------------------------------------
@@ -111,7 +124,7 @@ def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int,
             path = module_path(n)
             if any(k != j and _within(path, chain.module(k)) for k in range(chain.count)):
                 return None
-    if not _same_code(chain, segments, first[0]) or not _same_modules(gm, chain, segments):
+    if not _same_code(gm, chain, segments, first[0]) or not _same_modules(gm, chain, segments):
         return None
     return chain
 
@@ -120,7 +133,7 @@ def _within(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def _same_code(chain: Chain, segments: list, start: int) -> bool:
+def _same_code(gm: torch.fx.GraphModule, chain: Chain, segments: list, start: int) -> bool:
     """Every block runs the same nodes on the same kinds of arguments: its own values, the block
     before's (the first block: values computed before the chain, consistently), or values computed
     before the chain; its values are used only by itself, the next block, or (the last) after it."""
@@ -150,7 +163,10 @@ def _same_code(chain: Chain, segments: list, start: int) -> bool:
         if n.op in ("call_module", "get_attr"):
             module = chain.module(j)
             t = str(n.target)
-            return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
+            if _within(t, module):
+                return ("own", t[len(module):])
+            held = _held_graphs(gm, t, module) if n.op == "get_attr" else None
+            return ("held", held) if held is not None else ("outer", t)
         return n.target
 
     for j, seg in enumerate(segments):
@@ -186,6 +202,40 @@ def _same_code(chain: Chain, segments: list, start: int) -> bool:
 
 class _NotChain(Exception):
     pass
+
+
+def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | None:
+    """What a rewrite's graphs held by ``gm`` compute (a tuple of GraphModules under a name of
+    their own per site: the original attention a fallback runs, a mask built on demand), up to
+    node names, with the block's own modules named relative to ``module``; None when ``name``
+    holds something else. Two blocks whose held graphs compute the same are the same code."""
+    held = getattr(gm, name, None)
+    if not isinstance(held, tuple) or not held or not all(isinstance(h, torch.fx.GraphModule) for h in held):
+        return None
+    out = []
+    for sub in held:
+        pos = {n: k for k, n in enumerate(sub.graph.nodes)}
+
+        def norm(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return ("node", pos[a])
+            if isinstance(a, (tuple, list)):
+                return (type(a).__name__, tuple(norm(x) for x in a))
+            if isinstance(a, dict):
+                return ("dict", tuple((k, norm(v)) for k, v in a.items()))
+            if isinstance(a, slice):
+                return ("slice", norm(a.start), norm(a.stop), norm(a.step))
+            return ("const", type(a).__name__, repr(a))
+
+        def where(n: torch.fx.Node) -> Any:
+            if n.op in ("call_module", "get_attr"):
+                t = str(n.target)
+                return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
+            return n.target
+
+        out.append(tuple((n.op, where(n), norm(n.args), norm(n.kwargs)) for n in sub.graph.nodes
+                         if n.op != "placeholder") + tuple(n.name for n in sub.graph.nodes if n.op == "placeholder"))
+    return tuple(out)
 
 
 def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> bool:

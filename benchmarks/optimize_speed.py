@@ -1,0 +1,125 @@
+"""What ``fxmem.optimize`` costs, as a multiple of one analysis of the same model.
+
+For each model: one ``fxmem.analyze`` (a training step with the optimizer), ``fxmem.optimize``
+with no budget, and ``fxmem.optimize(budget=, dims=)`` at a fraction of the original step's peak.
+Each is timed ``--repeats`` times round-robin in one process (after one warm-up call of each, so
+that oneDNN's first-call work is not counted); medians, and their ratio to the analysis' median.
+The table also counts, per call, the analyses (fake-tensor simulations) and real verification runs.
+
+    python benchmarks/optimize_speed.py
+Results: benchmarks/results/optimize_speed_cpu.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import fxmem  # noqa: E402
+from fxmem.measure import machine_name  # noqa: E402
+from recompute import Decoder  # noqa: E402
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def counted():
+    """Count fake-tensor simulations and verification runs (the two costs optimize is made of)."""
+    simulate = importlib.import_module("fxmem.simulation.simulate")
+    verify = importlib.import_module("fxmem.passes.verify")
+    counts = {"simulations": 0, "verifications": 0}
+    once, compare = simulate.simulate_once, verify.compare
+
+    def sim(*a, **k):
+        counts["simulations"] += 1
+        return once(*a, **k)
+
+    def ver(*a, **k):
+        counts["verifications"] += 1
+        return compare(*a, **k)
+
+    simulate.simulate_once = sim
+    driver = importlib.import_module("fxmem.passes.optimize")
+    driver.compare = ver
+    recompute = importlib.import_module("fxmem.passes.recompute")
+    recompute.compare = ver
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--fraction", type=float, default=0.6, help="budget as a share of the original step's peak")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "optimize_speed_cpu"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Decoder(args.layers, args.dim, args.heads)
+    spec = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+    dims = dict(B=args.batch, L=args.length)
+    base = fxmem.analyze(model, spec, optimizer=adamw).evaluate(**dims)["train_peak"]
+    budget = int(base * args.fraction)
+    calls = {
+        "analyze (training step, AdamW)": lambda: fxmem.analyze(model, spec, optimizer=adamw),
+        "optimize()": lambda: fxmem.optimize(model, spec),
+        f"optimize(budget={args.fraction:.0%} of the peak, AdamW)":
+            lambda: fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=adamw),
+    }
+    counts = counted()
+    times: dict = {k: [] for k in calls}
+    work: dict = {}
+    for k, fn in calls.items():  # warm-up, and what each call does
+        counts.update(simulations=0, verifications=0)
+        out = fn()
+        work[k] = dict(counts)
+        if isinstance(out, torch.fx.GraphModule):
+            work[k]["applied"] = sorted({e["rule"] for e in out.meta["fxmem"] if e["status"] == "applied"})
+    for _ in range(args.repeats):
+        for k, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    first = statistics.median(times[next(iter(calls))])
+    rows = [{"call": k, "median_s": round(statistics.median(v), 2), "times_s": [round(x, 2) for x in v],
+             "ratio": round(statistics.median(v) / first, 2), **work[k]} for k, v in times.items()]
+    command = ("python benchmarks/optimize_speed.py " + " ".join(sys.argv[1:])).strip()
+    meta = {"machine": machine_name(), "torch": torch.__version__, "threads": args.threads, "command": command,
+            "model": f"Decoder(layers={args.layers}, dim={args.dim}, heads={args.heads})", "dims": dims,
+            "budget": budget, "repeats": args.repeats}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = ["# What fxmem.optimize costs, next to one analysis (cpu)", "",
+             f"Machine: {meta['machine']}; torch {meta['torch']}; {args.threads} thread(s); command: `{command}`. "
+             f"{meta['model']} (the benchmarks' GPT decoder: causal softmax attention with dropout), tokens "
+             f"[B, L]; budget at B={dims['B']}, L={dims['L']}. Whole calls, median of {args.repeats} taken "
+             f"round-robin in one process after a warm-up call of each; simulations: fxmem analyses' fake-tensor "
+             f"runs (a training-step analysis is one, an inference one another); verifications: comparisons "
+             f"with the model on real runs (train/eval, with and without grad, three sizes each).", "",
+             "| call | median | x one analysis | simulations | verifications | applied |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['call']} | {r['median_s']:.2f} s | {r['ratio']:.1f}x | {r['simulations']} | "
+                     f"{r['verifications']} | {', '.join(r.get('applied', [])) or '-'} |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

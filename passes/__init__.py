@@ -8,7 +8,8 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   ``self.training`` while tracing);
 * :mod:`.verify` - same outputs, gradients and buffers as the original, in train and eval mode,
   with and without grad;
-* :mod:`.registry` - the passes, as data; :mod:`.base` - what a pass is;
+* :mod:`.registry` - the passes, as data: the rules (``PASSES``) and the whole-graph passes
+  (``GRAPH_PASSES``: reorder, recompute); :mod:`.base` - what a pass is and what it is given;
 * the pair-linear rule: :mod:`.pair_linear` (the rule), :mod:`.data_movement` (which nodes only
   copy elements, and the id probe), :mod:`.linear_maps` (what counts as a linear map),
   :mod:`.pair_layout` (how the pair tensor is laid out), :mod:`.pair_reasons` (why a look-alike
@@ -27,10 +28,11 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes this folder findable as ``passes``
     raise ImportError(f"this folder is the package fxmem.passes, not a module {__name__!r}: import fxmem.passes")
 
-from .base import Finding, Pass, Probe  # noqa: E402
+from .base import Finding, GraphPass, Line, Pass, Probe  # noqa: E402
 from .optimize import optimize  # noqa: E402
 from .recompute import BudgetError, max_size  # noqa: E402
-from .registry import PASSES  # noqa: E402
+from .registry import GRAPH_PASSES, PASSES  # noqa: E402
 from .verify import Difference, compare  # noqa: E402
 
-__all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "Pass", "Finding", "Probe", "BudgetError"]
+__all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "GRAPH_PASSES", "Pass", "GraphPass", "Line",
+           "Finding", "Probe", "BudgetError"]

@@ -64,6 +64,41 @@ class Pass:
     looks_for: str = ""
 
 
+@dataclasses.dataclass
+class Line:
+    """What a whole-graph pass (:class:`GraphPass`) is given of one ``optimize`` call: the model,
+    its inputs, sizes and options, and the call's services - ``memory(gm)`` fxmem's analysis of a
+    graph (made once per graph), ``analysed(gm)`` the one made already or None, ``verify(gm)`` the
+    comparison with the model on real runs (``.ok``), ``share(gm)`` the model's modules given to
+    ``gm`` under their names. A switched call has two lines, one per form."""
+
+    model: torch.nn.Module
+    specs: Sequence[Any]  # the parsed input specs
+    input_specs: tuple  # as the user wrote them
+    hints: Mapping[str, int]  # the example sizes, {dim: int}
+    verify_at: Sequence[Mapping[str, int]]  # the small sizes rewrites are verified at
+    verify_inputs: list  # real inputs at those sizes
+    step_options: Any  # AnalysisOptions of a training step with the step's optimizer
+    budget: Any  # bytes or "24GiB", or None
+    dims: Mapping[str, int] | None  # where the budget must hold
+    runs_at_dims: bool  # whether this line's form is the one that runs at dims
+    memory: Callable[[torch.fx.GraphModule], Any]
+    analysed: Callable[[torch.fx.GraphModule], Any]
+    verify: Callable[[torch.fx.GraphModule], Any]
+    share: Callable[[torch.fx.GraphModule], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    """A rewrite of the whole graph, run after the rules on what they kept: ``run(gm, line) ->
+    (module, entry)``, the module (``gm`` when nothing is kept) and its ``meta["fxmem"]`` entry
+    (:func:`log_entry`'s schema; ``"no match"`` with what it looked for when it found nothing)."""
+
+    name: str
+    run: Callable[[torch.fx.GraphModule, Line], tuple[torch.fx.GraphModule, dict]]
+    looks_for: str = ""
+
+
 # The keys every ``meta["fxmem"]`` entry has, whichever pass wrote it (a rule, reorder, recompute,
 # the switch between two forms); a pass may add its own after them (recompute: "plan", "budget").
 LOG_KEYS = ("rule", "status", "where", "reason", "when", "decision", "peak_before", "peak_after", "saved_before",

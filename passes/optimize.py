@@ -1,12 +1,14 @@
 """``fxmem.optimize``: rewrite a model so that it takes less memory - verified, with the memory
 formulas before and after each rewrite.
 
-    trace (train and eval mode: :mod:`.modes`) -> run at small sizes (probes) -> passes find
-    rewrites -> for each rewrite, in graph order: apply it to a copy of the graph -> same outputs,
-    gradients and buffers as the original model, in train and eval mode, with and without grad?
-    -> fxmem's analysis: lower peak (training: forward and training step; inference)? -> keep it
-    -> another node order, kept the same way (:mod:`.reorder`) -> with ``budget=``: what to
-    recompute in backward so that the training step fits (:mod:`.recompute`)
+    trace (train and eval mode: :mod:`.modes`) -> run at small sizes (probes) -> each rule of
+    the registry (``PASSES``) finds sites on the graph the rules before it kept -> all its sites
+    in one trial (a copy of the graph with them applied -> same outputs, gradients and buffers as
+    the original model, in train and eval mode, with and without grad? -> fxmem's formulas: no
+    peak higher anywhere, one lower? (training: forward and training step; inference) -> keep
+    them); site by site only where that fails -> the whole-graph passes (``GRAPH_PASSES``):
+    another node order (:mod:`.reorder`), and with ``budget=`` what to recompute in backward so
+    that the training step fits (:mod:`.recompute`). Each graph is analysed once per call.
 
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
 ``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
@@ -39,12 +41,11 @@ from ..inputs import random_inputs
 from ..report import Report
 from ..capture.whole_graph import capture
 from ..specs import InputSpec, check_dims, check_input_sizes, choose_hints, parse_specs
-from .base import LOG_KEYS, STATUSES, Finding, Pass, Probe, log_entry
+from .base import LOG_KEYS, STATUSES, Finding, Line, Pass, Probe, log_entry
 from ..accounting.budget import parse_bytes
 from .modes import in_mode, trace_modes
-from .recompute import BudgetError, fit_budget
-from .reorder import reorder
-from .registry import PASSES
+from .recompute import BudgetError
+from .registry import GRAPH_PASSES, PASSES
 from .verify import compare
 from . import switch
 from .decide import Condition, Decision, decide
@@ -123,9 +124,11 @@ def optimize(
     A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
     (w.r.t. every parameter and floating input) and the same buffers as the original model on
     random inputs at the probe sizes, in train and eval mode, with autograd and under ``no_grad``
-    (same random numbers in both: dropout keeps the same elements), and fxmem's analysis finds a
-    lower peak (train mode: forward peak and, with ``grad``, training-step peak; eval mode: the
-    inference peak under ``no_grad`` - none higher, one lower, at ``hints`` and at twice them).
+    (same random numbers in both: dropout keeps the same elements), and fxmem's formulas prove
+    its peaks (train mode: forward peak and, with ``grad``, training-step peak; eval mode: the
+    inference peak under ``no_grad``) never higher for every size where the analysis holds and one
+    lower somewhere (:mod:`.decide`; where the two cross, both forms are returned, switched at run
+    time by the condition in the dims). The hints only choose where the analysis looks first.
     ``opt.meta["fxmem"]`` lists each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``),
     ``where`` (node and file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_``/
     ``inference_peak_`` ``before``/``after`` formulas.
@@ -297,28 +300,21 @@ def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
 
 def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
             optimizer) -> torch.fx.GraphModule:
-    """Reorder, then (with ``budget=``) recompute, on one line's best graph; their entries go to its log."""
-    best = state.best
-    best, entry = reorder(best, state.verify_inputs[-1], specs, choose_hints(symbols, hints),
-                          state.memory, lambda g: compare(model, g, state.verify_inputs),
-                          verify_at)
-    state.log.append(entry if entry is not None else log_entry(
-        "reorder", "no match", type(model).__name__, "looked for another order of the nodes with a lower modelled "
-        "peak at the example sizes; none"))
+    """The whole-graph passes of the registry (reorder, then recompute), in order, on one line's
+    best graph; their entries go to its log."""
     runs_at_dims = budget is not None and (state.condition is None or state.condition.holds(dims)) and (
         state.condition is not None or state.switch is None or not state.switch.holds(dims))
-    if budget is None:
-        state.log.append(log_entry("recompute", "no match", type(model).__name__,
-                                   "no budget= given: nothing is recomputed"))
-    elif not runs_at_dims:  # the other form runs at dims: the budget is its to meet
-        state.log.append(log_entry("recompute", "no match", type(model).__name__,
-                                   f"at dims {dims} the other form runs; the budget is fitted there"))
-    else:  # after the rewrites: recompute what still does not fit
-        _share_modules(best, model)  # the model's modules under their names (tied weights by both names)
-        known = state.analysed(best)  # the step analysed already (its graph was decided on): not again
-        best, entry = fit_budget(best, model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                                 check_dims(dict(dims), symbols, "dims"), state.verify_inputs,
-                                 base=known.report if known is not None and state.kw == kw and kw.grad else None)
+    step = kw.replace(optimizer=optimizer or _plain_sgd)
+    # the analyses made already serve when they are of the same training step (not a line that
+    # looked at other sizes)
+    reuse = state.kw == kw and kw.grad
+    line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
+                check_dims(dict(dims), symbols, "dims") if dims is not None else None, runs_at_dims, state.memory,
+                state.analysed if reuse else (lambda g: None), lambda g: compare(model, g, state.verify_inputs),
+                lambda g: _share_modules(g, model))
+    best = state.best
+    for p in GRAPH_PASSES:
+        best, entry = p.run(best, line)
         state.log.append(entry)
     return best
 

@@ -46,6 +46,7 @@ from .segments import Block, blocks, extract
 from .verify import compare
 
 RULE = "recompute"
+LOOKS_FOR = "blocks to recompute in backward so that the training step fits budget= at dims="
 HOW = ("whole", "selective")
 _BUCKETS = 200  # resolution of the knapsack over bytes saved
 _ROUNDS = 8  # how many plans are chosen
@@ -242,6 +243,24 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
         entry["reason"] += (f"; FLOPs could not be counted on the meta device ({planner.uncounted}), so the plan "
                             f"recomputes the fewest nodes instead and the FLOP figures count nodes")
     return best.module, entry
+
+
+def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, dict]:
+    """The registry's entry (:class:`~.base.GraphPass`): with ``budget=``, :func:`fit_budget` on
+    the graph the rules kept (its training step analysed once: the analysis they were decided on
+    is the base); else a record saying why nothing is recomputed."""
+    from .base import log_entry
+
+    name = type(line.model).__name__
+    if line.budget is None:
+        return gm, log_entry(RULE, "no match", name, "no budget= given: nothing is recomputed")
+    if not line.runs_at_dims:  # the other form runs at dims: the budget is its to meet
+        return gm, log_entry(RULE, "no match", name, f"at dims {dict(line.dims)} the other form runs; the budget is "
+                                                     f"fitted there")
+    line.share(gm)  # the model's modules under their names (tied weights by both names)
+    known = line.analysed(gm)
+    return fit_budget(gm, line.model, line.input_specs, line.step_options, line.budget, line.dims,
+                      line.verify_inputs, base=known.report if known is not None else None)
 
 
 def _where(plan: Sequence[tuple]) -> str:

@@ -1,14 +1,20 @@
-"""The rewrite passes :func:`fxmem.optimize` runs, in order, as data: each is a
-:class:`~.base.Pass` (a name, a ``find`` that decides, a ``rewrite`` that applies). Each pass
-looks at the graph the passes before it made.
+"""The rewrite passes :func:`fxmem.optimize` runs, in order, as data.
+
+``PASSES``: the rules, each a :class:`~.base.Pass` (a name, a ``find`` that proposes sites, a
+``rewrite`` that applies one); each looks at the graph the rules before it kept, and the driver
+accepts their sites (verified, decided by the formulas). ``GRAPH_PASSES``: what is then done to
+the whole graph, each a :class:`~.base.GraphPass` run on what the rules kept. A new rule is one
+module and one line here.
 
 >>> [p.name for p in PASSES]
 ['pair-linear', 'fused-attention', 'fused-message-passing', 'sdpa']
+>>> [p.name for p in GRAPH_PASSES]
+['reorder', 'recompute']
 """
 from __future__ import annotations
 
-from . import fused_attention, message_passing, pair_linear, sdpa
-from .base import Pass
+from . import fused_attention, message_passing, pair_linear, recompute, reorder, sdpa
+from .base import GraphPass, Pass
 
 PASSES: tuple[Pass, ...] = (
     # a linear map over pairs [h_i || h_j] -> L1(h_i) + L2(h_j), a broadcast add (GAT attention)
@@ -23,4 +29,10 @@ PASSES: tuple[Pass, ...] = (
     # softmax(q @ k^T * scale [+ mask]) [dropout] @ v -> F.scaled_dot_product_attention (seed 002)
     Pass(sdpa.RULE, sdpa.find, sdpa.rewrite, sdpa.SETTINGS,
          "softmax(q @ k^T * scale [+ mask]) [dropout] @ v"),
+)
+GRAPH_PASSES: tuple[GraphPass, ...] = (
+    # the nodes in another order, lower at the example sizes and never higher where checked
+    GraphPass(reorder.RULE, reorder.propose, reorder.LOOKS_FOR),
+    # with budget=: blocks recomputed in backward so that the training step fits at dims
+    GraphPass(recompute.RULE, recompute.propose, recompute.LOOKS_FOR),
 )

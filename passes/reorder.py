@@ -40,6 +40,7 @@ from ..report import format_bytes
 from .segments import same_attributes
 
 RULE = "reorder"
+LOOKS_FOR = "another order of the nodes with a lower modelled peak at the example sizes"
 
 # call_function targets from these modules compute a value from their inputs and nothing else
 # (unless they draw random numbers or work in place, which are told apart below)
@@ -315,3 +316,14 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
     entry.update(status="applied", reason=f"at {at}: " + ", ".join(gains))
     return new, entry
 
+
+
+def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, dict]:
+    """The registry's entry (:class:`~.base.GraphPass`): :func:`reorder` with ``line``'s inputs,
+    sizes, analysis and verification; its record, or what it looked for."""
+    from .base import log_entry
+
+    best, entry = reorder(gm, line.verify_inputs[-1], line.specs, line.hints, line.memory, line.verify, line.verify_at)
+    if entry is None:
+        entry = log_entry(RULE, "no match", type(line.model).__name__, f"looked for {LOOKS_FOR}; none")
+    return best, entry

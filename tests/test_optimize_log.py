@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import edge_spellings as S
 import fxmem
-from fxmem.passes import PASSES
+from fxmem.passes import GRAPH_PASSES, PASSES
 from fxmem.passes.base import LOG_KEYS, STATUSES
 from fxmem.passes.recompute import BudgetError
 
@@ -52,11 +52,13 @@ def test_nothing_matched_is_still_said_per_rule():
     log = opt.meta["fxmem"]
     _check_schema(log)
     by_rule = {e["rule"]: e for e in log}
-    for rule in [p.name for p in PASSES] + ["reorder", "recompute"]:
+    assert [p.name for p in GRAPH_PASSES] == ["reorder", "recompute"]  # the whole-graph passes are the registry's
+    for rule in [p.name for p in PASSES + GRAPH_PASSES]:
         assert rule in by_rule, rule
-    for p in PASSES:
+    for p in PASSES + GRAPH_PASSES[:1]:
         assert by_rule[p.name]["status"] == "no match" and p.looks_for in by_rule[p.name]["reason"]
     assert "no budget" in by_rule["recompute"]["reason"]
+    assert [e["rule"] for e in log] == [p.name for p in PASSES + GRAPH_PASSES]  # in the registry's order
 
 
 def test_every_entry_of_a_switched_call_has_the_schema():

@@ -40,7 +40,7 @@ from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
 from ..capture.whole_graph import capture
-from ..specs import InputSpec, check_dims, check_input_sizes, choose_hints, parse_specs
+from ..specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
 from .base import LOG_KEYS, STATUSES, Finding, Line, Pass, Probe, log_entry
 from ..accounting.budget import parse_bytes
 from .modes import in_mode, trace_modes
@@ -194,7 +194,10 @@ def optimize(
                         f"({region[0]}; the model bounds its own sizes there), so the rewrites cannot be judged at "
                         f"them: give hints inside it, or leave hints out (the result runs the model's own forward "
                         f"outside it)")
-    if region is not None and budget is not None and not region[0].holds(check_dims(dict(dims), symbols, "dims")):
+    point = _left_out(region, specs, symbols, input_specs)
+    at_point = point is not None and budget is not None and check_dims(dict(dims), symbols, "dims")[point[0]] == point[1]
+    if region is not None and budget is not None and not at_point and \
+            not region[0].holds(check_dims(dict(dims), symbols, "dims")):
         # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
         _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
                   check_dims(dict(dims), symbols, "dims"),
@@ -229,17 +232,23 @@ def optimize(
         alt = _search(gm, alt, probes, specs, name, settings, state.switch)
         switched = _switch(state, alt, model, specs, symbols, name)
         state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
-    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer)
+    # the budget is fitted by the form that runs at dims: this graph only inside its region
+    fits_here = budget is not None and (region is None or region[0].holds(check_dims(dict(dims), symbols, "dims")))
+    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer,
+                         fits_here)
     if switched is not None:
         alt, entry = switched
-        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer)
+        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer,
+                           fits_here)
         best = _forms(alt.condition, switch.positions(alt.condition, specs, symbols), alt.best, state.best, model)
         log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
     else:
         best, log = state.best, _tagged(state.log, None)
     if region is not None:  # the captured graph holds within the model's own bounds: its forward elsewhere
-        best, entry = _within(region, best, model, name)
-        log += _tagged([entry], None)
+        elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, budget if at_point else None,
+                                    dims, name)
+        best, entry = _within(region, best, model, name, elsewhere, point if more else None)
+        log += _tagged([entry], None) + more
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = log
     if traced.capture:  # what the rewritten graph is a graph of
@@ -299,10 +308,10 @@ def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
 
 
 def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
-            optimizer) -> torch.fx.GraphModule:
+            optimizer, fits_here: bool = True) -> torch.fx.GraphModule:
     """The whole-graph passes of the registry (reorder, then recompute), in order, on one line's
     best graph; their entries go to its log."""
-    runs_at_dims = budget is not None and (state.condition is None or state.condition.holds(dims)) and (
+    runs_at_dims = budget is not None and fits_here and (state.condition is None or state.condition.holds(dims)) and (
         state.condition is not None or state.switch is None or not state.switch.holds(dims))
     step = kw.replace(optimizer=optimizer or _plain_sgd)
     # the analyses made already serve when they are of the same training step (not a line that
@@ -350,16 +359,75 @@ def _region(gm: torch.fx.GraphModule, specs: Sequence[InputSpec], symbols: Mappi
     return guards, where
 
 
-def _within(region: tuple, best: torch.fx.GraphModule, model: torch.nn.Module, name: str) -> tuple:
-    """``best`` where the region's guards hold, the model's own forward elsewhere; and its record."""
+def _within(region: tuple, best: torch.fx.GraphModule, model: torch.nn.Module, name: str,
+            elsewhere: torch.nn.Module | None = None, point: tuple | None = None) -> tuple:
+    """``best`` where the region's guards hold, ``elsewhere`` (default: the model's own forward)
+    at other sizes; and its record. ``point``: (dim, size) where ``elsewhere`` runs a second graph."""
     guards, where = region
-    out = _forms(guards, where, best, model, model)
+    out = _forms(guards, where, best, elsewhere if elsewhere is not None else model, model)
+    second = (f"the graph captured at {point[0]} == {point[1]} (optimized as well: the entries marked "
+              f"'{point[0]} == {point[1]}') at that size, and the model's own forward at every other size"
+              if point is not None else "the model's own forward at every other size")
     entry = log_entry("region", "applied", name,
                       f"the graph TorchDynamo captured holds where {guards} (the model bounds its own sizes there, "
-                      f"with an assert or a branch on sizes; Dynamo's guards): the result runs it there and the "
-                      f"model's own forward at every other size (none of the rewrites, none of their savings), so "
-                      f"it computes what the model computes everywhere", when=None)
+                      f"with an assert or a branch on sizes; Dynamo's guards): the result runs it there, {second} "
+                      f"(none of the rewrites, none of their savings), so it computes what the model computes "
+                      f"everywhere", when=None)
     return out, entry
+
+
+def _left_out(region: tuple | None, specs: Sequence[InputSpec], symbols: Mapping, input_specs: tuple) -> tuple | None:
+    """``(dim, size)`` when the captured graph's region leaves out one size of one dim (``L != 48``:
+    TorchDynamo specialises nanoGPT's ``bias[:, :, :L, :L]`` where L is the whole block_size - the
+    length such a model is trained at), so a second graph at that size is worth capturing; else None."""
+    if region is None or len(specs) != len(input_specs):
+        return None
+    dims = {k for k, v in symbols.items() if isinstance(v, sympy.Symbol)}  # the guards' symbols are the dims by name
+    found = []
+    for g in region[0].exprs:
+        if isinstance(g, sympy.Ne):
+            sym, c = (g.lhs, g.rhs) if g.rhs.is_Integer else (g.rhs, g.lhs)
+            if sym.is_Symbol and str(sym) in dims and c.is_Integer and int(c) > 0:
+                found.append((str(sym), int(c)))
+    return found[0] if len(found) == 1 else None
+
+
+def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[InputSpec], symbols: Mapping,
+              opts: AnalysisOptions, settings: dict, budget: Any, dims: Mapping | None, name: str) -> tuple:
+    """The model optimized with ``point``'s dim fixed at its size (its own capture, rewrites,
+    verification and, with ``budget`` - dims at that size - recomputation), switched in where the
+    call's size is that one; and its entries. ``(None, [])`` when there is no such point or the
+    second capture fails (the model's own forward then runs there, as the region's record says)."""
+    if point is None:
+        return None, []
+    dim, size = point
+    sym = symbols[dim]
+    fixed = []
+    for spec in specs:
+        shape = []
+        for d in spec.dims:
+            d = sympy.sympify(sympy.sympify(d).xreplace({sym: sympy.Integer(size)}))
+            shape.append(int(d) if d.is_Integer else str(d))
+        fixed.append(TensorSpec(tuple(shape), dtype=spec.dtype, requires_grad=spec.requires_grad, fill=spec.fill))
+    rest = {k: v for k, v in (dims or {}).items() if k != dim} if budget is not None else None
+    try:
+        second = optimize(model, *fixed, options=opts.replace(optimizer=opts.optimizer if budget is not None else None,
+                                                             hints={k: v for k, v in (opts.hints or {}).items()
+                                                                    if k != dim} or None),
+                          settings=settings or None, budget=budget, dims=rest)
+    except BudgetError:
+        raise
+    except FxMemError as exc:
+        first = str(exc).splitlines()[0]
+        return None, _tagged([log_entry("region", "declined", name,
+                                        f"a second graph at {dim} == {size} (the size the captured graph leaves out) "
+                                        f"could not be made: {first}; the model's own forward runs there")],
+                             f"{dim} == {size}")
+    inner = _forms(switch.Guards([sympy.Eq(sym, size)]), {dim: switch.positions(switch.Guards([sympy.Eq(sym, size)]),
+                                                                              specs, symbols)[dim]},
+                   second, model, model)
+    return inner, _tagged(second.meta["fxmem"], f"{dim} == {size}")
+
 
 
 def _tagged(log: list[dict], when: str | None) -> list[dict]:

@@ -11,7 +11,6 @@ Results: benchmarks/results/optimize_speed_cpu.{json,md}
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -26,11 +25,7 @@ sys.path.insert(0, HERE)
 
 import fxmem  # noqa: E402
 from fxmem.measure import machine_name  # noqa: E402
-from recompute import Decoder  # noqa: E402
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4)
+from recompute import adamw, decoder_arguments, decoder_setup  # noqa: E402
 
 
 def counted():
@@ -57,23 +52,10 @@ def counted():
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=256)
+    ap = decoder_arguments(__doc__, "optimize_speed_cpu", 3)
     ap.add_argument("--fraction", type=float, default=0.6, help="budget as a share of the original step's peak")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "optimize_speed_cpu"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = Decoder(args.layers, args.dim, args.heads)
-    spec = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
-    dims = dict(B=args.batch, L=args.length)
-    base = fxmem.analyze(model, spec, optimizer=adamw).evaluate(**dims)["train_peak"]
+    model, spec, dims, base = decoder_setup(args)
     budget = int(base * args.fraction)
     calls = {
         "analyze (training step, AdamW)": lambda: fxmem.analyze(model, spec, optimizer=adamw),

@@ -72,23 +72,34 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decoder_arguments(doc: str, out: str, repeats: int) -> argparse.ArgumentParser:
+    """The decoder's and the run's command-line arguments (shared by the benchmarks that use it)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "recompute_cpu"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(HERE, "results", out))
+    return ap
+
+
+def decoder_setup(args: argparse.Namespace) -> tuple:
+    """(model, token spec, dims, the original AdamW training step's peak at dims in bytes)."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Decoder(args.layers, args.dim, args.heads)
     spec = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
     dims = dict(B=args.batch, L=args.length)
     base = fxmem.analyze(model, spec, optimizer=adamw).evaluate(**dims)["train_peak"]
+    return model, spec, dims, base
+
+
+def main() -> None:
+    args = decoder_arguments(__doc__, "recompute_cpu", 5).parse_args()
+    model, spec, dims, base = decoder_setup(args)
     tokens = torch.randint(0, 512, (args.batch, args.length))
 
     rows, modules = [], {}
@@ -136,7 +147,7 @@ def write(args: argparse.Namespace, rows: list, base: int, dims: dict) -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     plain = next((r for r in rows if r.get("plan") == "nothing"), None)
-    lines = [f"# Fitting a budget by recomputation (cpu)", "",
+    lines = ["# Fitting a budget by recomputation (cpu)", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}; {args.threads} thread(s); command: "
              f"`{meta['command']}`. {meta['model']}, AdamW, B={dims['B']}, L={dims['L']}; the original training "
              f"step's peak is {mib(base)} (fxmem). Peaks are absolute (parameters, gradients, AdamW state, "

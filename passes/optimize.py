@@ -192,8 +192,8 @@ def optimize(
     if region is not None and hints and not region[0].holds(choose_hints(symbols, hints)):
         raise SpecError(f"hints={dict(hints)} lie outside where the graph TorchDynamo captured of {name} holds "
                         f"({region[0]}; the model bounds its own sizes there), so the rewrites cannot be judged at "
-                        f"them: give hints inside it, or leave hints out (the result runs the model's own forward "
-                        f"outside it)")
+                        f"them: give hints inside it, or leave hints out (outside it the result runs the model's own "
+                        f"forward, or a second graph where the region leaves out one size, such as L == block_size)")
     point = _left_out(region, specs, symbols, input_specs)
     at_point = point is not None and budget is not None and check_dims(dict(dims), symbols, "dims")[point[0]] == point[1]
     if region is not None and budget is not None and not at_point and \

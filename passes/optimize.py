@@ -229,6 +229,7 @@ def optimize(
         alt = _Search(gm, model, input_specs, state.switch_kw or kw, verify_inputs, symbols,
                       state.switch_hints or hint_sizes, state.switch)
         alt.switch_text = state.switch_text
+        alt.references = state.references  # the same model, the same inputs
         alt = _search(gm, alt, probes, specs, name, settings, state.switch)
         switched = _switch(state, alt, model, specs, symbols, name)
         state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
@@ -319,7 +320,7 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
     reuse = state.kw == kw and kw.grad
     line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
                 check_dims(dict(dims), symbols, "dims") if dims is not None else None, runs_at_dims, state.memory,
-                state.analysed if reuse else (lambda g: None), lambda g: compare(model, g, state.verify_inputs),
+                state.analysed if reuse else (lambda g: None), state.verify,
                 lambda g: _share_modules(g, model))
     best = state.best
     for p in GRAPH_PASSES:
@@ -469,7 +470,7 @@ def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list
         forms = _forms(cond, where, alt.best, main.best, model)
         for side in (True, False):  # each form on its own side, and the call's own choice
             forms.fxmem_forms.force = side
-            diff = compare(model, forms, main.verify_inputs)
+            diff = main.verify(forms)
             if not diff.ok:
                 why = (f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in "
                        f"{diff.where})")
@@ -531,6 +532,12 @@ class _Search:
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
         self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its _Memory): each analysed once
+        self.references: dict = {}  # the model's own verification runs (shared with the other line's search)
+
+    def verify(self, candidate: torch.nn.Module) -> Any:
+        """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
+        own runs made once per call: they are the same for every candidate)."""
+        return compare(self.model, candidate, self.verify_inputs, references=self.references)
 
     def memory(self, gm: torch.fx.GraphModule) -> "_Memory":
         """fxmem's analysis of ``gm`` with this line's options, made once per graph module."""
@@ -619,7 +626,7 @@ class _Search:
         for e in entries:
             e.update(self.current.formulas("before"))
         trial = _build(self.gm, self.model, self.accepted + group)
-        diff = compare(self.model, trial, self.verify_inputs)
+        diff = self.verify(trial)
         if not diff.ok:
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group if culprit else ():

@@ -156,10 +156,11 @@ def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
 
 def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions,
                budget: Any, dims: Mapping[str, int], verify_inputs: list,
-               base: Report | None = None) -> tuple[torch.fx.GraphModule, dict]:
+               base: Report | None = None, verify: Callable | None = None) -> tuple[torch.fx.GraphModule, dict]:
     """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``.
 
-    ``base``: the training step of ``gm`` analysed with ``options`` already (not analysed again).
+    ``base``: the training step of ``gm`` analysed with ``options`` already (not analysed again);
+    ``verify(module)``: the comparison with the model (default: :func:`.verify.compare` on ``verify_inputs``).
     Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
     fits. ``gm`` itself is returned when the step already fits.
     """
@@ -223,7 +224,7 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
             f"recomputation brings back while that block's backward runs. What to do: a larger budget, smaller "
             f"dims, or an optimizer with less state", best.peak, parts)
     best = min(fitting, key=lambda t: (t.flops, t.peak))
-    diff = compare(model, best.module, verify_inputs)
+    diff = verify(best.module) if verify is not None else compare(model, best.module, verify_inputs)
     if not diff.ok:  # a budget that is not met is an error, never a warning beside a module that misses it
         raise BudgetError(
             f"fxmem.optimize(budget={budget!r}): recomputing {_where(best.plan)} would fit the training step at {at} "
@@ -260,7 +261,7 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
     line.share(gm)  # the model's modules under their names (tied weights by both names)
     known = line.analysed(gm)
     return fit_budget(gm, line.model, line.input_specs, line.step_options, line.budget, line.dims,
-                      line.verify_inputs, base=known.report if known is not None else None)
+                      line.verify_inputs, base=known.report if known is not None else None, verify=line.verify)
 
 
 def _where(plan: Sequence[tuple]) -> str:

@@ -135,22 +135,31 @@ def _compare_runs(ref: dict, got: dict, dtype: torch.dtype) -> Difference:
 
 
 def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequence[Sequence[Any]],
-            seed: int = 0, device: str = "cpu", modes: Sequence[Mode] = MODES) -> Difference:
+            seed: int = 0, device: str = "cpu", modes: Sequence[Mode] = MODES,
+            references: dict | None = None) -> Difference:
     """Compare outputs, gradients and buffers of ``candidate`` with ``reference`` on each tuple of
     ``inputs`` (run on ``device``), in each of ``modes`` (default: train and eval mode, with
     autograd and under ``no_grad``).
 
     Parameters and buffers are matched by name (``candidate`` must have every one ``reference``
     has). Returns the first failing :class:`Difference`, or the largest one when all agree.
+    ``references``: a dict kept by the caller for as long as ``reference`` and ``inputs`` do not
+    change (one ``optimize`` call): ``reference``'s runs are kept there and not made again.
     """
     worst: Difference | None = None
     for k, xs in enumerate(inputs):
         for mode in modes:
-            try:
-                ref = _run(reference, xs, torch.float64, seed + k, device, mode)
-                dtype: torch.dtype | None = torch.float64
-            except Exception:  # some op has no float64 kernel: compare in the model's own dtype
-                ref, dtype = _run(reference, xs, None, seed + k, device, mode), None
+            key = (id(reference), id(xs), k, mode.name, seed, device)
+            if references is not None and key in references:
+                ref, dtype = references[key]
+            else:
+                try:
+                    ref = _run(reference, xs, torch.float64, seed + k, device, mode)
+                    dtype: torch.dtype | None = torch.float64
+                except Exception:  # some op has no float64 kernel: compare in the model's own dtype
+                    ref, dtype = _run(reference, xs, None, seed + k, device, mode), None
+                if references is not None:
+                    references[key] = (ref, dtype)
             try:
                 got = _run(candidate, xs, dtype, seed + k, device, mode)
             except Exception as exc:  # noqa: BLE001 - the original runs here and the candidate does not

@@ -15,7 +15,7 @@ from fxmem.measure import measure
 from fxmem.passes.recompute import BudgetError
 from fxmem.passes.segments import Recomputed
 from fxmem.training import default_loss, train_step
-from conftest import check_training_against_real_run, real_inputs
+from conftest import check_training_against_real_run, real_inputs, threads
 from equivalence import assert_same_in_every_mode
 from zoo import Transformer
 
@@ -60,8 +60,9 @@ def _measured_step_peak(module, report, dims) -> int:
     """Absolute peak of a real steady-state training step at ``dims``: resident + what the allocator saw."""
     xs = real_inputs(report, dims)
     opt = sgd(module.parameters())
-    train_step(module, xs, opt, default_loss)
-    m = measure(lambda: train_step(module, xs, opt, default_loss))
+    with threads(1):  # SDPA's CPU backward allocates inside parallel regions, where the profiler does not see it
+        train_step(module, xs, opt, default_loss)
+        m = measure(lambda: train_step(module, xs, opt, default_loss))
     return report.evaluate(**dims)["train_resident"] + m.peak_above_start
 
 
@@ -76,7 +77,8 @@ def test_budget_is_met_by_the_real_training_step_and_outputs_and_gradients_are_u
     assert _recomputed(opt) and entry["peak_at_dims_after"] <= budget < entry["peak_at_dims_before"]
     assert 0 < entry["recompute_flops"] < entry["forward_flops"]
     # fxmem's prediction for the recomputed model equals the allocator at sizes it never saw
-    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11), dict(B=2, L=17)], sgd)
+    # one thread: SDPA's CPU backward allocates inside parallel regions, where the profiler does not see it
+    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11), dict(B=2, L=17)], sgd, num_threads=1)
     # and at the user's dims the real step stays within the budget (the original's does not)
     assert _measured_step_peak(opt, report, DIMS) <= budget
     assert set(opt.state_dict()) == set(model.state_dict())
@@ -108,7 +110,7 @@ def test_a_small_shortfall_is_met_by_selective_recomputation_only():
     entry = opt.meta["fxmem"][-1]
     assert entry["status"] == "applied" and all(how == "selective" for _, how in entry["plan"]), entry
     assert entry["recompute_flops"] < 0.1 * entry["forward_flops"]
-    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11)], sgd)
+    report = check_training_against_real_run(opt, (IDS,), [dict(B=3, L=11)], sgd, num_threads=1)  # SDPA's backward
     assert _measured_step_peak(opt, report, DIMS) <= int(base * 0.95)
     assert_same_in_every_mode(model, opt, [torch.randint(0, 50, (2, 5))])
 

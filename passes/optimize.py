@@ -74,7 +74,7 @@ class _Memory:
 
     report: Report
     inference: Report
-    points: list[tuple[int, ...]]  # (forward peak, training-step peak or 0, inference peak) at the example sizes
+    at_hints: tuple[int, ...]  # (forward peak, training-step peak or 0, inference peak) at the example sizes
 
     def lower_than(self, other: "_Memory") -> bool:
         """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
@@ -160,6 +160,8 @@ def optimize(
         raise SpecError("dims= and optimizer= say where a budget= must hold; pass budget= too")
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
+    if budget is not None:  # {dim: int}, every dim named: where the budget must hold
+        dims = dims
     try:
         traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]},
                              fallback=lambda m: capture(m, specs, params.names[:len(specs)]))
@@ -195,12 +197,11 @@ def optimize(
                         f"them: give hints inside it, or leave hints out (outside it the result runs the model's own "
                         f"forward, or a second graph where the region leaves out one size, such as L == block_size)")
     point = _left_out(region, specs, symbols, input_specs)
-    at_point = point is not None and budget is not None and check_dims(dict(dims), symbols, "dims")[point[0]] == point[1]
-    if region is not None and budget is not None and not at_point and \
-            not region[0].holds(check_dims(dict(dims), symbols, "dims")):
+    at_point = point is not None and budget is not None and dims[point[0]] == point[1]
+    if region is not None and budget is not None and not at_point and not region[0].holds(dims):
         # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
         _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                  check_dims(dict(dims), symbols, "dims"),
+                  dims,
                   f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and at the dims the result "
                   f"runs the model's own forward; what to do: checkpoint the model's blocks yourself "
                   f"(torch.utils.checkpoint), dims inside that region, or a larger budget")
@@ -212,7 +213,7 @@ def optimize(
         _share_modules(gm, model)
         if budget is not None:  # never silence: the step must fit as it is, or say so
             _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
-                      check_dims(dict(dims), symbols, "dims"),
+                      dims,
                       f"{traced.reason}; what to do: make the model compute the same graph in train and eval mode, "
                       f"or a larger budget")
         log = [log_entry("train/eval", "declined", name, traced.reason)] + [
@@ -234,7 +235,7 @@ def optimize(
         switched = _switch(state, alt, model, specs, symbols, name)
         state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
     # the budget is fitted by the form that runs at dims: this graph only inside its region
-    fits_here = budget is not None and (region is None or region[0].holds(check_dims(dict(dims), symbols, "dims")))
+    fits_here = budget is not None and (region is None or region[0].holds(dims))
     state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer,
                          fits_here)
     if switched is not None:
@@ -248,7 +249,11 @@ def optimize(
     if region is not None:  # the captured graph holds within the model's own bounds: its forward elsewhere
         elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, budget if at_point else None,
                                     dims, name)
-        best, entry = _within(region, best, model, name, elsewhere, point if more else None)
+        if at_point and elsewhere is None:  # no second graph: the model's own step must fit there, or say so
+            _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget, dims,
+                      f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and no second graph "
+                      f"could be made at {point[0]} == {point[1]} ({more[0]['reason']})")
+        best, entry = _within(region, best, model, name, elsewhere, point if elsewhere is not None else None)
         log += _tagged([entry], None) + more
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = log
@@ -319,7 +324,7 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
     # looked at other sizes)
     reuse = state.kw == kw and kw.grad
     line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
-                check_dims(dict(dims), symbols, "dims") if dims is not None else None, runs_at_dims, state.memory,
+                dims, runs_at_dims, state.memory,
                 state.analysed if reuse else (lambda g: None), state.verify,
                 lambda g: _share_modules(g, model))
     best = state.best
@@ -407,7 +412,7 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
     for spec in specs:
         shape = []
         for d in spec.dims:
-            d = sympy.sympify(sympy.sympify(d).xreplace({sym: sympy.Integer(size)}))
+            d = sympy.sympify(d).xreplace({sym: sympy.Integer(size)})
             shape.append(int(d) if d.is_Integer else str(d))
         fixed.append(TensorSpec(tuple(shape), dtype=spec.dtype, requires_grad=spec.requires_grad, fill=spec.fill))
     rest = {k: v for k, v in (dims or {}).items() if k != dim} if budget is not None else None
@@ -424,11 +429,9 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
                                         f"a second graph at {dim} == {size} (the size the captured graph leaves out) "
                                         f"could not be made: {first}; the model's own forward runs there")],
                              f"{dim} == {size}")
-    inner = _forms(switch.Guards([sympy.Eq(sym, size)]), {dim: switch.positions(switch.Guards([sympy.Eq(sym, size)]),
-                                                                              specs, symbols)[dim]},
-                   second, model, model)
-    return inner, _tagged(second.meta["fxmem"], f"{dim} == {size}")
-
+    at = switch.Guards([sympy.Eq(sym, size)])
+    return _forms(at, switch.positions(at, specs, symbols), second, model, model), \
+        _tagged(second.meta["fxmem"], f"{dim} == {size}")
 
 
 def _tagged(log: list[dict], when: str | None) -> list[dict]:
@@ -891,5 +894,5 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
         report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
     inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))
     values = report.evaluate(**report.hints)
-    points = [(values["peak"], values.get("train_peak", 0), inference.evaluate(**report.hints)["peak"])]
-    return _Memory(report, inference, points)
+    return _Memory(report, inference, (values["peak"], values.get("train_peak", 0),
+                                       inference.evaluate(**report.hints)["peak"]))

@@ -310,7 +310,7 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
     if not diff.ok:
         entry["reason"] = f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}); original order kept"
         return gm, entry
-    pairs = list(zip(old_mem.points[0], new_mem.points[0]))
+    pairs = list(zip(old_mem.at_hints, new_mem.at_hints))
     names = ("peak", "training-step peak", "inference peak")
     gains = [f"{k} {a:,} -> {b:,} B ({100 * (b - a) / a:+.1f}%)" for k, (a, b) in zip(names, pairs) if a and a != b]
     entry.update(status="applied", reason=f"at {at}: " + ", ".join(gains))

@@ -153,6 +153,39 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
 
 
+def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there_is_refused(monkeypatch):
+    """The second graph at L == block_size is one more optimize call; where it fails, the result
+    runs the model's own forward there, its record does not claim a second graph, and a budget at
+    that size the model's own step does not meet is a BudgetError, never silence."""
+    import importlib
+
+    from fxmem.passes.recompute import BudgetError
+
+    driver = importlib.import_module("fxmem.passes.optimize")
+    original = driver.optimize
+
+    def failing(model, *specs, **kw):  # only the second call: its spec has L fixed at 48
+        if any(isinstance(s, fxmem.TensorSpec) and 48 in s.shape for s in specs):
+            raise fxmem.TraceError("no graph here (made to fail by the test)")
+        return original(model, *specs, **kw)
+
+    monkeypatch.setattr(driver, "optimize", failing)
+    torch.manual_seed(0)
+    model = P.NanoGPT(n_layer=1, block_size=48)
+    ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+    opt = original(model, ids)
+    log = opt.meta["fxmem"]
+    (region,) = [e for e in log if e["rule"] == "region" and e["status"] == "applied"]
+    assert "the graph captured at" not in region["reason"] and "own forward at every other size" in region["reason"]
+    (declined,) = [e for e in log if e["rule"] == "region" and e["status"] == "declined"]
+    assert "made to fail by the test" in declined["reason"] and declined["when"] == "L == 48"
+    assert_same_in_every_mode(model, opt, [torch.randint(0, 64, (2, 48))], rtol=1e-6, atol=1e-8)
+    adamw = lambda p: torch.optim.AdamW(p, lr=1e-4)  # noqa: E731
+    step = fxmem.analyze(model, ids, optimizer=adamw).evaluate(B=8, L=48)["train_peak"]
+    with pytest.raises(BudgetError, match="no second graph could be made at L == 48"):
+        original(model, ids, budget=int(step * 0.75), dims={"B": 8, "L": 48}, optimizer=adamw)
+
+
 def test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal():
     # nanoGPT's GPT asserts t <= block_size: fx cannot trace it, TorchDynamo's graph holds where
     # L <= block_size. The result runs the rewritten graph there and the model's forward elsewhere

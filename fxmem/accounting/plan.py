@@ -243,18 +243,30 @@ class MemoryPlan:
         def hear(action: str, what: Any, nbytes: int, step: int | None) -> None:
             events.append((action, what, int(nbytes), step))  # hidden scratch as evaluate() counts it
 
-        walk(self.rec, lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0, operator.add,
+        walk(self.rec, lambda i: block[i], self._delta(values), 0, operator.add,
              operator.neg, lambda d: d > 0, mark=self.rec.forward_end, trace=hear)
         marks = [k for k, e in enumerate(events) if e[0] == "mark"]
         forward = marks[0] if marks else len(events)
         return [e for e in events if e[0] != "mark"], forward
+
+    def _delta(self, values: Mapping[sympy.Symbol, int]) -> Any:
+        """A kernel's hidden allocation or free in bytes at ``values``; on CUDA each is its own
+        caching-allocator block, rounded up to 512 bytes like a tensor's storage."""
+        if self.device != "cuda":
+            return lambda p: evaluate(self.to_user(p), values)
+
+        def rounded(p: Any) -> int:
+            n = evaluate(self.to_user(p), values)
+            return cuda_block_bytes(n) if n >= 0 else -cuda_block_bytes(-n)
+
+        return rounded
 
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
         """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
         cuda = self.device == "cuda"
         raw = [evaluate(e, values) for e in self.sizes]
         block = [cuda_block_bytes(n) if cuda else n for n in raw]
-        w = walk(self.rec, lambda i: block[i], lambda p: evaluate(self.to_user(p), values), 0,
+        w = walk(self.rec, lambda i: block[i], self._delta(values), 0,
                  operator.add, operator.neg, lambda d: d > 0, mark=self.rec.forward_end)
         storages = self.rec.storages
         resident = sum(block[s.index] for s in storages if s.step is None and s.role != Role.OPTIMIZER_STATE)

@@ -21,6 +21,7 @@ import sympy
 import torch
 
 from .errors import ModelError, SpecError
+from .records import INEXACT
 
 CACHES = ("dynamic", "static")
 
@@ -83,6 +84,11 @@ def generation(model: torch.nn.Module, dims: tuple = ("B", "P"), new_tokens: int
                      TensorSpec(dims, dtype=torch.long, fill=1), options=opts)
     report.notes.append(f"generate(): greedy, {new_tokens} new tokens for every sequence (no early stop), "
                         f"{cache} KV cache, an unpadded prompt (attention mask of ones)")
+    if cache == "static" and opts.device == "cuda":
+        # tests/gpu/test_gpu_llm.py: the dynamic cache is exact on an H100; the static one was not
+        report.notes.append(f"a static KV cache on CUDA: a real generate() on an H100 (torch 2.11) allocated "
+                            f"66,560 B more than predicted at B=3, P=37, 3 new tokens, not yet explained; "
+                            f"{INEXACT}")
     return report
 
 

@@ -65,6 +65,9 @@ def test_python_scalars_cost_no_device_memory():
     assert sympy.expand(cpu.retained - (16 * B + 8)) == 0  # on CPU the wrapped 0.5 is host memory too
 
 
+@pytest.mark.xfail(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), strict=True,
+                   reason="torch 2.11 (the GPU machine's) specialises the seed GAT's B and N to their hints: the numbers "
+                          "stay exact (evaluate() re-analyses), the formulas are lost; 2.13 and 2.14 keep them")
 def test_seed_gat_on_cuda_has_the_same_pair_tensor():
     gat = load_example("seed_gat")
     report = fxmem.analyze(gat.GraphAttentionLayer(6, 128), ("B", "N", 6), ("B", "N", "N"), device="cuda")

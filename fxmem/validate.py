@@ -68,6 +68,9 @@ class Validation:
     outputs_match: bool | None = None
     grads_match: bool | None = None
     max_abs_diff: float | None = None
+    # CUDA: the most the caching allocator's unsplit blocks can add to the forward's and the
+    # training step's peak (Evaluation.allocator_slack); a difference within it is the allocator's
+    slack: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -80,7 +83,7 @@ class Validation:
                 "rows": [{"what": r.what, "predicted": r.predicted, "measured": r.measured, "diff": r.diff,
                           "percent": round(r.percent, 4)} for r in self.rows],
                 "outputs_match": self.outputs_match, "grads_match": self.grads_match,
-                "max_abs_diff": self.max_abs_diff}
+                "max_abs_diff": self.max_abs_diff, "allocator_slack": self.slack}
 
     def __str__(self) -> str:
         head = f"fxmem.validate · {self.model} · {self.device} ({self.machine}) · torch {self.torch_version} · {self.dims}"
@@ -92,6 +95,9 @@ class Validation:
             grads = {True: "match", False: "DIFFER", None: "not compared"}[self.grads_match]
             lines.append(f"optimized rewrite: outputs {'match' if self.outputs_match else 'DIFFER'}, gradients "
                          f"{grads} (max |diff| {self.max_abs_diff:.3g})")
+        if self.slack and any(self.slack):
+            lines.append(f"the caching allocator's unsplit blocks can add up to {self.slack[0]:,} B to the forward's peak "
+                         f"and {self.slack[1]:,} B to the step's (allocator_slack; none with expandable_segments)")
         lines.append("all within {:.1%}: {}".format(self.tolerance, "yes" if self.ok else "NO"))
         return "\n".join(lines)
 
@@ -154,6 +160,8 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
         _write_snapshots(os.fspath(snapshot), report, dims, device, lambda: module(*xs),
                          lambda: train_step(module, xs, opt, loss_fn))
     result = Validation(report.model_name, device, dict(dims), rows, tolerance, machine_name(device), torch.__version__)
+    if device == "cuda":
+        result.slack = (predicted["allocator_slack"], predicted["train_allocator_slack"])
     if optimized is not None:
         _check_optimized(result, model, optimized, input_specs, dims, device, xs, analyze_kw)
     return result

@@ -99,3 +99,25 @@ def test_seed002_per_line_on_simulated_cuda():
         assert rows[code] == (seed_mb - 1) * mib + 2048, code  # parameters: 4 MiB + proj's 2 KiB bias
     n = report.evaluate(B=64, L=32)
     assert n["resident"] + n["retained"] == attention.SEED_CUDA_FINAL * mib + 2048  # the wrapped scalar is host memory
+
+
+def test_allocator_slack_says_how_much_more_the_caching_allocator_can_count(monkeypatch):
+    """Blocks over 1 MiB may be handed out unsplit (up to 1 MiB more each); the bound is 0 where every
+    tensor is small or with expandable segments, and power-of-two rounding makes the report inexact."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    report = fxmem.analyze(model, ("B", 512), device="cuda", grad=False, check=False)
+    small, large = report.evaluate(B=100), report.evaluate(B=1000)
+    assert small["allocator_slack"] == 2 * 2**20  # only the two 2 MiB weights are over 1 MiB
+    big = sum(1 for s in large.liveness.sizes if s > 2**20)
+    assert large["allocator_slack"] % 2**20 == 0 and 3 * 2**20 <= large["allocator_slack"] <= big * 2**20
+    assert any("allocator_slack" in n for n in report.notes) and report.exact
+    assert "allocator_slack" not in fxmem.analyze(model, ("B", 512), grad=False, check=False).evaluate(B=1000)
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    again = fxmem.analyze(model, ("B", 512), device="cuda", grad=False, check=False)
+    assert again.evaluate(B=1000)["allocator_slack"] == 0 and again.evaluate(B=1000)["peak"] == large["peak"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    rounded = fxmem.analyze(model, ("B", 512), device="cuda", grad=False, check=False)
+    assert not rounded.exact and any("roundup_power2_divisions" in n for n in rounded.notes)

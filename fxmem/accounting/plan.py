@@ -23,8 +23,10 @@ from typing import Any, Iterator
 import sympy
 
 from .. import _torch_compat as tc
-from ..records import FREE, NODE, STEP, Recording, Role
+from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
 from ..specs import dim_symbol
+from . import cuda_blocks
+from .cuda_blocks import AllocatorConfig, block_slack
 from .replay import Liveness, liveness, walk
 from .symbolic import Evaluator, Region, add_terms, build_max, evaluate, max_of, terms, to_expr
 
@@ -46,6 +48,8 @@ class Evaluation(Mapping):
     Forward: ``resident``, ``peak``, ``peak_above_resident``, ``retained``, ``saved``, ``output``.
     Training step (None without one): ``train_resident``, ``train_peak``,
     ``train_peak_above_resident``, ``grads``, ``optimizer_state``, ``train_retained``.
+    CUDA only: ``allocator_slack`` and ``train_allocator_slack``, the most the caching allocator's
+    unsplit blocks can add to ``peak`` and ``train_peak`` (:mod:`~fxmem.accounting.cuda_blocks`).
     """
 
     resident: int
@@ -61,6 +65,10 @@ class Evaluation(Mapping):
     grads: int | None = None
     optimizer_state: int | None = None
     train_retained: int | None = None
+    # CUDA only: the most the caching allocator's unsplit blocks can add to ``peak`` and
+    # ``train_peak`` in max_memory_allocated (see fxmem.accounting.cuda_blocks)
+    allocator_slack: int | None = None
+    train_allocator_slack: int | None = None
 
     def _keys(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self) if f.name != "liveness" and getattr(self, f.name) is not None]
@@ -201,6 +209,12 @@ class MemoryPlan:
     def _notes(self) -> list[str]:
         names = {str(env): str(user) for env, user in self.user.items()}
         notes = [re.sub(r"\bs\d+\b", lambda m: names.get(m.group(), m.group()), n) for n in self.rec.notes]
+        if self.device == "cuda":
+            config = AllocatorConfig.from_environment()
+            notes.append(cuda_blocks.note(config))
+            if config.power2_rounding:
+                notes.append(f"PYTORCH_CUDA_ALLOC_CONF sets roundup_power2_divisions: the allocator rounds requests to "
+                             f"power-of-two divisions, not to 512 bytes as fxmem counts; {INEXACT}")
         for dim, value in self.region.pinned.items():
             if value.is_number:
                 notes.append(f"PyTorch fixed dim {dim} at {value} while analysing: these formulas hold only at "
@@ -261,6 +275,29 @@ class MemoryPlan:
 
         return rounded
 
+    def _allocator_slack(self, values: Mapping[sympy.Symbol, int], block: list, peak: int,
+                         train_peak: int | None) -> dict:
+        """The same walk with every block widened by the most the caching allocator can count
+        beyond it: how far above ``peak`` (and ``train_peak``) max_memory_allocated can be."""
+        config = AllocatorConfig.from_environment()
+        wide = [b + block_slack(b, config) for b in block]
+        rounded = self._delta(values)
+
+        def widened(p: Any) -> int:
+            n = rounded(p)
+            return n + block_slack(n, config) if n >= 0 else n - block_slack(-n, config)
+
+        w = walk(self.rec, lambda i: wide[i], widened, 0, operator.add, operator.neg, lambda d: d > 0,
+                 mark=self.rec.forward_end)
+        storages = self.rec.storages
+        resident = sum(wide[s.index] for s in storages if s.step is None and s.role != Role.OPTIMIZER_STATE)
+        forward = max([c for _, c in w.candidates[:w.forward_candidates]] + [0])
+        out = {"allocator_slack": resident + forward - peak}
+        if train_peak is not None:
+            state = sum(wide[s.index] for s in storages if s.role == Role.OPTIMIZER_STATE)
+            out["train_allocator_slack"] = resident + state + max([c for _, c in w.candidates] + [0]) - train_peak
+        return out
+
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
         """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
         cuda = self.device == "cuda"
@@ -281,6 +318,8 @@ class MemoryPlan:
                          train_peak_above_resident=train_live,
                          grads=sum(block[s.index] for s in storages if s.role == Role.GRADIENT),
                          optimizer_state=state, train_retained=w.final)
+        if cuda:
+            train.update(self._allocator_slack(values, block, live.peak, train.get("train_peak")))
         return Evaluation(resident=resident, peak=live.peak, peak_above_resident=live.peak_above_resident,
                           retained=w.at_mark, saved=sum(block[i] for i in self.alive if storages[i].saved_by),
                           output=sum(block[i] for i in self.alive if storages[i].is_output), liveness=live, **train)

@@ -81,3 +81,18 @@ def test_cuda_kernel_scratch_matches_the_gpu(name):
                            optimizer=lambda p: torch.optim.Adam(p))
         print(v)
         assert all(r.diff == 0 for r in v.rows), str(v)
+
+
+def test_the_caching_allocators_unsplit_blocks_stay_within_allocator_slack():
+    """Tensors over 1 MiB: the measured peaks lie between fxmem's and fxmem's plus allocator_slack."""
+    dims = dict(B=4, N=800)  # 10 MB score tensors
+    report = fxmem.analyze(SoftmaxMix(), ("B", "N", 16), device="cuda", mode="eager", check=False,
+                           optimizer=lambda p: torch.optim.Adam(p))
+    at = report.evaluate(**dims)
+    assert at["allocator_slack"] > 0 and at["train_allocator_slack"] > 0
+    v = fxmem.validate(SoftmaxMix().train(), ("B", "N", 16), dims=dims, device="cuda", mode="eager",
+                       optimizer=lambda p: torch.optim.Adam(p))
+    print(v, at["allocator_slack"], at["train_allocator_slack"])
+    fwd, step = v.rows[0], v.rows[2]
+    assert fwd.predicted <= fwd.measured <= fwd.predicted + at["allocator_slack"], str(v)
+    assert step.predicted <= step.measured <= step.predicted + at["train_allocator_slack"], str(v)

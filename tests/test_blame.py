@@ -154,3 +154,22 @@ def test_a_custom_op_without_a_backward_is_named_not_the_shapes():
     assert "not a problem of the input shapes" in text and "fails on the given input shapes" not in text
     with pytest.raises(RuntimeError, match="no autograd formula"):  # as the real step does
         model(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("message", [
+    "Expected inputs of BF16 type but got mat_a.dtype=torch.float32 and mat_b.dtype=torch.float32.",
+    "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!",
+    "No available kernel. Aborting execution.",
+    '"addmm_impl_cpu_" not implemented for \'Half\'',
+])
+def test_dtype_device_and_backend_refusals_are_not_blamed_on_the_shapes(message):
+    """A kernel that refuses dtypes, mixed devices or the enabled SDPA backends (CUDA's grouped_mm in
+    float32, a CPU-made workspace on CUDA, sdpa_kernel without a GPU) fails the same at any shapes."""
+    from fxmem.errors import KernelError
+    from fxmem.simulation.failures import failure
+
+    err = failure(RuntimeError(message), "model.py:12")
+    assert isinstance(err, KernelError) and not isinstance(err, fxmem.ShapeError), err
+    assert "not a problem of the input shapes" in str(err) and "what to do" in str(err)
+    shape = failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x4)"), "model.py:12")
+    assert isinstance(shape, fxmem.ShapeError)

@@ -79,6 +79,10 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
         if re.search(pattern, text):  # autograd cannot differentiate the model: not its shapes
             return UnsupportedOpError(f"{where}: {first_line(text)}\n  this is not a problem of the input shapes: "
                                       f"{why}.\n  what to do: {todo}")
+    for pattern, (why, todo) in _NOT_SHAPES:
+        if re.search(pattern, first_line(text)):  # a kernel refuses the dtypes, devices or backends: not the shapes
+            return KernelError(f"{where}: {first_line(text)}\n  this is not a problem of the input shapes: {why}.\n"
+                               f"  what to do: {todo}")
     if isinstance(exc, tc.DATA_DEPENDENT_ERRORS):
         # sizes the data decides are dims (K1, ...); what is left is a Python decision on values
         return UnsupportedOpError(
@@ -104,6 +108,22 @@ _AUTOGRAD_LIMITS = (
     (r"derivative for .* is not implemented",
      ("PyTorch has no derivative for an op the model uses, so a real training step fails too",
       "analyse the forward only (without optimizer=), or replace the op")),
+)
+# kernels' refusals that are about dtypes, devices or the enabled backends, whatever the shapes:
+# (pattern of the message's first line, (why, what to do)); a real run fails the same way
+_NOT_SHAPES = (
+    (r"[Ee]xpected inputs of \w+ type|expected scalar type|must have the same dtype|not implemented for '\w+'|"
+     r"[Ee]xpected .*dtype|dtype.* (is )?not supported|[Uu]nsupported dtype",
+     ("the op does not take these dtypes (a real run refuses them too)",
+      "give the inputs and parameters a dtype this op takes (TensorSpec(..., dtype=...), the model's .to(dtype), "
+      "or analyze(dtype=...))")),
+    (r"[Ee]xpected all tensors to be on the same device",
+     ("the op got tensors on two devices: the model makes a tensor on another device than its inputs",
+      "create that tensor on the inputs' device (device=x.device), or analyse on the device the model runs on")),
+    (r"No available kernel",
+     ("no scaled_dot_product_attention kernel takes these inputs with the backends allowed here (sdpa_kernel or "
+      "torch.backends.cuda flags); without a visible GPU, only the math path exists on fake CUDA tensors",
+      "allow the math backend, or analyse where a GPU is visible")),
 )
 _FXMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # texts of PyTorch's C++ kernels that cannot work on symbolic sizes (a limit of fake tensors)

@@ -7,11 +7,19 @@ fxmem runs transformers' own ``generate`` on fake tensors, step by step, as it r
 real call allocates them. The call is greedy (``do_sample=False``) and generates exactly
 ``new_tokens`` tokens for every sequence (no early stop at an end-of-sequence token: the most
 memory a call of that many tokens takes); the prompt is unpadded (its attention mask all ones).
-The number of new tokens is a Python loop's length, so it is a number, not a dim: each value is
-one analysis (its cost grows with it).
+The number of new tokens is a Python loop's length: a number gives one analysis of that many
+steps. A dim name (``new_tokens="T"``) gives formulas in ``T`` too (:class:`TokenFormulas`): with a
+dynamic cache every decode step is the previous one with the cache, the ids and the mask one
+position longer, so its candidates for the peak are affine in the step's index. fxmem analyses
+2, 3, 4 and 5 new tokens, checks that the candidates of the 2nd, 3rd and 4th decode steps differ by
+the same bytes (and the retained bytes likewise), and takes the peak of T tokens as the largest of
+the prefill's, the first decode step's and the 2nd and last decode steps' candidates (an affine
+function's largest value over the steps is at one end).
 
 >>> report = generation(model, ("B", "P"), new_tokens=16)          # doctest: +SKIP
 >>> report.max_size("B", "80GiB", P=8192)                            # doctest: +SKIP
+>>> formulas = generation(model, ("B", "P"), new_tokens="T")       # doctest: +SKIP
+>>> formulas.max_size("B", "80GiB", P=8192, T=512)                   # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from typing import Any
 import sympy
 import torch
 
-from .errors import ModelError, SpecError
+from .errors import FxMemError, ModelError, SpecError
 from .records import INEXACT
 
 CACHES = ("dynamic", "static")
@@ -42,6 +50,151 @@ class Generate(torch.nn.Module):
             kw["cache_implementation"] = "static"
         kw.update(self.generate_kwargs)
         return self.model.generate(input_ids, attention_mask=attention_mask, **kw)
+
+
+class TokenFormulas:
+    """``generate``'s memory as formulas in the batch, the prompt length and the number of new tokens
+    (bytes, CPU): ``peak``, ``resident``, ``retained`` (sympy), ``evaluate(**dims)`` and
+    ``max_size(dim, budget, **fixed)``. Where the formulas do not hold (``T`` < 3, sizes outside
+    the analyses' region) ``evaluate`` analyses that number of tokens itself (exact, slower).
+    Built by :func:`generation` with ``new_tokens="T"``; see the module's docstring."""
+
+    def __init__(self, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
+                 reports: dict, peak: sympy.Expr, retained: sympy.Expr, notes: list):
+        self.model, self.dims, self.name, self.cache = model, dims, name, cache
+        self._options, self._kwargs, self.reports = options, kwargs, reports
+        base = reports[3]
+        self.symbols = {**base.symbols, name: sympy.Symbol(name, positive=True, integer=True)}
+        self.resident = base.resident
+        self.peak, self.retained = peak, retained
+        self.notes = notes
+        self.exact = all(r.exact for r in reports.values())
+        self._concrete: dict = {}
+        self._near: dict = {}  # formulas re-analysed at the sizes asked, where these do not hold
+        self._rehinted = False
+
+    @classmethod
+    def of(cls, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
+           rehinted: bool = False) -> "TokenFormulas":
+        from .accounting.symbolic import add_terms, to_expr
+
+        if cache != "dynamic":
+            raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens need the dynamic cache (a "
+                            f"static cache is sized for all tokens up front); give a number with cache={cache!r}")
+        if name in dims:
+            raise SpecError(f"new_tokens={name!r}: the name is already one of dims={dims}")
+        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (2, 3, 4, 5)}
+        if reports[3]._plan.device != "cpu":
+            raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens are CPU numbers (on CUDA each "
+                            f"block is rounded to 512 bytes); give a number of tokens for device='cuda'")
+        cands = {n: r._plan.peak_candidates for n, r in reports.items()}
+        step = len(cands[3]) - len(cands[2])
+        pre = len(cands[2]) - step  # the prefill and generate's setup, then the first decode step
+        steps = [cands[5][pre + j * step:pre + (j + 1) * step] for j in range(4)]  # decode steps 1..4
+        grown = [[add_terms(b, a, signs=[1, -1]) for a, b in zip(x, y)] for x, y in zip(steps[1:], steps[2:])]
+        retained = {n: r._plan.retained_terms for n, r in reports.items()}
+        same_runs = all(cands[n] == cands[5][:len(cands[n])] for n in (2, 3, 4)) and step > 0 and pre >= 0 \
+            and all(len(cands[n]) == pre + (n - 1) * step for n in (2, 3, 4, 5))
+        if not same_runs or grown[0] != grown[1] or add_terms(retained[4], retained[3], signs=[1, -1]) != \
+                add_terms(retained[5], retained[4], signs=[1, -1]):
+            raise ModelError(f"new_tokens={name!r}: the decode steps of this model's generate() do not repeat with "
+                             f"a fixed growth per token (checked at 2 to 5 new tokens), so fxmem has no formula in "
+                             f"the number of new tokens for it; give a number of tokens")
+        t = sympy.Symbol(name, positive=True, integer=True)
+        growth = [to_expr(g) for g in grown[0]]
+        head = [to_expr(c) for c in cands[5][:pre + 2 * step]]  # prefill, setup, decode steps 1 and 2
+        last = [to_expr(c) + (t - 3) * g for c, g in zip(steps[1], growth)]  # decode step T-1
+        peak = reports[3].resident + sympy.Max(*[sympy.expand(e) for e in head + last])
+        more = to_expr(add_terms(retained[4], retained[3], signs=[1, -1]))
+        kept = sympy.expand(to_expr(retained[3]) + (t - 3) * more)
+        notes = list(reports[5].notes) + [
+            f"formulas in {name} (new tokens) for {name} >= 3: the decode steps of 2 to 5 new tokens grow by the same "
+            f"bytes per token (checked); fewer tokens, or sizes outside the analyses' region, are analysed as asked"]
+        made = cls(model, dims, name, cache, options, kwargs, reports, peak, kept, notes)
+        made._rehinted = rehinted
+        return made
+
+    def _values(self, dims: dict) -> dict:
+        missing = [d for d in (*self.dims, self.name) if d not in dims]
+        if missing or set(dims) - {*self.dims, self.name}:
+            raise SpecError(f"evaluate(): give exactly {', '.join((*self.dims, self.name))} (got {sorted(dims)})")
+        for k, v in dims.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"evaluate(): {k}={v!r} must be a positive int")
+        return dims
+
+    def _holds(self, dims: dict) -> bool:
+        """The formulas hold at these sizes: T >= 3 and both the prompt and the last step's length lie
+        in the analyses' region (the region of 5 tokens, tried at the prompt and shifted to the end)."""
+        t = dims[self.name]
+        if t < 3:
+            return False
+        plan = self.reports[5]._plan
+        prompt = self.dims[1]
+        for shift in (0, t - 5):
+            at = {plan.symbols[k]: v + (shift if k == prompt else 0) for k, v in dims.items() if k in plan.symbols}
+            if min(at.values()) < 1 or plan.region.violations(at):
+                return False
+        return True
+
+    def evaluate(self, **dims: int) -> dict:
+        """Bytes at these sizes: ``resident``, ``peak``, ``peak_above_resident``, ``retained``."""
+        dims = self._values(dims)
+        if self._holds(dims):
+            subs = {self.symbols[k]: v for k, v in dims.items()}
+            resident = int(self.resident.subs(subs))
+            peak = int(self.peak.subs(subs))
+            return {"resident": resident, "peak": peak, "peak_above_resident": peak - resident,
+                    "retained": int(self.retained.subs(subs))}
+        t = dims[self.name]
+        sizes = {k: v for k, v in dims.items() if k != self.name}
+        if t >= 3 and not self._rehinted:  # the same 4 short analyses at these sizes (guards hold there)
+            from .options import AnalysisOptions
+
+            key = tuple(sorted(sizes.items()))
+            if key not in self._near:
+                try:
+                    self._near[key] = TokenFormulas.of(self.model, self.dims, self.name, self.cache,
+                                                       AnalysisOptions.of(self._options, hints=sizes), self._kwargs,
+                                                       rehinted=True)
+                except (ModelError, SpecError, FxMemError):
+                    self._near[key] = None
+            near = self._near[key]
+            if near is not None and near._holds(dims):
+                return near.evaluate(**dims)
+        if t not in self._concrete:  # the decode steps cross a bound of the region: analyse t tokens
+            self._concrete[t] = generation(self.model, self.dims, new_tokens=t, cache=self.cache,
+                                           options=self._options, **self._kwargs)
+        ev = self._concrete[t].evaluate(**sizes)
+        return {k: ev[k] for k in ("resident", "peak", "peak_above_resident", "retained")}
+
+    def max_size(self, dim: str, budget: Any, **fixed: int) -> int:
+        """The largest ``dim`` whose ``generate`` peak fits ``budget`` (bytes or "80GiB") with the
+        other sizes ``fixed``; 0 when even 1 does not."""
+        from .accounting.budget import parse_bytes
+
+        limit = parse_bytes(budget)
+        fits = lambda n: self.evaluate(**{**fixed, dim: n})["peak"] <= limit  # noqa: E731
+        # start where the formulas hold (PyTorch treats 1 apart): sizes below are analysed one by one
+        # only when that one does not fit (the peak grows with every dim)
+        plan = self.reports[5]._plan
+        low = int(plan.region.lower.get(plan.symbols.get(dim), 1)) if dim in plan.symbols else 1
+        low = max(1, low)
+        if not fits(low):
+            return next((n for n in range(low - 1, 0, -1) if fits(n)), 0)
+        hi = low
+        while fits(hi * 2):
+            hi *= 2
+            if hi > 2**40:
+                raise SpecError(f"max_size({dim!r}): the peak does not grow with {dim}")
+        lo, hi = hi, hi * 2  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def __repr__(self) -> str:
+        return f"TokenFormulas(peak={self.peak}, retained={self.retained})"
 
 
 def _token(model: torch.nn.Module) -> int:
@@ -68,9 +221,11 @@ def generation(model: torch.nn.Module, dims: tuple = ("B", "P"), new_tokens: int
     if not hasattr(model, "generate"):
         raise ModelError(f"{type(model).__name__} has no generate(): give a transformers model with a language "
                          f"modeling head (e.g. AutoModelForCausalLM)")
+    if isinstance(new_tokens, str) and new_tokens.isidentifier():
+        return TokenFormulas.of(model, dims, new_tokens, cache, options, generate_kwargs)
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise SpecError(f"new_tokens={new_tokens!r}: a positive int (the number of tokens generate() makes; a "
-                        f"Python loop's length, so a number, not a dim)")
+        raise SpecError(f"new_tokens={new_tokens!r}: a positive int (the number of tokens generate() makes), or a "
+                        f"dim name such as 'T' for formulas in the number of new tokens")
     if cache not in CACHES:
         raise SpecError(f"cache={cache!r}: use one of {CACHES}")
     if not isinstance(dims, tuple) or len(dims) != 2:
@@ -92,6 +247,21 @@ def generation(model: torch.nn.Module, dims: tuple = ("B", "P"), new_tokens: int
     return report
 
 
+class _AtTokens:
+    """TokenFormulas at a fixed number of new tokens, read like a report (evaluate, max_size, notes)."""
+
+    def __init__(self, formulas: TokenFormulas, tokens: int):
+        self.formulas, self.tokens = formulas, tokens
+        self.storages = formulas.reports[3].storages
+        self.notes = formulas.notes
+
+    def evaluate(self, **dims: int) -> dict:
+        return self.formulas.evaluate(**dims, **{self.formulas.name: self.tokens})
+
+    def max_size(self, dim: str, budget: Any, **fixed: int) -> int:
+        return self.formulas.max_size(dim, budget, **fixed, **{self.formulas.name: self.tokens})
+
+
 def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, dtype: Any = None,
                   gpu: Any = None) -> str:
     """A few lines for ``fxmem llm --serve``: the weights, the peak of one ``generate`` call at
@@ -101,7 +271,16 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
     from .accounting.budget import parse_bytes
     from .views.text import format_bytes as fb
 
-    report = generation(model, ("B", "P"), new_tokens=new_tokens)
+    report = None
+    if new_tokens >= 6:  # formulas in the number of tokens: 4 short analyses instead of new_tokens steps
+        try:
+            formulas = generation(model, ("B", "P"), new_tokens="T")
+        except ModelError:
+            formulas = None
+        if formulas is not None:
+            report = _AtTokens(formulas, new_tokens)
+    if report is None:
+        report = generation(model, ("B", "P"), new_tokens=new_tokens)
     at = report.evaluate(B=batch, P=prompt)
     weights = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
     try:

@@ -67,7 +67,7 @@ def test_max_batch_and_meta_models():
     b = report.max_size("B", "2MiB", P=64)
     assert report.evaluate(B=b, P=64)["peak"] <= 2 * 2**20 < report.evaluate(B=b + 1, P=64)["peak"]
     with pytest.raises(fxmem.SpecError, match="new_tokens"):
-        fxmem.generation(meta, ("B", "P"), new_tokens="T")
+        fxmem.generation(meta, ("B", "P"), new_tokens=0)
     with pytest.raises(fxmem.SpecError, match="greedy"):
         fxmem.generation(meta, ("B", "P"), new_tokens=2, do_sample=True)
 
@@ -122,3 +122,54 @@ def test_sliding_window_refused():
                                       use_sliding_window=True, sliding_window=8)
     with pytest.raises(ModelError, match="sliding"):
         kv_cache_bytes(config)
+
+
+# --- formulas in the number of new tokens ----------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_formulas_in_new_tokens_are_exact_against_real_calls(kind):
+    """new_tokens="T": 4 short analyses give the peak and the retained bytes of any number of tokens;
+    checked against real generate() calls at numbers of tokens and prompt sizes none of them saw."""
+    model = _model(kind)
+    formulas = fxmem.generation(model, ("B", "P"), new_tokens="T")
+    assert {s.name for s in formulas.peak.free_symbols} >= {"B", "P", "T"} and formulas.exact
+    for b, p, t in ((3, 37, 7), (2, 70, 12)):
+        assert formulas._holds(dict(B=b, P=p, T=t))  # the formulas answer, not an analysis of t tokens
+        at = formulas.evaluate(B=b, P=p, T=t)
+        assert (at["peak_above_resident"], at["retained"]) == _real(model, b, p, t, "dynamic"), (b, p, t)
+    # where the formulas do not hold (2 tokens) the call is analysed as asked: exact too
+    at = formulas.evaluate(B=3, P=37, T=2)
+    assert (at["peak_above_resident"], at["retained"]) == _real(model, 3, 37, 2, "dynamic")
+
+
+def test_max_batch_for_many_tokens_and_what_is_refused():
+    model = _model("llama")
+    formulas = fxmem.generation(model, ("B", "P"), new_tokens="T")
+    b = formulas.max_size("B", "2MiB", P=32, T=150)
+    assert formulas.evaluate(B=b, P=32, T=150)["peak"] <= 2 * 2**20 < formulas.evaluate(B=b + 1, P=32, T=150)["peak"]
+    # at 150 new tokens the last decode step, not the prefill, sets the peak
+    assert formulas.evaluate(B=b, P=32, T=150)["peak"] > formulas.evaluate(B=b, P=32, T=30)["peak"]
+    with pytest.raises(fxmem.SpecError, match="dynamic cache"):
+        fxmem.generation(model, ("B", "P"), new_tokens="T", cache="static")
+    with pytest.raises(fxmem.SpecError, match="give exactly"):
+        formulas.evaluate(B=2, P=64)
+
+
+@pytest.mark.slow  # ~150 s: 300 decode steps analysed, and run for real
+def test_past_the_regions_bound_the_tokens_are_analysed_as_asked():
+    """P + T past a bound of the formulas' region (P <= 191: CPU flash attention's block sizes, which the
+    guards do not tell apart from the decode steps'): re-analysed near the sizes asked, else that
+    number of tokens analysed itself - exact against a real call either way."""
+    model = _model("llama")
+    formulas = fxmem.generation(model, ("B", "P"), new_tokens="T")
+    assert not formulas._holds(dict(B=2, P=64, T=300))
+    at = formulas.evaluate(B=2, P=64, T=300)
+    assert (at["peak_above_resident"], at["retained"]) == _real(model, 2, 64, 300, "dynamic")
+
+
+def test_serve_summary_at_many_tokens_uses_the_formulas_and_agrees():
+    from fxmem.generation import serve_summary
+
+    model = _model("llama")
+    text = serve_summary(model, batch=2, prompt=40, new_tokens=9)
+    exact = fxmem.generation(model, ("B", "P"), new_tokens=9).evaluate(B=2, P=40)["peak"]
+    assert fxmem.format_bytes(exact) in text, text

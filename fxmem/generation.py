@@ -83,10 +83,12 @@ class TokenFormulas:
                             f"static cache is sized for all tokens up front); give a number with cache={cache!r}")
         if name in dims:
             raise SpecError(f"new_tokens={name!r}: the name is already one of dims={dims}")
-        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (2, 3, 4, 5)}
-        if reports[3]._plan.device != "cpu":
+        from .options import AnalysisOptions
+
+        if AnalysisOptions.of(options).device != "cpu":
             raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens are CPU numbers (on CUDA each "
                             f"block is rounded to 512 bytes); give a number of tokens for device='cuda'")
+        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (2, 3, 4, 5)}
         cands = {n: r._plan.peak_candidates for n, r in reports.items()}
         step = len(cands[3]) - len(cands[2])
         pre = len(cands[2]) - step  # the prefill and generate's setup, then the first decode step
@@ -131,7 +133,7 @@ class TokenFormulas:
             return False
         plan = self.reports[5]._plan
         prompt = self.dims[1]
-        for shift in (0, t - 5):
+        for shift in {0, max(0, t - 5)}:
             at = {plan.symbols[k]: v + (shift if k == prompt else 0) for k, v in dims.items() if k in plan.symbols}
             if min(at.values()) < 1 or plan.region.violations(at):
                 return False

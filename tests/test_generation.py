@@ -173,3 +173,9 @@ def test_serve_summary_at_many_tokens_uses_the_formulas_and_agrees():
     text = serve_summary(model, batch=2, prompt=40, new_tokens=9)
     exact = fxmem.generation(model, ("B", "P"), new_tokens=9).evaluate(B=2, P=40)["peak"]
     assert fxmem.format_bytes(exact) in text, text
+
+
+def test_formulas_in_new_tokens_are_refused_on_cuda_before_any_analysis():
+    model = _model("llama")
+    with pytest.raises(fxmem.SpecError, match="CPU numbers"):
+        fxmem.generation(model, ("B", "P"), new_tokens="T", options=fxmem.AnalysisOptions(device="cuda"))

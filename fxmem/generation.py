@@ -154,6 +154,9 @@ class TokenFormulas:
             from .options import AnalysisOptions
 
             key = tuple(sorted(sizes.items()))
+            for near in self._near.values():  # formulas made for other sizes may hold here too
+                if near is not None and near._holds(dims):
+                    return near.evaluate(**dims)
             if key not in self._near:
                 try:
                     self._near[key] = TokenFormulas.of(self.model, self.dims, self.name, self.cache,

@@ -8,8 +8,9 @@ no weights), with a number of new tokens (one decode step simulated per token) a
 Timed in one process: ``generation(new_tokens=n)`` for two numbers of tokens (their difference over
 the tokens between is the cost of one decode step), building ``generation(new_tokens="T")``, and
 answering with it: the peak at B=8, P=128, T=64 and the largest batch at P=128, T=64 in 80 GiB
-(inside the formulas' region: no re-analysis). Results carry the CPU model (lscpu), torch version,
-threads and the command.
+(where the batch search passes a bound of the formulas' region, they are re-analysed near the sizes
+asked: about one more build). Results carry the CPU model (lscpu), torch version, threads and the
+command.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ The evidence behind ``fxmem/kernels/cuda.py``: for scaled_dot_product_attention'
 flash and cuDNN kernels (float32, bfloat16, float16; head sizes 16, 64, 80, 128; lengths 8, 64, 65,
 200, 1000; batch x heads 1, 8, 512; (B, H, L, D) and (B, L, H, D) layouts; causal or not), softmax's
 and log_softmax's backward, and cuBLAS matrix products with expanded, strided and transposed operands:
-every allocation and free (bytes, in order) of a warmed-up forward and backward.
+every allocation and free (bytes, in order) of a warmed-up forward and backward. Last, a probe of
+the caching allocator: the bytes it counts after a fixed sequence of large allocations and frees.
 
     python benchmarks/cuda_kernels.py                 # needs a CUDA GPU; writes benchmarks/results/cuda_kernels.json
 """
@@ -28,17 +29,16 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     if not torch.cuda.is_available():
         sys.exit("cuda_kernels.py needs a CUDA GPU")
+    sys.path.insert(0, str(ROOT))
+    from fxmem import _torch_compat as tc
+
     rows = []
-    MEM = torch.cuda.memory
 
     def trace(fn):
         torch.cuda.synchronize()
-        MEM._record_memory_history(max_entries=200000, stacks="python", context="alloc")
-        try:
+        with tc.cuda_memory_history(stacks="python") as take:
             r = fn(); torch.cuda.synchronize()
-            snap = MEM._snapshot()
-        finally:
-            MEM._record_memory_history(enabled=None)
+            snap = take()
         ev = [(e["action"][0], e["size"]) for t in snap["device_traces"] for e in t if e["action"] in ("alloc", "free_completed")]
         return r, ev
 
@@ -107,8 +107,36 @@ def main() -> None:
     case("bmm permuted 021", lambda: torch.bmm(torch.randn(64, 5, 96, device="cuda").transpose(0, 1), Bm))
     case("bmm N=1", lambda: torch.bmm(A, torch.randn(5, 96, 1, device="cuda")))
     case("matmul 4d expanded grad", lambda: torch.matmul(torch.ones(1, 1, 1, 1, device="cuda").expand(2, 3, 64, 96), torch.randn(2, 3, 96, 40, device="cuda")))
-    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "sdpa": rows, "softmax": sm, "blas": bl}))
+    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "sdpa": rows, "softmax": sm, "blas": bl,
+                                                  "allocator": allocator_probe(torch)}))
     print(meta, len(rows), sum("error" in r for r in rows))
+
+
+def allocator_probe(torch) -> list:
+    """When the caching allocator counts more than the 512-byte-rounded request: allocated and
+    requested bytes (memory_stats) after each step of a fixed sequence of allocations and frees."""
+    mb = 2**20
+    keys = ("allocated_bytes.all.current", "requested_bytes.all.current", "reserved_bytes.all.current")
+    out = []
+
+    def note(tag):
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        out.append({"tag": tag, **{k.split(".")[0]: stats.get(k) for k in keys}})
+
+    torch.cuda.empty_cache()
+    note("start")
+    x = torch.empty(int(13.5 * mb), dtype=torch.uint8, device="cuda"); note("13.5MiB fresh")
+    y = torch.empty(int(12.5 * mb), dtype=torch.uint8, device="cuda"); note("12.5MiB fresh")
+    z = torch.empty(3 * mb, dtype=torch.uint8, device="cuda"); note("3MiB fresh (20MiB seg)")
+    a = torch.empty(4 * mb, dtype=torch.uint8, device="cuda"); b = torch.empty(4 * mb, dtype=torch.uint8, device="cuda")
+    note("a,b 4MiB")
+    del z; note("free 3MiB")
+    c = torch.empty(int(2.5 * mb), dtype=torch.uint8, device="cuda"); note("2.5MiB into freed 3MiB hole?")
+    del a; d = torch.empty(int(3.5 * mb), dtype=torch.uint8, device="cuda"); note("3.5MiB after freeing a 4MiB")
+    del x, y, b, c, d
+    torch.cuda.empty_cache()
+    return out
 
 
 if __name__ == "__main__":

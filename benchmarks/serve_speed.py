@@ -60,6 +60,7 @@ def main() -> None:
     rows["peak at B=8, P=128, T=64 and largest batch in 80 GiB (s)"] = round(time.perf_counter() - start, 2)
     rows["peak at B=8, P=128, T=64"] = fxmem.format_bytes(peak)
     rows["largest batch at P=128, T=64 in 80 GiB"] = batch
+    rows["re-analyses near the sizes asked (4 short analyses each)"] = formulas.reanalyses
     print(rows, flush=True)
     meta = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "torch": torch.__version__,
             "threads": torch.get_num_threads(), "command": "python benchmarks/serve_speed.py " + " ".join(sys.argv[1:]),

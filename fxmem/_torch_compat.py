@@ -628,12 +628,13 @@ def fake_cuda_is_safe() -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def cuda_memory_history() -> Iterator[Callable[[], dict]]:
+def cuda_memory_history(stacks: str = "all") -> Iterator[Callable[[], dict]]:
     """Record the CUDA caching allocator's history while the block runs; yields a function that
-    returns ``torch.cuda.memory._snapshot()`` (the dict pytorch.org/memory_viz opens)."""
+    returns ``torch.cuda.memory._snapshot()`` (the dict pytorch.org/memory_viz opens). ``stacks``:
+    "all" (Python and C++ frames) or "python" (much faster to record)."""
     from torch.cuda import memory
 
-    memory._record_memory_history(max_entries=1_000_000)
+    memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
     try:
         yield memory._snapshot
     finally:

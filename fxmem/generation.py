@@ -60,7 +60,7 @@ class TokenFormulas:
     Built by :func:`generation` with ``new_tokens="T"``; see the module's docstring."""
 
     def __init__(self, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
-                 reports: dict, peak: sympy.Expr, retained: sympy.Expr, notes: list):
+                 reports: dict, peak: sympy.Expr, retained: sympy.Expr, notes: list, rehinted: bool = False):
         self.model, self.dims, self.name, self.cache = model, dims, name, cache
         self._options, self._kwargs, self.reports = options, kwargs, reports
         base = reports[3]
@@ -71,7 +71,7 @@ class TokenFormulas:
         self.exact = all(r.exact for r in reports.values())
         self._concrete: dict = {}
         self._near: dict = {}  # formulas re-analysed at the sizes asked, where these do not hold
-        self._rehinted = False
+        self._rehinted = rehinted  # these are such formulas: no further re-analysis from here
 
     @classmethod
     def of(cls, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
@@ -112,9 +112,7 @@ class TokenFormulas:
         notes = list(reports[5].notes) + [
             f"formulas in {name} (new tokens) for {name} >= 3: the decode steps of 2 to 5 new tokens grow by the same "
             f"bytes per token (checked); fewer tokens, or sizes outside the analyses' region, are analysed as asked"]
-        made = cls(model, dims, name, cache, options, kwargs, reports, peak, kept, notes)
-        made._rehinted = rehinted
-        return made
+        return cls(model, dims, name, cache, options, kwargs, reports, peak, kept, notes, rehinted)
 
     def _values(self, dims: dict) -> dict:
         missing = [d for d in (*self.dims, self.name) if d not in dims]
@@ -197,6 +195,11 @@ class TokenFormulas:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
+
+    @property
+    def reanalyses(self) -> int:
+        """How many times these formulas were re-analysed near sizes they do not hold at."""
+        return sum(1 for near in self._near.values() if near is not None)
 
     def __repr__(self) -> str:
         return f"TokenFormulas(peak={self.peak}, retained={self.retained})"

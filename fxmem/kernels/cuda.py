@@ -214,8 +214,8 @@ def _flash_forward(call: Call) -> list | Unknown | None:
     split: float partial outputs (splits x B x H x L x D rounded to 32) and their logsumexps, after
     the output and logsumexp, freed on return."""
     q, k = call.arg("query"), call.arg("key")
-    if call.arg("dropout_p", 0.0) != 0.0:
-        return None  # split-KV is not used with dropout
+    if call.arg("dropout_p", 0.0) != 0.0 or q.shape[-1] > 128:
+        return Unknown(call.op, "flash attention was measured without dropout, head size <= 128")
     gpu = _gpu()
     if gpu is None:
         return Unknown(call.op, "flash attention's key splits depend on the GPU's SM count (none is visible)")
@@ -225,13 +225,13 @@ def _flash_forward(call: Call) -> list | Unknown | None:
     sms = 2 * gpu[1]
     if work >= 0.8 * sms:
         return None
-    block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
+    block_n = 256 if d <= 64 else 128
     # the host reads these sizes as numbers (as torch does for a size it branches on: the analysis
     # holds at these values, and elsewhere re-analyses)
     splits = _splits(int(work), sms, int(_ceil_div(lk, block_n)))
     if splits == 1:
         return None
-    rounded = _round_up(d, 32) if d <= 192 else 256
+    rounded = _round_up(d, 32)
     lse, acc = splits * b * h * m * 4, splits * b * h * m * rounded * 4
     return [OutAt(0), OutAt(1), lse, acc, OUT, -lse, -acc]
 
@@ -245,12 +245,13 @@ def _flash_backward(call: Call) -> list:
     b, h, m, d = q.shape
     rows = _round_up(m, 128)
     softmax_d = b * h * rows * 4
-    dq_accum = b * rows * h * (_round_up(d, 32) if d <= 192 else 256) * 4
+    dq_accum = b * rows * h * _round_up(d, 32) * 4
     program: list = [OUT, softmax_d, dq_accum, -dq_accum, -softmax_d]
     blhd = all(t.transpose(1, 2).is_contiguous() for t in (q, k, v))
-    if not blhd or k.shape[1] != h or call.arg("dropout_p", 0.0) != 0.0:
+    if not blhd or k.shape[1] != h or call.arg("dropout_p", 0.0) != 0.0 or d > 128:
         program.append(Unknown(call.op, "flash attention's backward was measured for q, k, v laid out (B, L, H, D), "
-                                        "as many key as query heads and no dropout; here it may copy or expand more"))
+                                        "as many key as query heads, no dropout, head size <= 128; here it may "
+                                        "allocate more"))
     return program
 
 

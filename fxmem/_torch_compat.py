@@ -328,6 +328,11 @@ def pin_symbols(values: Sequence[Any]) -> None:
                 env.evaluate_expr(sympy.Eq(sym, hint))
 
 
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor (no data: an analysis, or a tracer, runs it)."""
+    return isinstance(t, FakeTensor)
+
+
 def size_hint(value: Any) -> int:
     """The example value of a size (an int, or a SymInt at the analysis' example sizes)."""
     if isinstance(value, torch.SymInt):

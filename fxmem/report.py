@@ -29,12 +29,23 @@ from .options import AnalysisOptions
 from .records import INEXACT
 from .parsing import parse_expression
 from .progress import progress_to_stderr, showing
+from . import data_paths
 from .specs import check_dims, check_input_sizes
 from .views.text import format_bytes
 
 _log = logging.getLogger(__name__)  # progress: a re-analysis takes as long as the first one
 
 __all__ = ["Report", "format_bytes"]
+
+
+def _data_dim_name(name: str) -> bool:
+    """Whether ``name`` is how fxmem names a size the data decides (K1, K2, ...)."""
+    return name[:1] == "K" and name[1:].isdigit()
+
+
+def _at_values(expr: Any, values: Mapping[str, int], symbols: Mapping[str, sympy.Symbol]) -> int:
+    """An integer formula of the dims at ``values``."""
+    return int(sympy.sympify(expr).xreplace({symbols[k]: sympy.Integer(v) for k, v in values.items() if k in symbols}))
 
 
 class Report:
@@ -107,8 +118,12 @@ class Report:
         # sizes the data decides (x[mask], nonzero): dims evaluate() needs, with what each counts
         data = plan.rec.data_dims
         self.data_dims: dict[str, str] = {
-            name: d.describe(lambda _, d=d: str(plan.to_user(d.upper))) for name, d in data.items()}
+            name: d.describe(to_user=plan.to_user) for name, d in data.items()}
         self._data_bounds = {name: plan.to_user(d.upper) for name, d in data.items() if d.upper is not None}
+        self._data_lower = {name: d.lower for name, d in data.items()}
+        # sizes that choose the model's path: the formulas are those of the path taken up to this bound
+        self.data_paths: dict[str, Any] = {name: plan.to_user(d.path_upper) for name, d in data.items()
+                                           if d.path_upper is not None}
 
     # --- numbers --------------------------------------------------------------------------------
     @property
@@ -136,6 +151,7 @@ class Report:
         """The report whose formulas hold at ``dims`` (self, or a re-analysis, cached) and its
         evaluation there (cached): the one place that decides when to re-analyse. ``None``: the
         example sizes the analysis ran at."""
+        path_key: tuple = ()
         if dims is None and not check:
             report, values = self, dict(self.hints)
         else:
@@ -145,9 +161,20 @@ class Report:
                                 + "; ".join(self.data_dims[d] for d in missing))
             given = dict(dims or {})
             counts = {k: given.pop(k) for k in self.data_dims}  # may be 0: a mask that selects nothing
+            later = {k: given.pop(k) for k in list(given) if k not in self.symbols and _data_dim_name(k)}
+            if later:  # K1 of a path this analysis does not take (a switch's other form): the analysis there has it
+                known = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
+                if not self._plan.region.violations({self.symbols[k]: v for k, v in known.items()}):
+                    raise SpecError(f"evaluate(): unknown dim(s) {sorted(later)}; this analysis has dims "
+                                    f"{sorted(self.symbols)}")
+                return self._reanalysed(known)._at({**known, **later}, check=True)
             for name, v in counts.items():
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise SpecError(f"evaluate(): {name}={v!r} must be a whole number >= 0: {self.data_dims[name]}")
+                if v < self._data_lower.get(name, 0):
+                    raise SpecError(f"evaluate(): {name}={v} is below {self._data_lower[name]}, where a kernel takes a "
+                                    f"path for one-element tensors that these formulas are not of: "
+                                    f"{self.data_dims[name]}")
             values = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
             check_input_sizes(self.specs, values, self.symbols)
             for name, upper in self._data_bounds.items():
@@ -156,18 +183,25 @@ class Report:
                     raise SpecError(f"evaluate(): {name}={values[name]} is more than it can be at these sizes "
                                     f"({name} <= {upper} = {bound}): {self.data_dims[name]}")
             report = self
-            if self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
+            beyond = [name for name, upper in self.data_paths.items() if values[name] > _at_values(upper, values,
+                                                                                                   self.symbols)]
+            if beyond:  # the model takes its other path there: the analysis of that path, at these sizes
+                values = {k: v for k, v in values.items() if k not in self.data_paths}
+                path_key = ("beyond", tuple(beyond))
+                report = self._reanalysed(values, path_key)
+            elif self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
                 report = self._reanalysed(values)
         here = environment(self.device)
         if any(self.facts.get(k) != v for k, v in here.items()):
             # made under another thread count (or oneDNN setting): kernels would allocate otherwise now
-            report = self._reanalysed(values, tuple(sorted(here.items())))
+            report = self._reanalysed(values, path_key + tuple(sorted(here.items())))
         key = tuple(sorted(values.items()))
         if key not in report._evaluations:
             report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
         return report, report._evaluations[key]
 
     def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":
+        # environment_key: ("beyond", dims) first where the data dims take the model's other path
         """The analysis whose formulas hold at ``values``: one already made for a region that
         contains them (each region is analysed once), else a new one made at ``values``."""
         key = (environment_key, tuple(sorted(values.items())))
@@ -181,7 +215,8 @@ class Report:
                         else contextlib.nullcontext():
                     _log.info("re-analysing at %s: outside the formulas' region (%s)",
                               ", ".join(f"{k}={v}" for k, v in sorted(values.items())), ", ".join(self.region) or "-")
-                    self._regions[key] = self._reanalyze(values)
+                    with data_paths.beyond() if environment_key[:1] == ("beyond",) else contextlib.nullcontext():
+                        self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
     def _holds_at(self, values: Mapping[str, int]) -> bool:

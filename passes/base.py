@@ -62,6 +62,7 @@ class Pass:
     settings: Mapping[str, str] = dataclasses.field(default_factory=dict)  # what can be set, in words
     # what ``find`` looks for, in words: the record of a call where nothing of the kind was found
     looks_for: str = ""
+    flags: frozenset = frozenset()  # the settings that are True/False (the others are sizes in bytes)
 
 
 @dataclasses.dataclass

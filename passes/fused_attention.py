@@ -36,6 +36,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
+from ..ops.edge_attention import edge_attention, kept_edges
+from .. import data_paths
 from .attention_layout import Axes, gather_axes, recipe, scatter_axes
 from .base import Finding, Probe
 from .modes import by_flag
@@ -76,6 +78,7 @@ class AttentionPlan:
     training: Any  # None (no dropout), a bool, or the node holding the flag
     dropout_module: str | None  # an nn.Dropout's path: it reads its own flag
     fallback: tuple  # (nodes of the original attention, in graph order; the nodes they read)
+    edge_list: bool = False  # run over the adjacency's kept entries (fxmem.ops.edge_attention)
 
 
 # --- walking back from the matmul -------------------------------------------------------------------
@@ -418,21 +421,27 @@ def _ids_through(parts: dict, env: Mapping, modules: Mapping) -> torch.Tensor | 
 
 # --- the rule ---------------------------------------------------------------------------------------
 
-SETTINGS = {"block_bytes": "scratch (bytes) one row block of the fused kernel may use (default 4 MiB)"}
+SETTINGS = {"block_bytes": "scratch (bytes) one row block of the fused kernel may use (default 4 MiB)",
+            "edge_list": "True: for sparse graphs, run the attention over the adjacency's kept entries (listed once "
+                         "per adjacency and call, shared by every head and layer) instead of every pair: time and "
+                         "memory in the number of edges, a dim K of the formulas (default False: row blocks of "
+                         "every pair, memory in N only)"}
+FLAGS = frozenset({"edge_list"})
 
 
 def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
     """Every masked softmax attention over decomposed scores (a match), and every look-alike (declined).
 
-    ``settings``: ``{"block_bytes": n}`` (see :data:`SETTINGS`).
+    ``settings``: ``{"block_bytes": n, "edge_list": bool}`` (see :data:`SETTINGS`).
     """
     modules = dict(gm.named_modules())
     block_bytes = int((settings or {}).get("block_bytes", DEFAULT_BLOCK_BYTES))
+    edge_list = bool((settings or {}).get("edge_list", False))
     findings = []
     for node in gm.graph.nodes:
         if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
             continue
-        found = _match(node, probes, modules, block_bytes)
+        found = _match(node, probes, modules, block_bytes, edge_list)
         if found is None:
             continue
         if isinstance(found, str):
@@ -444,7 +453,7 @@ def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[st
 
 
 def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
-           block_bytes: int) -> AttentionPlan | str | None:
+           block_bytes: int, edge_list: bool = False) -> AttentionPlan | str | None:
     env = probes[0].env
     weights_in, values = node.args
     if not isinstance(weights_in, torch.fx.Node) or not isinstance(values, torch.fx.Node):
@@ -525,7 +534,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         training = False
     options = (compare, threshold, keep, _constant(mask.fill, env), slope, block_bytes)
     plan = AttentionPlan(node, u, v, values, source, *layout, options, p, training, module,
-                         _original(node, [u, v, values, source]))
+                         _original(node, [u, v, values, source]), edge_list)
     mismatch = _check(plan, probes)
     return mismatch if mismatch is not None else plan
 
@@ -640,13 +649,21 @@ def _check(plan: AttentionPlan, probes: Sequence[Probe]) -> str | None:
     """Run the fused kernel on each probe's values laid out by the plan: it must give the matmul's value."""
     for p in probes:
         env = p.env
-        got = fused_value(env[plan.u], env[plan.v], env[plan.values], env[plan.mask_source], plan_data(plan))
+        with data_paths.forced(True):  # the edge list, whatever the probe's density (the row blocks: below)
+            edges = edges_of(env[plan.mask_source], plan.mask_axes, *plan.options[:3]) if plan.edge_list else None
         want = env[plan.output]
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True):
+        got = fused_value(env[plan.u], env[plan.v], env[plan.values], env[plan.mask_source], plan_data(plan), edges)
+        if edges is not None and _same(got, want):
+            got = fused_value(env[plan.u], env[plan.v], env[plan.values], env[plan.mask_source], plan_data(plan))
+        if not _same(got, want):
             at = ", ".join(f"{k}={v}" for k, v in p.sizes.items())
             return (f"the parts recognised do not reproduce the attention at {at}: the fused kernel's result differs "
                     f"from the node's value; left as it is")
     return None
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 def plan_data(plan: AttentionPlan) -> tuple:
@@ -655,21 +672,37 @@ def plan_data(plan: AttentionPlan) -> tuple:
             plan.options)
 
 
-def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple) -> torch.Tensor:
-    """The attention computed by the fused kernel, in the layout of the original matmul's result."""
+def edges_of(source: torch.Tensor, mask_axes: Axes, compare: str, threshold: float,
+             keep: bool) -> torch.Tensor | None:
+    """The kept entries of the mask's source laid out as [Am, N, M]: what the rewritten graph computes
+    once per adjacency for every attention that runs over its edge list (:func:`kept_edges`; None
+    where the adjacency is too dense for one: the attentions then run in row blocks)."""
+    return kept_edges(gather_axes(source, mask_axes), compare, threshold, keep)
+
+
+def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
+                edges: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention computed by the fused kernel (over ``edges``, the mask's kept entries, when
+    given), in the layout of the original matmul's result."""
     u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze, options = data
     compare, threshold, keep, fill, slope, block_bytes = options
     s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
-    h, adj = gather_axes(values, values_axes), gather_axes(source, mask_axes)
+    h = gather_axes(values, values_axes)
     if h.shape[1] != s.shape[1]:  # values shared by the heads: a view over them (the kernel copies it once)
         h = h.expand(h.shape[0], s.shape[1], *h.shape[2:])
-    out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
-                           block_bytes=block_bytes)
+    if edges is not None:
+        adj = gather_axes(source, mask_axes)  # a view
+        out = edge_attention(s, t, h, edges, mask_groups=adj.shape[0], fill=fill, slope=slope,
+                             added=adj if compare == "add" else None)
+    else:
+        out = masked_attention(s, t, h, gather_axes(source, mask_axes), compare=compare, threshold=threshold,
+                               keep=keep, fill=fill, slope=slope, block_bytes=block_bytes)
     return scatter_axes(out, u, u_axes, out_order, out_unsqueeze)  # u has every group axis of the result
 
 
 def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
-                    dropout: bool = False, original: Any = None, box: list | None = None) -> torch.Tensor:
+                    dropout: bool = False, original: Any = None, box: list | None = None,
+                    edges: torch.Tensor | None = None) -> torch.Tensor:
     """What the rewritten graph calls: the fused attention, or - while its dropout is on (``dropout``
     true: train mode, p > 0) - the original nodes (``original[0]``, a GraphModule of them, on the
     values in the list ``box``, which it empties), which draw the same random mask as the model."""
@@ -677,7 +710,7 @@ def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, sour
         return original[0](box)
     if box is not None:
         box.clear()
-    return fused_value(u, v, values, source, data)
+    return fused_value(u, v, values, source, data, edges)
 
 
 def _name(node: torch.fx.Node, env: Mapping) -> str:
@@ -695,9 +728,14 @@ def _describe(plan: AttentionPlan, env: Mapping) -> str:
         mask = (source if compare == "true" else
                 f"{source} {dict(gt='>', ge='>=', lt='<', le='<=', eq='==', ne='!=')[compare]} {threshold:g}")
         scores = f"{'where' if keep else 'masked_fill'}({mask}, LeakyReLU(s_i + t_j, {slope:g}), {fill:g})"
-    text = (f"softmax_j({scores}) "
-            f"@ {_name(plan.values, env)} with s from {plan.u.name}, t from {plan.v.name}: fused, in row blocks of "
-            f"at most {block_bytes} bytes of scratch, no N x N float tensor built or kept")
+    text = f"softmax_j({scores}) @ {_name(plan.values, env)} with s from {plan.u.name}, t from {plan.v.name}: "
+    if plan.edge_list:
+        text += (f"over the kept entries of {source} only (listed once per call by nonzero: their number is a dim "
+                 f"K of the formulas), no N x N float tensor built or kept")
+    else:
+        text += (f"fused, in row blocks of at most {block_bytes} bytes of scratch, no N x N float tensor built or kept "
+                 f"(work in N x N still: on a sparse graph, settings={{'fused-attention': {{'edge_list': True}}}} "
+                 f"runs it over the edges)")
     if plan.dropout_p > 0 and plan.training is not False:
         text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: a blocked "
                  f"kernel cannot draw dropout's random mask from the same stream")
@@ -708,6 +746,7 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
     """Insert the call of :func:`fused_attention` before the matmul; returns it."""
     plan: AttentionPlan = finding.plan
     args = [nodes[plan.u], nodes[plan.v], nodes[plan.values], nodes[plan.mask_source], plan_data(plan)]
+    kwargs = {"edges": _edges_node(graph, nodes[plan.mask_source], plan)} if plan.edge_list else {}
     with graph.inserting_before(nodes[plan.output]):
         if plan.dropout_p > 0 and plan.training is not False:
             holder = _fallback(plan, gm)
@@ -718,7 +757,21 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
                 flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
             original = graph.create_node("get_attr", holder)
             args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
-        return graph.call_function(fused_attention, tuple(args))
+        return graph.call_function(fused_attention, tuple(args), kwargs)
+
+
+def _edges_node(graph: torch.fx.Graph, source: torch.fx.Node, plan: AttentionPlan) -> torch.fx.Node:
+    """The node listing the kept entries of ``source`` read as ``plan`` reads it: one per adjacency
+    and mask, shared by every attention over it (the heads of a layer, the layers of a model)."""
+    key = (source, plan.mask_axes, *plan.options[:3])
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is edges_of and n.args == key:
+            return n
+    after = source
+    if source.op == "placeholder":  # after the last placeholder: they stay the graph's first nodes
+        after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(after):
+        return graph.call_function(edges_of, key)
 
 
 def boxed(graph: torch.fx.Graph, values: Sequence[torch.fx.Node]) -> torch.fx.Node:

@@ -48,7 +48,8 @@ from .recompute import BudgetError
 from .registry import GRAPH_PASSES, PASSES
 from .verify import compare
 from . import switch
-from .decide import Condition, Decision, decide
+from .decide import Condition, Decision, candidates, decide
+from .. import data_paths
 from ..accounting.symbolic import Region
 
 # Probe sizes when the user gives none: dim k (in order of appearance) is base+k for each base of
@@ -75,6 +76,13 @@ class _Memory:
     report: Report
     inference: Report
     at_hints: tuple[int, ...]  # (forward peak, training-step peak or 0, inference peak) at the example sizes
+    # where a size the data decides chooses the graph's path (an edge list, or dense row blocks): the
+    # analysis of the other path (data_paths.beyond), which the decisions compare too
+    beyond: Any = None
+
+    def paths(self) -> dict:
+        """The data dims that choose a path, with the bound (in the dims) up to which the analysis holds."""
+        return {**self.report.data_paths, **self.inference.data_paths}
 
     def lower_than(self, other: "_Memory") -> bool:
         """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
@@ -507,7 +515,10 @@ def _check_settings(settings: Mapping[str, Mapping[str, Any]] | None) -> dict:
             raise SpecError(f"settings[{name!r}]: {unknown} cannot be set; it takes "
                             f"{dict(known[name].settings) or 'nothing'}")
         for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if key in known[name].flags:
+                if not isinstance(value, bool):
+                    raise SpecError(f"settings[{name!r}][{key!r}] must be True or False, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SpecError(f"settings[{name!r}][{key!r}] must be a positive int (bytes), got {value!r}")
     return dict(settings)
 
@@ -539,8 +550,18 @@ class _Search:
 
     def verify(self, candidate: torch.nn.Module) -> Any:
         """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
-        own runs made once per call: they are the same for every candidate)."""
-        return compare(self.model, candidate, self.verify_inputs, references=self.references)
+        own runs made once per call: they are the same for every candidate). Where the candidate
+        chooses a path by the data (an edge list or dense row blocks), each path is compared."""
+        with data_paths.asked() as asked:
+            diff = compare(self.model, candidate, self.verify_inputs, references=self.references)
+        for side in (True, False) if asked and diff.ok else ():
+            with data_paths.forced(side):
+                other = compare(self.model, candidate, self.verify_inputs, references=self.references)
+            if not other.ok or other.max_abs > diff.max_abs:
+                diff = other
+            if not diff.ok:
+                break
+        return diff
 
     def memory(self, gm: torch.fx.GraphModule) -> "_Memory":
         """fxmem's analysis of ``gm`` with this line's options, made once per graph module."""
@@ -722,7 +743,8 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
     """The formula comparison of every peak (forward, training step, inference) over the region
     where both analyses hold (the higher lower bound of each dim)."""
     # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
-    regions = [m._plan.region for m in (before.report, before.inference, after.report, after.inference)]
+    regions = [m._plan.region for g in (before, after, before.beyond, after.beyond) if g is not None
+               for m in (g.report, g.inference)]
     lower: dict = {}
     guards: list = []
     for r in regions:
@@ -730,11 +752,42 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
             lower[sym] = max(lower.get(sym, v), v)
         guards += [g for g in r.guards if g not in guards]
     region = Region(lower, guards)
-    pairs = [("peak", before.report.peak, after.report.peak)]
-    if before.report.train_peak is not None and after.report.train_peak is not None:
-        pairs.append(("training-step peak", before.report.train_peak, after.report.train_peak))
-    pairs.append(("inference peak", before.inference.peak, after.inference.peak))
+    pairs = []
+    for b, a, which in _on_paths(before, after):
+        pairs.append((f"peak{which}", b.report.peak, a.report.peak))
+        if b.report.train_peak is not None and a.report.train_peak is not None:
+            pairs.append((f"training-step peak{which}", b.report.train_peak, a.report.train_peak))
+        pairs.append((f"inference peak{which}", b.inference.peak, a.inference.peak))
+    pairs = [(name, _across(b, before.paths(), after.paths(), sympy.S.Zero),
+              _across(a, after.paths(), before.paths(), None)) for name, b, a in pairs]
     return decide(pairs, region, symbols, hints, assume)
+
+
+def _on_paths(before: _Memory, after: _Memory) -> list[tuple[_Memory, _Memory, str]]:
+    """The analyses to compare: each graph's path within its data dims' bounds, and - where either
+    has a path chosen by the data - the other path (an adjacency too dense for an edge list)."""
+    out = [(before, after, "")]
+    if before.beyond is not None or after.beyond is not None:
+        out.append((before.beyond or before, after.beyond or after, " (adjacency too dense for an edge list)"))
+    return out
+
+
+def _across(expr: sympy.Expr, paths: Mapping[str, Any], other: Mapping[str, Any], value: Any) -> sympy.Expr:
+    """``expr`` with each data dim that only this graph has replaced by ``value`` (None: the bound its
+    path holds to, the most it can be; 0: the least) - sound where ``expr`` grows with it, else left
+    a symbol (nothing is then proven for its values). Dims both graphs have stay symbols: the
+    comparison holds for each of their values."""
+    for name in set(paths) - set(other):
+        x = next((s for s in expr.free_symbols if str(s) == name), None)
+        if x is None:
+            continue
+        if not all(all(k >= 0 for k in sympy.expand(sympy.diff(c, x)).as_coefficients_dict().values())
+                   for c in candidates(expr)):
+            continue
+        # floor(N**2/16) <= N**2/16: an expression that grows with x is at most its value there
+        at = sympy.S(paths[name]).replace(sympy.floor, lambda a: a) if value is None else value
+        expr = expr.xreplace({x: at})
+    return expr
 
 
 def _groups(matches: list[tuple[Pass, Finding]]) -> list[list[tuple[Pass, Finding]]]:
@@ -894,5 +947,9 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
         report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
     inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))
     values = report.evaluate(**report.hints)
+    beyond = None
+    if report.data_paths or inference.data_paths:  # the path the graph takes on denser data, analysed too
+        with data_paths.beyond():
+            beyond = _memory(gm, input_specs, kw)
     return _Memory(report, inference, (values["peak"], values.get("train_peak", 0),
-                                       inference.evaluate(**report.hints)["peak"]))
+                                       inference.evaluate(**report.hints)["peak"]), beyond)

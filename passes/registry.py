@@ -22,7 +22,8 @@ PASSES: tuple[Pass, ...] = (
          "a linear map over pairs of rows [h_i || h_j] (a cat or sum of repeated/expanded copies of one tensor)"),
     # softmax(where(mask, LeakyReLU(s_i + t_j), fill)) @ h -> one fused kernel in row blocks
     Pass(fused_attention.RULE, fused_attention.find, fused_attention.rewrite, fused_attention.SETTINGS,
-         "softmax over masked pair scores s_i + t_j (after LeakyReLU) multiplied into the node features"),
+         "softmax over masked pair scores s_i + t_j (after LeakyReLU) multiplied into the node features",
+         fused_attention.FLAGS),
     # zeros.index_add_(0, dst, x[src] * w) -> a CSR product A @ x (seed 003: fused message passing)
     Pass(message_passing.RULE, message_passing.find, message_passing.rewrite, message_passing.SETTINGS,
          "messages x[src] (times edge weights) summed into rows by index_add/scatter_add"),

@@ -11,6 +11,8 @@ other dim. Nothing is guessed: the formulas hold for every value of the dim.
 >>> dims.found(aten.index.Tensor, args, out, "loop.py:88")  # doctest: +SKIP
 >>> dims.named()                                            # doctest: +SKIP
 {'K1': u0}
+
+Paths the data decides (an edge list, or dense row blocks): :mod:`fxmem.data_paths`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sympy
 import torch
 
 from .. import _torch_compat as tc
+from .. import data_paths
 from .failures import NotModelled
 
 # ops whose data-dependent output size fxmem names, and whose real kernels' allocations are
@@ -39,19 +42,36 @@ class DataDim:
     where: str
     upper: Any = None
     example: int = 101  # a value to order candidates by (half the bound at the example sizes)
+    # a path chosen by this size (see within()): taken up to path_upper, what the code does beyond it
+    path_upper: Any = None
+    beyond: str = ""
+    lower: int = 0  # where a kernel's path needs it (a one-element reduction): the formulas hold from here
+    counts: str = "the number of elements the mask selects"
 
-    def describe(self, rename: Any = str) -> str:
-        bound = f"; 0 <= {self.name} <= {rename(str(self.upper))}" if self.upper is not None else ""
-        return (f"{self.name}: a size that depends on tensor values (made by {self.op} at {self.where}{bound}); "
-                f"evaluate() needs its value, e.g. the number of elements the mask selects")
+    def describe(self, rename: Any = str, to_user: Any = None) -> str:
+        """In words; ``rename`` writes torch's symbols in a text as the user's dims, or ``to_user``
+        (when given) turns a bound into the user's dims."""
+        show = (lambda e: str(to_user(e))) if to_user is not None else (lambda e: rename(str(e)))
+        bound = f"; {self.lower} <= {self.name} <= {show(self.upper)}" if self.upper is not None else ""
+        text = (f"{self.name}: a size that depends on tensor values (made by {self.op} at {self.where}{bound}); "
+                f"evaluate() needs its value, e.g. {self.counts}")
+        if self.path_upper is not None:
+            text += (f"; the formulas are those of {self.name} <= {show(self.path_upper)}: above it "
+                     f"{self.beyond} (evaluate() re-analyses that path)")
+        return text
 
 
 class DataDims:
     """The unbacked size symbols of one run, named in the order they appear."""
 
+    def active(self) -> Any:
+        """While the run is simulated: :mod:`fxmem.data_paths` speaks to these dims."""
+        return data_paths.active(self)
+
     def __init__(self, taken: set, device: str = "cpu"):
         self._taken = set(taken)
         self.device = device
+        self.env: Any = None  # the run's ShapeEnv (bounds are written over its symbols)
         self.dims: dict[sympy.Symbol, DataDim] = {}
 
     def _next_name(self) -> str:
@@ -73,6 +93,7 @@ class DataDims:
                             new.append(s)
         if not new:
             return
+        self.env = env
         if self.device != "cpu":
             raise NotModelled(
                 f"{tc.op_name(func)} makes a tensor whose size depends on the data; fxmem names such sizes on "

@@ -237,7 +237,7 @@ def simulate_once(
     table.rename = recorder.rename
     world = parallel.world(device) if parallel is not None else contextlib.nullcontext()
     with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs(), \
-            contextlib.ExitStack() as wrapped:
+            table.data_dims.active(), contextlib.ExitStack() as wrapped:
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
         for spec, t in zip(specs, inputs):

@@ -1,0 +1,110 @@
+"""Paths the data decides: code that chooses how to compute by a size only the data knows.
+
+fxmem's edge-list attention (:mod:`fxmem.ops.edge_attention`) runs over the kept entries of an
+adjacency when they are few, and in dense row blocks otherwise. Such code asks :func:`within`
+(``count <= upper``?): a real run answers from the value; fxmem's analysis (fake tensors) takes
+the path within the bound, and :func:`bound` names the bound with the data dim (``K1 <= N**2/16``,
+see :mod:`fxmem.simulation.data_dims`); inside :func:`beyond` it takes the other path - what
+``Report.evaluate`` re-analyses when given a larger value. :func:`forced` makes real runs take one
+path whatever the data (``optimize`` verifies each), :func:`asked` says whether code chose one.
+
+>>> if within(torch.count_nonzero(kept), kept.numel() // 16): ...     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import torch
+
+from . import _torch_compat as tc
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fxmem_data_dims", default=None)
+_BEYOND: contextvars.ContextVar = contextvars.ContextVar("fxmem_beyond_paths", default=False)
+_FORCED: contextvars.ContextVar = contextvars.ContextVar("fxmem_forced_paths", default=None)
+_ASKED: contextvars.ContextVar = contextvars.ContextVar("fxmem_paths_asked", default=None)
+
+
+def within(count: Any, upper: Any) -> bool:
+    """Whether ``count`` (an int, or a 0-dim integer tensor) is at most ``upper``: on a real run, from
+    its value (inside :func:`forced`, the path forced: verification runs each); in fxmem's analysis (a
+    fake tensor), the path within the bound (see :func:`bound`), except inside :func:`beyond`. Other
+    tracers get the value asked of them (a data-dependent guard)."""
+    if isinstance(count, torch.Tensor) and tc.is_fake(count):
+        if _ACTIVE.get() is not None:
+            return not _BEYOND.get()
+    asked = _ASKED.get()
+    if asked is not None:
+        asked.append(True)
+    side = _FORCED.get()
+    return bool(count <= upper) if side is None else side
+
+
+def bound(size: Any, upper: Any, beyond_text: str, counts: str) -> None:
+    """Record that the path taken holds for ``size <= upper`` (``size``: the data dim's SymInt, made
+    after :func:`within` answered True); ``beyond_text`` says what the code does above it, ``counts``
+    what the size counts. Outside fxmem's analysis it does nothing."""
+    dims = _ACTIVE.get()
+    if dims is None or not isinstance(size, torch.SymInt):
+        return
+    for s in tc.unbacked_symbols(tc.raw_expr(size)):
+        d = dims.dims.get(s)
+        if d is not None and dims.env is not None:
+            d.path_upper, d.beyond, d.counts = tc.size_expr(dims.env, upper), beyond_text, counts
+            d.example = max(1, min(d.example, tc.size_hint(upper) // 2))
+
+
+def more_than_one(size: Any) -> bool:
+    """``size > 1`` for a kernel rule's path (a one-element output takes another one). Over sizes the
+    data decides, fxmem's analysis takes the general path and records that its formulas hold where
+    each such size is at least 2 (``evaluate()`` refuses below)."""
+    if isinstance(size, torch.SymInt) and tc.unbacked_symbols(tc.raw_expr(size)):
+        dims = _ACTIVE.get()
+        for s in tc.unbacked_symbols(tc.raw_expr(size)):
+            d = dims.dims.get(s) if dims is not None else None
+            if d is None:
+                return bool(size > 1)  # not a dim fxmem named: the guard says so
+            d.lower = max(d.lower, 2)
+        return True
+    return bool(size > 1)
+
+
+@contextlib.contextmanager
+def active(dims: Any) -> Iterator[None]:
+    """While a run is simulated: the answers of this module go to ``dims`` (a DataDims)."""
+    token = _ACTIVE.set(dims)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def forced(side: bool) -> Iterator[None]:
+    """Real runs inside take the path within every bound (True) or beyond it (False), whatever the data."""
+    token = _FORCED.set(side)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+@contextlib.contextmanager
+def asked() -> Iterator[list]:
+    """A list that says, once the block ran, whether code inside chose a path by the data."""
+    token = _ASKED.set([])
+    try:
+        yield _ASKED.get()
+    finally:
+        _ASKED.reset(token)
+
+
+@contextlib.contextmanager
+def beyond() -> Iterator[None]:
+    """Analyses made inside take the other path wherever code asks :func:`within`."""
+    token = _BEYOND.set(True)
+    try:
+        yield
+    finally:
+        _BEYOND.reset(token)

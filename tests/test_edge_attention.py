@@ -1,0 +1,189 @@
+"""GAT attention over a sparse dense-adjacency's edge list (``settings={"fused-attention": {"edge_list":
+True}}``): the kernel equals the dense masked softmax for every adjacency (rows without an edge, a fill
+close to the scores, additive masks, masks shared by a batch), ``optimize`` applies it to layers as people
+write them, the result computes what the model does on sparse and dense graphs, and fxmem's formulas in
+the number of edges (K1) equal the CPU allocator on real runs at sizes and densities the analysis did
+not see - the edge list's path below its bound, the dense row blocks' above it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxmem
+from fxmem import data_paths
+from fxmem.errors import SpecError
+from fxmem.measure import measure
+from fxmem.ops.edge_attention import edge_attention, kept_edges
+from fxmem.training import default_loss, train_step
+
+import public_impls as P
+
+EDGES = {"fused-attention": {"edge_list": True}}
+
+
+def _dense(s, t, h, adj, compare, fill, slope):
+    """The plain form, written out: every pair's score, masked, softmax over the row, @ h."""
+    z = F.leaky_relu(s[..., :, None] + t[..., None, :], slope)
+    if compare == "add":
+        return torch.softmax(z + adj.unsqueeze(1), -1) @ h
+    kept = (adj > 0).unsqueeze(1) if compare == "gt" else (adj != 0).unsqueeze(1)
+    return torch.softmax(torch.where(kept, z, torch.full_like(z, fill)), -1) @ h
+
+
+@pytest.mark.parametrize("gm,gh,am,fill,density,compare", [
+    (1, 1, 1, -9e15, 0.2, "gt"),     # pyGAT
+    (2, 3, 2, -9e15, 0.3, "gt"),     # a batch of graphs, 3 heads
+    (3, 2, 1, -9e15, 0.3, "ne"),     # one graph shared by a batch
+    (1, 2, 1, -2.0, 0.3, "gt"),      # a fill close to the scores: masked entries keep weight
+    (2, 1, 2, float("-inf"), 0.4, "gt"),
+    (1, 1, 1, -9e15, 1.0, "gt"),     # every pair an edge
+    (2, 2, 1, 0.0, 0.2, "add"),      # an additive mask (-inf where no edge), with its gradient
+])
+def test_edge_list_attention_equals_the_dense_softmax(gm, gh, am, fill, density, compare):
+    g = torch.Generator().manual_seed(3)
+    n, m, f = 9, 7, 4
+    s = torch.randn(gm, gh, n, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randn(gm, gh, m, dtype=torch.float64, generator=g, requires_grad=True)
+    h = torch.randn(gm, gh, m, f, dtype=torch.float64, generator=g, requires_grad=True)
+    edge = torch.rand(am, n, m, generator=g) < density
+    edge[:, 1] = density == 1.0  # a row without an edge (uniform over all M, or NaN with fill=-inf)
+    if fill == float("-inf"):
+        edge[:, 1, 0] = True
+    if compare == "add":
+        adj = torch.where(edge, torch.randn(am, n, m, dtype=torch.float64, generator=g), float("-inf"))
+        edge[:, 1, 2] = True
+        adj[:, 1, 2] = 0.5
+        adj.requires_grad_(True)
+    else:
+        adj = edge.double() * torch.rand(am, n, m, dtype=torch.float64, generator=g).add(0.5)
+    want = _dense(s, t, h, adj, compare, fill, 0.2)
+    weights = torch.randn(want.shape, dtype=torch.float64, generator=g)
+    leaves = [s, t, h] + ([adj] if compare == "add" else [])
+    want_grads = torch.autograd.grad((want * weights).sum(), leaves)
+    with data_paths.forced(True):
+        edges = kept_edges(adj.detach(), compare, 0.0, True)
+    got = edge_attention(s, t, h, edges, mask_groups=am, fill=fill, slope=0.2,
+                         added=adj if compare == "add" else None)
+    got_grads = torch.autograd.grad((got * weights).sum(), leaves)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_the_edge_list_is_left_to_dense_adjacencies_past_its_bound():
+    adj = torch.ones(1, 8, 8)
+    assert kept_edges(adj, "gt", 0.0, True) is None  # 64 edges of 64 pairs: more than 1/16
+    adj = torch.zeros(1, 8, 8)
+    adj[0, 2, 3] = adj[0, 5, 1] = adj[0, 7, 7] = 1.0
+    assert kept_edges(adj, "gt", 0.0, True).tolist() == [[2, 5, 7], [3, 1, 7]]
+
+
+def _graph(n: int, per_row: float, fin: int, seed: int) -> list:
+    """Node features and a symmetric 0/1 adjacency with self loops, about ``per_row`` edges a row."""
+    g = torch.Generator().manual_seed(seed)
+    adj = (torch.rand(n, n, generator=g) < per_row / n).float()
+    adj = ((adj + adj.T + torch.eye(n)) > 0).float()
+    return [torch.randn(n, fin, generator=g), adj]
+
+
+def _same_outputs_and_gradients(model, opt, xs):
+    for training in (True, False):
+        runs = []
+        for m in (copy.deepcopy(model).train(training), copy.deepcopy(opt).train(training)):
+            out = m(*xs)
+            out.sum().backward()
+            runs.append([out.detach()] + [p.grad for _, p in sorted(m.named_parameters())])
+        for a, b in zip(*runs):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def two_head_gat():
+    torch.manual_seed(0)
+    model = P.PyGAT(12, hidden=4, classes=3, heads=2, dropout=0.0)
+    specs = (("N", 12), ("N", "N"))
+    opt = fxmem.optimize(model, *specs, settings=EDGES)
+    return model, specs, opt
+
+
+def test_optimize_runs_pygat_over_its_edge_list(two_head_gat):
+    model, specs, opt = two_head_gat
+    applied = [e for e in opt.meta["fxmem"] if e["rule"] == "fused-attention" and e["status"] == "applied"]
+    assert len(applied) == 3  # both heads and the output layer
+    assert all("kept entries of adj" in e["reason"] for e in applied)
+    assert all("adjacency too dense for an edge list" in e["decision"] for e in applied)  # both paths compared
+    sparse, dense = _graph(160, 3, 12, seed=1), _graph(70, 40, 12, seed=2)
+    for xs in (sparse, dense):
+        _same_outputs_and_gradients(model, opt, xs)
+    with data_paths.asked() as asked:
+        opt(*sparse)
+    assert asked, "the rewritten model does not choose its path by the adjacency"
+
+
+def test_formulas_in_the_edge_count_equal_the_allocator(two_head_gat):
+    """Forward and training step at sparse graphs (the edge list's path; K1 from the data) and at a
+    dense one (past the bound: evaluate() re-analyses the row blocks' path), none of them analysed."""
+    _, specs, opt = two_head_gat
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    report = fxmem.analyze(opt, *specs)
+    step = fxmem.analyze(opt, *specs, optimizer=sgd)
+    assert "K1" in report.data_dims and "dense row blocks" in report.data_dims["K1"]
+    real = copy.deepcopy(opt)
+    optimizer = sgd(real.parameters())
+    for n, per_row, seed in ((160, 3, 1), (233, 6, 4), (70, 40, 2)):
+        xs = _graph(n, per_row, 12, seed)
+        dims = {"N": n, "K1": int((xs[1] > 0).sum())}
+        m = measure(lambda: opt(*xs))
+        ev = report.evaluate(**dims)
+        assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained), dims
+        train_step(real, xs, optimizer, default_loss)
+        m = measure(lambda: train_step(real, xs, optimizer, default_loss))
+        ev = step.evaluate(**dims)
+        assert (ev["train_peak"] - ev["train_resident"], ev["train_retained"]) == (m.peak_above_start, m.retained)
+
+
+def test_one_edge_is_exact_or_refused(two_head_gat):
+    """K1 = 1 makes one-element reductions (another kernel path with several threads): the number
+    there equals a real run, or evaluate() refuses with the reason - never a wrong number."""
+    _, specs, opt = two_head_gat
+    report = fxmem.analyze(opt, *specs)
+    xs = [torch.randn(100, 12), torch.zeros(100, 100)]
+    xs[1][3, 4] = 1.0
+    try:
+        ev = report.evaluate(N=100, K1=1)
+    except SpecError as exc:
+        assert "one-element" in str(exc)
+        return
+    m = measure(lambda: opt(*xs))
+    assert (ev["peak_above_resident"], ev["retained"]) == (m.peak_above_start, m.retained)
+
+
+def test_an_additive_connectivity_mask_runs_over_its_edges():
+    """The tutorial's dense GAT (heads first, 0/-inf mask added): at a sparse graph the rewrite computes
+    what the model does, and its real training step needs less than the model's."""
+    torch.manual_seed(0)
+    model = P.TutorialGATDense(10, fout=4, heads=2, dropout=0.0)
+    opt = fxmem.optimize(model, ("N", 10), ("N", "N"), settings=EDGES)
+    assert any(e["rule"] == "fused-attention" and e["status"] == "applied" for e in opt.meta["fxmem"])
+    n = opt.fxmem_forms.condition.k + 100 if hasattr(opt, "fxmem_forms") else 700  # the rewritten side (N >= 4096)
+    x, adj = _graph(n, 3, 10, seed=5)
+    xs = [x, torch.where(adj > 0, 0.0, float("-inf"))]
+    _same_outputs_and_gradients(model, opt, xs)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(*xs).sum().backward()
+
+    peaks = []
+    for m in (model, opt):
+        step(m)
+        peaks.append(measure(lambda: step(m)).peak_above_start)
+    assert peaks[1] * 4 < peaks[0], peaks
+
+
+def test_edge_list_setting_is_checked():
+    with pytest.raises(SpecError, match="edge_list.*True or False"):
+        fxmem.optimize(P.PyGATLayer(6, 4), ("N", 6), ("N", "N"), settings={"fused-attention": {"edge_list": 1}})

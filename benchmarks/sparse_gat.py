@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -40,12 +39,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
 import fxmem  # noqa: E402
 from fxmem import data_paths  # noqa: E402
 from fxmem.measure import machine_name, measure  # noqa: E402
 from fxmem.ops.edge_attention import SPARSE_SHARE  # noqa: E402
 from fxmem.training import default_loss, train_step  # noqa: E402
+from public_code import timed  # noqa: E402 - round-robin medians, as the public-code benchmark takes them
 
 N, E, FIN = 2708, 10556, 1433
 EDGES = {"fused-attention": {"edge_list": True}}
@@ -84,16 +85,6 @@ def predicted(opt: torch.nn.Module, specs: tuple, dims: dict) -> int:
     """fxmem's peak above resident of that training step for ``opt`` at ``dims``."""
     ev = fxmem.analyze(opt, *specs, optimizer=sgd).evaluate(**dims)
     return ev["train_peak"] - ev["train_resident"]
-
-
-def timed(fns: dict, repeats: int) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 class PygGAT(torch.nn.Module):

@@ -328,6 +328,14 @@ def pin_symbols(values: Sequence[Any]) -> None:
                 env.evaluate_expr(sympy.Eq(sym, hint))
 
 
+def known_true(cond: Any) -> bool:
+    """Whether a condition on sizes (a bool or a SymBool) holds for every value of its symbols,
+    without adding a guard (False where that is not known)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(cond))
+
+
 def is_fake(t: Any) -> bool:
     """Whether ``t`` is a fake tensor (no data: an analysis, or a tracer, runs it)."""
     return isinstance(t, FakeTensor)

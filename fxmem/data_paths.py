@@ -55,19 +55,21 @@ def bound(size: Any, upper: Any, beyond_text: str, counts: str) -> None:
             d.example = max(1, min(d.example, tc.size_hint(upper) // 2))
 
 
-def more_than_one(size: Any) -> bool:
-    """``size > 1`` for a kernel rule's path (a one-element output takes another one). Over sizes the
-    data decides, fxmem's analysis takes the general path and records that its formulas hold where
-    each such size is at least 2 (``evaluate()`` refuses below)."""
+def not_one(size: Any) -> bool:
+    """``size != 1`` for a kernel rule's path (a one-element output takes another one). Where the
+    size is one the data decides and could be 1, fxmem's analysis takes the general path and records
+    that its formulas are not those of that value (``evaluate()`` refuses it)."""
     if isinstance(size, torch.SymInt) and tc.unbacked_symbols(tc.raw_expr(size)):
+        if tc.known_true(size != 1):  # 8*K1 is never 1: nothing to record
+            return True
         dims = _ACTIVE.get()
-        for s in tc.unbacked_symbols(tc.raw_expr(size)):
-            d = dims.dims.get(s) if dims is not None else None
-            if d is None:
-                return bool(size > 1)  # not a dim fxmem named: the guard says so
-            d.lower = max(d.lower, 2)
+        found = [dims.dims.get(s) if dims is not None else None for s in tc.unbacked_symbols(tc.raw_expr(size))]
+        if any(d is None for d in found):
+            return bool(size != 1)  # not a dim fxmem named: the guard says so
+        for d in found:
+            d.not_one = True
         return True
-    return bool(size > 1)
+    return bool(size != 1)
 
 
 @contextlib.contextmanager

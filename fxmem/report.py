@@ -120,7 +120,7 @@ class Report:
         self.data_dims: dict[str, str] = {
             name: d.describe(to_user=plan.to_user) for name, d in data.items()}
         self._data_bounds = {name: plan.to_user(d.upper) for name, d in data.items() if d.upper is not None}
-        self._data_lower = {name: d.lower for name, d in data.items()}
+        self._data_not_one = {name for name, d in data.items() if d.not_one}
         # sizes that choose the model's path: the formulas are those of the path taken up to this bound
         self.data_paths: dict[str, Any] = {name: plan.to_user(d.path_upper) for name, d in data.items()
                                            if d.path_upper is not None}
@@ -171,10 +171,9 @@ class Report:
             for name, v in counts.items():
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise SpecError(f"evaluate(): {name}={v!r} must be a whole number >= 0: {self.data_dims[name]}")
-                if v < self._data_lower.get(name, 0):
-                    raise SpecError(f"evaluate(): {name}={v} is below {self._data_lower[name]}, where a kernel takes a "
-                                    f"path for one-element tensors that these formulas are not of: "
-                                    f"{self.data_dims[name]}")
+                if v == 1 and name in self._data_not_one:
+                    raise SpecError(f"evaluate(): {name}=1 is where a kernel takes a path for one-element tensors "
+                                    f"that these formulas are not of: {self.data_dims[name]}")
             values = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
             check_input_sizes(self.specs, values, self.symbols)
             for name, upper in self._data_bounds.items():

@@ -604,7 +604,7 @@ class _Search:
         if len(dims) != 1:
             return None
         dim, sym = dims[0], self.symbols[dims[0]]
-        first = [m._plan.region for m in (after.report, after.inference)]
+        first = _regions(after)
         for k in range(1, 11):
             scaled = {n: v * 2 ** k for n, v in self.hints.items()}
             if not any(r.violations({sym: scaled[dim]}) for r in first):
@@ -614,9 +614,9 @@ class _Search:
                 before2, after2 = _memory(self.gm, self.input_specs, kw), _memory(trial, self.input_specs, kw)
             except FxMemError:
                 return None
-            held = [m._plan.region for m in (before2.report, before2.inference, after2.report, after2.inference)]
-            if any(sym in r.upper for r in held):
-                continue  # a regime that ends too: look further
+            held = _regions(before2) + _regions(after2)
+            if any(sym in r.upper or r.violations({sym: 4 * scaled[dim]}) for r in held):
+                continue  # a regime that ends too (a bound, or a guard such as one row block holding every row)
             decision = _decide(before2, after2, self.symbols, scaled, None)
             if decision.verdict == "keep":
                 least = 0
@@ -743,8 +743,7 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
     """The formula comparison of every peak (forward, training step, inference) over the region
     where both analyses hold (the higher lower bound of each dim)."""
     # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
-    regions = [m._plan.region for g in (before, after, before.beyond, after.beyond) if g is not None
-               for m in (g.report, g.inference)]
+    regions = _regions(before) + _regions(after)
     lower: dict = {}
     guards: list = []
     for r in regions:
@@ -761,6 +760,11 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
     pairs = [(name, _across(b, before.paths(), after.paths(), sympy.S.Zero),
               _across(a, after.paths(), before.paths(), None)) for name, b, a in pairs]
     return decide(pairs, region, symbols, hints, assume)
+
+
+def _regions(memory: _Memory) -> list:
+    """Where each analysis of a graph holds: train and inference mode, on each path the data chooses."""
+    return [m._plan.region for g in (memory, memory.beyond) if g is not None for m in (g.report, g.inference)]
 
 
 def _on_paths(before: _Memory, after: _Memory) -> list[tuple[_Memory, _Memory, str]]:

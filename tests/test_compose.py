@@ -4,7 +4,7 @@
   pair-linear splits the pairs, then fused-attention takes its output (the mask [B, N, N] against
   the squeezed scores), in the cross product of spellings of the pairs (repeated, expanded, or
   mapped while merged as [B, N*N, 2F]) x the mask x what lies between x one head or heads laid
-  out last and permuted first;
+  out last and permuted first, and pairs of each head's own features ([B, H, N, N, 2F]);
 * pyGAT's multi-head GAT: every head and the output layer fused, and the training step's peak
   measured on a real run drops by at least the N x N tensors of every head;
 * ``dropout_p=self.dropout if self.training else 0`` (nanoGPT): the train and eval traces differ
@@ -104,6 +104,36 @@ def test_pairs_then_attention_end_fused(case):
     torch.manual_seed(0)
     model = PairSpelling(*case)
     opt = rewritten(fxmem.optimize(model, *PairSpelling.SPECS))  # the form where the rewrites are taken
+    assert _statuses(opt, "pair-linear") == ["applied"], opt.meta["fxmem"]
+    assert _statuses(opt, "fused-attention") == ["applied"], opt.meta["fxmem"]
+    assert_same_in_every_mode(model, opt, _inputs(2, 7))
+
+
+class PerHeadPairs(nn.Module):
+    """Pairs of each head's own features: h [B, H, N, F] (heads first), pairs [B, H, N, N, 2F] by
+    expanding both halves, each head's own attention vector (``pair @ a[:, None]``), then masked
+    attention over that head's values."""
+
+    SPECS = PairSpelling.SPECS
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.W, self.a, self.heads = A._param(FIN, heads * FEAT), A._param(heads, 2 * FEAT, 1), heads
+
+    def forward(self, x, adj):
+        b, n, _ = x.shape
+        k, f = self.heads, FEAT
+        h = (x @ self.W).view(b, n, k, f).transpose(1, 2)
+        pair = torch.cat([h.unsqueeze(3).expand(b, k, n, n, f), h.unsqueeze(2).expand(b, k, n, n, f)], dim=-1)
+        e = F.leaky_relu((pair @ self.a[:, None]).squeeze(-1), 0.2)
+        e = torch.where(adj.unsqueeze(1) > 0, e, -9e15 * torch.ones_like(e))
+        return (torch.softmax(e, dim=-1) @ h).transpose(1, 2).reshape(b, n, k * f)
+
+
+def test_per_head_pair_tensors_end_fused():
+    torch.manual_seed(0)
+    model = PerHeadPairs()
+    opt = rewritten(fxmem.optimize(model, *PerHeadPairs.SPECS))
     assert _statuses(opt, "pair-linear") == ["applied"], opt.meta["fxmem"]
     assert _statuses(opt, "fused-attention") == ["applied"], opt.meta["fxmem"]
     assert_same_in_every_mode(model, opt, _inputs(2, 7))

@@ -45,14 +45,16 @@ class DataDim:
     # a path chosen by this size (see within()): taken up to path_upper, what the code does beyond it
     path_upper: Any = None
     beyond: str = ""
-    lower: int = 0  # where a kernel's path needs it (a one-element reduction): the formulas hold from here
+    not_one: bool = False  # a kernel takes another path where this size is 1 (a one-element reduction)
     counts: str = "the number of elements the mask selects"
 
     def describe(self, rename: Any = str, to_user: Any = None) -> str:
         """In words; ``rename`` writes torch's symbols in a text as the user's dims, or ``to_user``
         (when given) turns a bound into the user's dims."""
         show = (lambda e: str(to_user(e))) if to_user is not None else (lambda e: rename(str(e)))
-        bound = f"; {self.lower} <= {self.name} <= {show(self.upper)}" if self.upper is not None else ""
+        bound = f"; 0 <= {self.name} <= {show(self.upper)}" if self.upper is not None else ""
+        if self.not_one:
+            bound += f"; not {self.name} = 1, where a kernel takes another path for one-element tensors"
         text = (f"{self.name}: a size that depends on tensor values (made by {self.op} at {self.where}{bound}); "
                 f"evaluate() needs its value, e.g. {self.counts}")
         if self.path_upper is not None:

@@ -200,9 +200,10 @@ class Report:
         return report, report._evaluations[key]
 
     def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":
-        # environment_key: ("beyond", dims) first where the data dims take the model's other path
         """The analysis whose formulas hold at ``values``: one already made for a region that
-        contains them (each region is analysed once), else a new one made at ``values``."""
+        contains them (each region is analysed once), else a new one made at ``values``.
+        ``environment_key`` starts with ``("beyond", dims)`` where the data dims take the model's
+        other path (:func:`fxmem.data_paths.beyond`)."""
         key = (environment_key, tuple(sorted(values.items())))
         if key not in self._regions:
             for (env_key, _), report in self._regions.items():

@@ -788,7 +788,7 @@ def _across(expr: sympy.Expr, paths: Mapping[str, Any], other: Mapping[str, Any]
         if not all(all(k >= 0 for k in sympy.expand(sympy.diff(c, x)).as_coefficients_dict().values())
                    for c in candidates(expr)):
             continue
-        # floor(N**2/16) <= N**2/16: an expression that grows with x is at most its value there
+        # floor(N**2/20) <= N**2/20: an expression that grows with x is at most its value there
         at = sympy.S(paths[name]).replace(sympy.floor, lambda a: a) if value is None else value
         expr = expr.xreplace({x: at})
     return expr

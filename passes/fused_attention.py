@@ -687,16 +687,15 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
     u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze, options = data
     compare, threshold, keep, fill, slope, block_bytes = options
     s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
-    h = gather_axes(values, values_axes)
+    h, adj = gather_axes(values, values_axes), gather_axes(source, mask_axes)
     if h.shape[1] != s.shape[1]:  # values shared by the heads: a view over them (the kernel copies it once)
         h = h.expand(h.shape[0], s.shape[1], *h.shape[2:])
     if edges is not None:
-        adj = gather_axes(source, mask_axes)  # a view
         out = edge_attention(s, t, h, edges, mask_groups=adj.shape[0], fill=fill, slope=slope,
                              added=adj if compare == "add" else None)
     else:
-        out = masked_attention(s, t, h, gather_axes(source, mask_axes), compare=compare, threshold=threshold,
-                               keep=keep, fill=fill, slope=slope, block_bytes=block_bytes)
+        out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
+                               block_bytes=block_bytes)
     return scatter_axes(out, u, u_axes, out_order, out_unsqueeze)  # u has every group axis of the result
 
 

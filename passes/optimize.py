@@ -552,9 +552,9 @@ class _Search:
         """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
         own runs made once per call: they are the same for every candidate). Where the candidate
         chooses a path by the data (an edge list or dense row blocks), each path is compared."""
-        with data_paths.asked() as asked:
+        with data_paths.asked() as taken:
             diff = compare(self.model, candidate, self.verify_inputs, references=self.references)
-        for side in (True, False) if asked and diff.ok else ():
+        for side in sorted({True, False} - set(taken)) if taken and diff.ok else ():  # the paths not taken
             with data_paths.forced(side):
                 other = compare(self.model, candidate, self.verify_inputs, references=self.references)
             if not other.ok or other.max_abs > diff.max_abs:
@@ -785,13 +785,18 @@ def _across(expr: sympy.Expr, paths: Mapping[str, Any], other: Mapping[str, Any]
         x = next((s for s in expr.free_symbols if str(s) == name), None)
         if x is None:
             continue
-        if not all(all(k >= 0 for k in sympy.expand(sympy.diff(c, x)).as_coefficients_dict().values())
-                   for c in candidates(expr)):
+        if not _grows_with(expr, x):
             continue
         # floor(N**2/20) <= N**2/20: an expression that grows with x is at most its value there
         at = sympy.S(paths[name]).replace(sympy.floor, lambda a: a) if value is None else value
         expr = expr.xreplace({x: at})
     return expr
+
+
+def _grows_with(expr: sympy.Expr, x: sympy.Symbol) -> bool:
+    """Every candidate of the peak ``expr`` has a derivative in ``x`` with no negative coefficient."""
+    return all(all(k >= 0 for k in sympy.expand(sympy.diff(c, x)).as_coefficients_dict().values())
+               for c in candidates(expr))
 
 
 def _groups(matches: list[tuple[Pass, Finding]]) -> list[list[tuple[Pass, Finding]]]:

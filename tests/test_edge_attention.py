@@ -118,9 +118,10 @@ def test_optimize_runs_pygat_over_its_edge_list(two_head_gat):
     sparse, dense = _graph(160, 3, 12, seed=1), _graph(70, 40, 12, seed=2)
     for xs in (sparse, dense):
         _same_outputs_and_gradients(model, opt, xs)
-    with data_paths.asked() as asked:
-        opt(*sparse)
-    assert asked, "the rewritten model does not choose its path by the adjacency"
+    for xs, path in ((sparse, True), (dense, False)):  # the edge list on the sparse graph, row blocks on the dense
+        with data_paths.asked() as taken:
+            opt(*xs)
+        assert taken == [path], taken
 
 
 def test_formulas_in_the_edge_count_equal_the_allocator(two_head_gat):

@@ -475,7 +475,7 @@ def reduction_scratch(call: Call) -> tuple[Any, Any, list]:
         cast = x.numel() * out.element_size()
     buffer, flags = 0, []
     threads = torch.get_num_threads()
-    if packet in _TWO_PASS_REDUCTIONS and threads > 1 and not data_paths.not_one(out.numel()):
+    if packet in _TWO_PASS_REDUCTIONS and threads > 1 and data_paths.one_element(out.numel()):
         try:
             large = bool(x.numel() >= GRAIN_SIZE)
         except Exception:  # noqa: BLE001 - a size the data decides (x[mask], nonzero): no example value

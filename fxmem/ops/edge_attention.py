@@ -8,7 +8,8 @@ masks the pairs that are not edges:
 On a sparse graph (Cora: N = 2708, 13,264 kept entries of 7.3 million) almost all of that work
 is on masked pairs. Here the kept entries are listed once per adjacency (:func:`kept_edges`, one
 ``nonzero`` shared by every head and layer that reads the same mask) and the attention runs over
-that list only (:func:`edge_attention`), with plain PyTorch ops (autograd gives the backward).
+that list only (:func:`edge_attention`), with plain PyTorch ops (autograd gives the backward; the
+aggregation's own backward gathers ``h[col]`` again rather than keep it through the step).
 
 Exact, not approximate. A masked entry's weight is ``w_i = exp(fill - m_i) / Z_i`` (m_i: the row's
 largest score, fill included when the row has a masked entry); it is exactly 0 when exp underflows
@@ -72,8 +73,7 @@ def kept_edges(adj: torch.Tensor, compare: str, threshold: float, keep: bool,
           f"blocks", "the number of kept entries of the adjacency (its edges)")
     n, m = adj.shape[1], adj.shape[2]
     a, i, j = found.unbind(1)
-    rows = torch.stack((a * n + i, a * m + j))
-    return rows
+    return torch.stack((a * n + i, a * m + j))
 
 
 def edge_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, edges: torch.Tensor, *, mask_groups: int,

@@ -66,15 +66,15 @@ class DataDim:
 class DataDims:
     """The unbacked size symbols of one run, named in the order they appear."""
 
-    def active(self) -> Any:
-        """While the run is simulated: :mod:`fxmem.data_paths` speaks to these dims."""
-        return data_paths.active(self)
-
     def __init__(self, taken: set, device: str = "cpu"):
         self._taken = set(taken)
         self.device = device
         self.env: Any = None  # the run's ShapeEnv (bounds are written over its symbols)
         self.dims: dict[sympy.Symbol, DataDim] = {}
+
+    def active(self) -> Any:
+        """While the run is simulated: :mod:`fxmem.data_paths` speaks to these dims."""
+        return data_paths.active(self)
 
     def _next_name(self) -> str:
         k = 1

@@ -24,8 +24,8 @@ import warnings
 from typing import Any
 
 from ._layout import ensure_passes
-from .errors import (DeviceError, FxMemError, InternalError, KernelError, ModelError, ShapeError,  # noqa: F401
-                     SpecError, TraceError, UnsupportedOpError)
+from .errors import (DeviceError, FxMemError, InternalError, KernelError, ModelError,  # noqa: F401
+                     NothingToTrainError, ShapeError, SpecError, TraceError, UnsupportedOpError)
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
     "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer", "generation",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
-    "KernelError", "InternalError",
+    "KernelError", "InternalError", "NothingToTrainError",
 ]
 
 

@@ -10,6 +10,11 @@ class SpecError(FxMemError, ValueError):
     """An input spec (or a dims mapping) is malformed or does not fit the model."""
 
 
+class NothingToTrainError(FxMemError):
+    """A training step was asked of a model with nothing to train: no parameter requires grad, or
+    none reaches the output."""
+
+
 class TraceError(FxMemError):
     """``torch.fx`` could not trace the model."""
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import _torch_compat as tc
-from .errors import FxMemError, SpecError
+from .errors import FxMemError, NothingToTrainError, SpecError
 from .records import Phase
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -41,7 +41,7 @@ def default_loss(out: Any) -> torch.Tensor:
     tensors = [t for t in tc.tree_leaves(out)
                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not tensors:
-        raise FxMemError("the model's output does not require grad, so there is nothing to train; "
+        raise NothingToTrainError("the model's output does not require grad, so there is nothing to train; "
                          "check that its parameters require grad (or pass loss=...)")
     total = tensors[0].sum()
     for t in tensors[1:]:

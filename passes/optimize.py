@@ -36,7 +36,7 @@ from .. import _torch_compat as tc
 from ..analyze import analyze
 from ..options import AnalysisOptions
 from ..capture import forward_parameters
-from ..errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
+from ..errors import FxMemError, ModelError, NothingToTrainError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
 from ..report import Report
 from ..capture.whole_graph import capture
@@ -79,6 +79,9 @@ class _Memory:
     # where a size the data decides chooses the graph's path (an edge list, or dense row blocks): the
     # analysis of the other path (data_paths.beyond), which the decisions compare too
     beyond: Any = None
+    # why the training step could not be analysed (then ``report`` is the forward's): the decisions
+    # compare forward and inference peaks only, and say so
+    step_failure: str | None = None
 
     def paths(self) -> dict:
         """The data dims that choose a path, with the bound (in the dims) up to which the analysis holds."""
@@ -219,6 +222,7 @@ def optimize(
         gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
         _share_modules(gm, model)
+        state.faithful(gm)
         if budget is not None:  # never silence: the step must fit as it is, or say so
             _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
                       dims,
@@ -254,6 +258,8 @@ def optimize(
         log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
     else:
         best, log = state.best, _tagged(state.log, None)
+    if not any(e["status"] == "applied" for e in log):  # returned as captured: verified as every rewrite is
+        state.faithful(best)
     if region is not None:  # the captured graph holds within the model's own bounds: its forward elsewhere
         elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, budget if at_point else None,
                                     dims, name)
@@ -547,6 +553,25 @@ class _Search:
         self._entries: dict[int, dict] = {}
         self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its _Memory): each analysed once
         self.references: dict = {}  # the model's own verification runs (shared with the other line's search)
+        self.graph_checked = False  # whether the graph as captured, no rewrite on it, was verified
+
+    def faithful(self, graph: torch.fx.GraphModule | None = None) -> None:
+        """Verify the graph as captured (no rewrite) against the model, once per call; a TraceError if
+        it differs. Every rewrite is verified, but the graph they apply to is what optimize returns
+        when none is kept, and what a failed rewrite's verification may be failing on: a capture that
+        drops a custom ``torch.autograd.Function``'s backward computes other gradients than the model."""
+        if self.graph_checked:
+            return
+        self.graph_checked = True
+        diff = self.verify(graph if graph is not None else _build(self.gm, self.model, []))
+        if not diff.ok:
+            how = self.gm.meta.get("fxmem_capture") or "the graph torch.fx traced"
+            raise TraceError(f"{type(self.model).__name__}: {how}; that graph does not compute what the model does "
+                             f"(max diff {diff.max_abs:.3g} in {diff.where}, on real inputs, before any rewrite), so "
+                             f"there is nothing faithful to rewrite - a limit of the capture, not of your model\n  what "
+                             f"to do: fxmem.analyze(model, ...) still gives the model's memory (its own forward); to "
+                             f"rewrite, optimize the submodules that capture faithfully (code such as a custom "
+                             f"torch.autograd.Function, whose backward a captured graph can lose, kept out of them)")
 
     def verify(self, candidate: torch.nn.Module) -> Any:
         """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
@@ -652,6 +677,7 @@ class _Search:
         trial = _build(self.gm, self.model, self.accepted + group)
         diff = self.verify(trial)
         if not diff.ok:
+            self.faithful()  # the rewrite's fault, or the captured graph's? (a TraceError for the latter)
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group if culprit else ():
                     self.try_group([member])
@@ -759,7 +785,14 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
         pairs.append((f"inference peak{which}", b.inference.peak, a.inference.peak))
     pairs = [(name, _across(b, before.paths(), after.paths(), sympy.S.Zero),
               _across(a, after.paths(), before.paths(), None)) for name, b, a in pairs]
-    return decide(pairs, region, symbols, hints, assume)
+    if after.step_failure and not before.step_failure:  # a step the original has and the rewrite cannot show
+        return Decision("decline", f"the training step of the rewrite cannot be analysed by fxmem "
+                                   f"({after.step_failure}), where the original's can: nothing proves it not higher")
+    decision = decide(pairs, region, symbols, hints, assume)
+    if before.step_failure:  # neither step analysed: said, never silently left out of the comparison
+        decision = dataclasses.replace(decision, text=f"{decision.text}; the training step is not compared: fxmem "
+                                                      f"cannot analyse the original's ({before.step_failure})")
+    return decision
 
 
 def _regions(memory: _Memory) -> list:
@@ -946,12 +979,14 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
     """fxmem's analysis of ``gm`` in train mode (a training step, with grad) and in eval mode
     under ``no_grad`` (inference); each on a copy of ``gm`` in that mode."""
     train, evals = in_mode(gm, True), in_mode(gm, False)
-    report = None
+    report, failure = None, None
     if kw.grad:
         try:  # SGD without state unless budget= brought the user's optimizer
             report = analyze(train, *input_specs, options=kw.replace(optimizer=kw.optimizer or _plain_sgd))
-        except FxMemError:  # nothing to train (no parameter reaches the output): forward only
+        except NothingToTrainError:  # no parameter reaches the output: forward only, as there is no step
             report = None
+        except FxMemError as exc:  # the step cannot be analysed: forward only, and the decisions say so
+            failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     if report is None:
         report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
     inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))
@@ -961,4 +996,4 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
         with data_paths.beyond():
             beyond = _memory(gm, input_specs, kw)
     return _Memory(report, inference, (values["peak"], values.get("train_peak", 0),
-                                       inference.evaluate(**report.hints)["peak"]), beyond)
+                                       inference.evaluate(**report.hints)["peak"]), beyond, failure)

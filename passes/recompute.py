@@ -3,16 +3,19 @@
     blocks (:mod:`.segments`) -> per block: bytes autograd keeps (fxmem's analysis) and FLOPs a
     recomputation costs (``torch.utils.flop_counter`` on meta tensors) -> the cheapest choice of
     blocks to recompute, whole or selectively, whose savings cover what is over budget (a
-    shortest path over (block, bytes saved) in networkx: a knapsack) -> fxmem's exact analysis of
-    the rewritten model -> over budget? ask for the shortfall too and choose again -> verified
-    (outputs and gradients) -> kept
+    shortest path over (block, bytes saved) in networkx: a knapsack), its peak estimated by
+    replaying the base analysis under it (:mod:`.recompute_estimate`) -> short: ask for more;
+    within: ask for less -> the cheapest plan estimated to fit -> fxmem's exact analysis of the
+    rewritten model -> over budget by what the estimate left out? choose again below the budget
+    by that much -> verified (outputs and gradients) -> kept
 
 Whole recomputation (``torch.utils.checkpoint``) keeps only a block's inputs and recomputes its
 forward in backward; selective recomputation keeps the matrix products' outputs and recomputes
 the cheap ops (norms, activations, softmax, copies), so it saves less and costs almost nothing.
 The cost of a plan is the FLOPs it recomputes: products as ``torch.utils.flop_counter`` counts
-them, every other op one FLOP per output element. Every candidate's peak is fxmem's exact
-training-step peak of the rewritten model at ``dims``; the estimates only choose what to try.
+them, every other op one FLOP per output element. The peak reported and checked against the
+budget is fxmem's exact training-step peak of the rewritten model at ``dims``; the estimates
+(within 1% of it on the tests' transformers) only choose what to analyse.
 
 When no plan fits, :class:`BudgetError` says the smallest peak recomputation reaches and what it
 is made of (parameters, gradients, optimizer state, a block's activations).
@@ -42,6 +45,7 @@ from ..options import AnalysisOptions
 from ..inputs import input_shape
 from ..report import Report, format_bytes
 from .modes import in_mode
+from .recompute_estimate import Estimator
 from .segments import Block, blocks, extract
 from .verify import compare
 
@@ -49,8 +53,8 @@ RULE = "recompute"
 LOOKS_FOR = "blocks to recompute in backward so that the training step fits budget= at dims="
 HOW = ("whole", "selective")
 _BUCKETS = 200  # resolution of the knapsack over bytes saved
-_ROUNDS = 8  # how many plans are chosen
-_TRIALS = 4  # how many distinct ones of them are analysed exactly (an analysis each: the cost)
+_CHOICE_ROUNDS = 24  # how many plans the bisection estimates (milliseconds each)
+_TRIALS = 3  # how many chosen plans are analysed exactly at most (an analysis each: the cost); one mostly
 
 
 class BudgetError(FxMemError):
@@ -184,34 +188,27 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
                           f"recomputed ({refusals or 'no submodule runs as a contiguous block of the graph'}); "
                           f"what to do: a larger budget, smaller dims, or a model made of blocks "
                           f"(submodules such as transformer layers)", base.peak, planner.parts(base))
-    # bisect on the bytes asked of the estimates: short of the budget -> ask for the shortfall too;
-    # within it -> ask for less, a cheaper plan may fit as well
-    need, short, enough = base.peak - limit, 0, None
+    # choose on estimates (the base analysis replayed under each plan, :mod:`.recompute_estimate`),
+    # analyse the chosen plan exactly; where it misses the budget by what the estimate left out,
+    # choose again for a budget lowered by that much
     tried: dict[tuple, Trial] = {}
     fitting: list[Trial] = []
-    for _ in range(_ROUNDS):
-        plan = cheapest(choices, need)
-        if plan is None or plan not in tried and len(tried) >= _TRIALS and fitting:
+    margin = 0
+    for _ in range(_TRIALS):
+        plan = planner.choose(choices, base.peak, limit - margin)
+        if plan is None or plan in tried:
             break
-        if plan not in tried:
-            tried[plan] = planner.trial(plan)
-        trial = tried[plan]
+        tried[plan] = trial = planner.trial(plan)
         if trial.peak <= limit:
             fitting.append(trial)
-            enough = need
-        else:
-            short = max(short, need)
-        nxt = need + (trial.peak - limit) if enough is None else (short + enough) // 2
-        if enough is not None and enough - short <= max(1, (base.peak - limit) // 50):
             break
-        need = nxt
-    if not fitting:  # the most recomputation there is: is it enough?
-        for how in HOW:
-            plan = tuple((c.block.name, how) for c in choices)
-            if plan not in tried:
-                tried[plan] = planner.trial(plan)
-            if tried[plan].peak <= limit:
-                fitting.append(tried[plan])
+        margin = max(margin + 1, trial.peak - planner.estimate(plan))  # what the estimate left out, at least
+    if not fitting:  # the most recomputation there is (the lower estimate of whole and selective): enough?
+        plan = min((tuple((c.block.name, how) for c in choices) for how in HOW), key=planner.estimate)
+        if plan not in tried:
+            tried[plan] = planner.trial(plan)
+        if tried[plan].peak <= limit:
+            fitting.append(tried[plan])
     if not fitting:
         best = min(tried.values(), key=lambda t: t.peak)
         parts = planner.parts(best)
@@ -279,6 +276,8 @@ class _Planner:
         self._base: Report | None = None
         self._costs: dict | None = None
         self.uncounted: str | None = None  # why FLOPs could not be counted (then each node costs 1)
+        self._estimator: Estimator | None = None
+        self._estimates: dict = {}  # plan -> estimated peak (bytes)
 
     def analyse(self, module: torch.fx.GraphModule) -> Report:
         report = analyze(in_mode(module, True), *self.input_specs, options=self.options)
@@ -300,6 +299,40 @@ class _Planner:
     @property
     def forward_flops(self) -> int:
         return sum(f + e for f, _, e in self.costs.values())
+
+    def estimate(self, plan: tuple) -> int:
+        """``plan``'s training-step peak at ``dims`` estimated from the base analysis (bytes)."""
+        if self._estimator is None:
+            assert self._base is not None
+            self._estimator = Estimator(self._base, self.dims)
+        if plan not in self._estimates:
+            by_name = {b.name: b for b in self.blocks}
+            self._estimates[plan] = self._estimator.peak([(by_name[n], how) for n, how in plan])
+        return self._estimates[plan]
+
+    def choose(self, choices: Sequence[BlockCost], base_peak: int, target: int) -> tuple | None:
+        """The plan of fewest FLOPs whose estimated peak is at most ``target`` bytes, or None: a
+        bisection on the bytes asked of the knapsack (:func:`cheapest`), each plan it gives
+        estimated - short of the target: ask for the shortfall too; within it: ask for less, a
+        cheaper plan may fit as well."""
+        need, short, enough = base_peak - target, 0, None
+        best: tuple | None = None
+        for _ in range(_CHOICE_ROUNDS):
+            plan = cheapest(choices, need)
+            if plan is None:
+                break
+            peak = self.estimate(plan)
+            if peak <= target:
+                cost = sum({c.block.name: c for c in choices}[n].flops[how] for n, how in plan)
+                if best is None or cost < best[0]:
+                    best = (cost, plan)
+                enough = need
+            else:
+                short = max(short, need)
+            if enough is not None and enough - short <= max(1, (base_peak - target) // 100):
+                break
+            need = need + (peak - target) if enough is None else (short + enough) // 2
+        return best[1] if best is not None else None
 
     def choices(self) -> list[BlockCost]:
         assert self._base is not None

@@ -66,13 +66,46 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _run(module: torch.nn.Module, inputs: Sequence[Any], dtype: torch.dtype | None, seed: int,
+class _Copies:
+    """Private copies of one module on ``device``, one per dtype, each made once per comparison and
+    put back to its first state (parameters and buffers) before every run: a call that changes a
+    buffer (batch-norm statistics) does not leak into the next run. (A deep copy of a GraphModule
+    recompiles its code: one copy per run was most of what a comparison cost.)"""
+
+    def __init__(self, module: torch.nn.Module, device: str):
+        self.module, self.device = module, device
+        self._made: dict = {}  # dtype -> (copy, its state before any run)
+
+    def get(self, dtype: torch.dtype | None) -> torch.nn.Module:
+        made = self._made.get(dtype)
+        if made is None:
+            twin = copy.deepcopy(self.module).to(self.device)
+            if dtype is not None:
+                twin = twin.to(dtype)
+            made = self._made[dtype] = (twin, {k: v.detach().clone() for k, v in _tensors(twin)})
+            return twin
+        twin, state = made
+        now = dict(_tensors(twin))
+        if now.keys() != state.keys() or any(now[k].shape != v.shape or now[k].dtype != v.dtype
+                                             for k, v in state.items()):
+            del self._made[dtype]  # a run replaced a buffer by another kind of tensor: copy again
+            return self.get(dtype)
+        with torch.no_grad():
+            for k, v in state.items():
+                now[k].copy_(v)
+        return twin
+
+
+def _tensors(module: torch.nn.Module) -> list:
+    """Every parameter and buffer by name, non-persistent buffers too (a rotary cache)."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def _run(module: "torch.nn.Module | _Copies", inputs: Sequence[Any], dtype: torch.dtype | None, seed: int,
          device: str = "cpu", mode: Mode = MODES[0]) -> dict[str, Any]:
-    """Outputs, gradients and buffers after the call of ``module`` (a deep copy of it on ``device``,
+    """Outputs, gradients and buffers after the call of ``module`` (a copy of it on ``device``,
     cast to ``dtype`` when given, in ``mode``)."""
-    module = copy.deepcopy(module).to(device)
-    if dtype is not None:
-        module = module.to(dtype)
+    module = (module if isinstance(module, _Copies) else _Copies(module, device)).get(dtype)
     module.train(mode.training)
     xs = []
     for x in inputs:
@@ -122,11 +155,14 @@ def _compare_runs(ref: dict, got: dict, dtype: torch.dtype) -> Difference:
             continue
         if not a.is_floating_point():
             same, diff = torch.equal(a, b), 0.0 if torch.equal(a, b) else float("inf")
-        else:
+        elif torch.equal(a, b):  # bit for bit (most tensors a rewrite does not touch): one cheap pass
+            same, diff = True, 0.0
+        else:  # torch.allclose(b, a, rtol, atol, equal_nan=True), and the largest finite difference
             a, b = a.detach(), b.detach()
-            same = torch.allclose(b, a, rtol=rtol, atol=atol, equal_nan=True)
-            finite = torch.isfinite(a) & torch.isfinite(b)
-            diff = float((a - b).detach()[finite].abs().max()) if finite.any() else 0.0
+            d = (a - b).abs()  # NaN where either is, inf where one is infinite
+            close = d.isfinite() & (d <= atol + rtol * a.abs())  # inf - inf is not close, as in allclose
+            same = bool((close | (a == b) | (a.isnan() & b.isnan())).all())
+            diff = float(d.nan_to_num(0.0, posinf=0.0).max())
         if not same:
             return Difference(False, diff, name, dtype)
         if diff >= worst:
@@ -147,6 +183,7 @@ def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequ
     change (one ``optimize`` call): ``reference``'s runs are kept there and not made again.
     """
     worst: Difference | None = None
+    reference_copies, candidate_copies = _Copies(reference, device), _Copies(candidate, device)
     for k, xs in enumerate(inputs):
         for mode in modes:
             key = (id(reference), id(xs), k, mode.name, seed, device)
@@ -154,14 +191,14 @@ def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequ
                 ref, dtype = references[key]
             else:
                 try:
-                    ref = _run(reference, xs, torch.float64, seed + k, device, mode)
+                    ref = _run(reference_copies, xs, torch.float64, seed + k, device, mode)
                     dtype: torch.dtype | None = torch.float64
                 except Exception:  # some op has no float64 kernel: compare in the model's own dtype
-                    ref, dtype = _run(reference, xs, None, seed + k, device, mode), None
+                    ref, dtype = _run(reference_copies, xs, None, seed + k, device, mode), None
                 if references is not None:
                     references[key] = (ref, dtype)
             try:
-                got = _run(candidate, xs, dtype, seed + k, device, mode)
+                got = _run(candidate_copies, xs, dtype, seed + k, device, mode)
             except Exception as exc:  # noqa: BLE001 - the original runs here and the candidate does not
                 where = f"{mode.name}, {str(dtype or 'its own dtype').replace('torch.', '')}: {type(exc).__name__}: " \
                         f"{(str(exc).strip().splitlines() or [''])[0][:160]}"

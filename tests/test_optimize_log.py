@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import edge_spellings as S
+from conftest import load_example
 import fxmem
 from fxmem.passes import GRAPH_PASSES, PASSES
 from fxmem.passes.base import LOG_KEYS, STATUSES
@@ -123,3 +124,86 @@ def test_sdpa_says_why_a_hidden_mask_add_is_not_matched():
     opt = fxmem.optimize(WrappedMaskAttention(), ("B", "L", 8), ("L", "L"))
     (entry,) = [e for e in opt.meta["fxmem"] if e["rule"] == "sdpa"]
     assert entry["status"] == "declined" and "add_mask" in entry["reason"] and "fx.wrap" in entry["reason"], entry
+
+
+@torch.library.custom_op("fxmem_tests::halve_grad", mutates_args=())
+def halve_grad(g: torch.Tensor) -> torch.Tensor:
+    """A custom op with no fake kernel: fxmem cannot simulate it (real runs can)."""
+    return g * 0.5
+
+
+class NegatedGrad(torch.autograd.Function):
+    """Identity forward, negated gradient: a custom backward, which a captured graph can lose."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class WithCustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return NegatedGrad.apply(self.lin(x)) * 2
+
+
+def test_a_capture_that_loses_a_custom_backward_is_refused():
+    """fx refuses Function.apply (its forward changes grad mode); TorchDynamo's graph, as fxmem
+    captures it, runs the forward alone. Returned as captured, it would train in the wrong direction."""
+    torch.manual_seed(0)
+    model = WithCustomBackward()
+    x = torch.randn(3, 6)
+    g_model = torch.autograd.grad(model(x).sum(), model.lin.weight)[0]
+    g_plain = torch.autograd.grad((model.lin(x) * 2).sum(), model.lin.weight)[0]
+    assert torch.allclose(g_model, -g_plain)  # the model's gradient is the custom backward's
+    with pytest.raises(fxmem.TraceError, match="does not compute what the model does.*gradient of lin"):
+        fxmem.optimize(model, ("B", 6))
+
+
+class HalvedGrad(nn.Module):
+    """A leaf module whose gradient hook calls an op fxmem cannot simulate: the forward can be
+    analysed, the training step cannot."""
+
+    def forward(self, y):
+        y = y * 1.0
+        if y.requires_grad:
+            y.register_hook(halve_grad)
+        return y
+
+
+class GATWithHalvedGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gat = load_example("seed_gat").GraphAttentionLayerFixed(6, 16)
+        self.halved = HalvedGrad()
+
+    def forward(self, x, adj):
+        return self.halved(self.gat(x, adj))
+
+
+def test_a_training_step_fxmem_cannot_analyse_is_said_in_every_decision():
+    """The decisions then rest on the forward and inference peaks, and say so (they used to fall
+    back to them silently, as for a model with nothing to train)."""
+    torch.manual_seed(0)
+    model = GATWithHalvedGrad()
+    specs = (("B", "N", 6), ("B", "N", "N"))
+    with pytest.raises(fxmem.UnsupportedOpError, match="fxmem_tests::halve_grad"):
+        fxmem.analyze(model, *specs, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), leaf_modules=[HalvedGrad])
+    opt = fxmem.optimize(model, *specs, leaf_modules=[HalvedGrad])
+    decided = [e for e in opt.meta["fxmem"] if e.get("decision")]
+    assert decided and any(e["status"] == "applied" for e in decided)
+    for e in decided:
+        assert "the training step is not compared" in e["decision"] and "halve_grad" in e["decision"], e
+        assert e["train_peak_before"] is None, e
+    # what it returns still trains as the model does (the hook halves the gradients of both)
+    x, adj = torch.randn(2, 9, 6), (torch.rand(2, 9, 9) > 0.5).float()
+    model.eval(), opt.eval()
+    ga = torch.autograd.grad(model(x, adj).sum(), model.gat.W)[0]
+    gb = torch.autograd.grad(opt(x, adj).sum(), model.gat.W)[0]
+    assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6)

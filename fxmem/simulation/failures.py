@@ -65,8 +65,11 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS) or "fake impl" in text or "'Meta' backend" in text \
             or "meta kernel" in text.lower() or "register_fake" in text:
         op = getattr(exc, "func", None) or op
+        if op is None:  # torch names the op only in its message (a custom op's CustomOpDef(ns::name))
+            named = re.search(r"CustomOpDef\(([\w.:]+)\)|for (?:op |operator )?([\w.:]+)", text)
+            op = next((g for g in named.groups() if g), None) if named else None
         return UnsupportedOpError(
-            f"{where}: op {op} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
+            f"{where}: {'op ' + str(op) if op is not None else 'an op'} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
             f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "
             f"Register one with torch.library.register_fake (it only computes output shapes).")
     if "with symbolic sizes" in text:  # C++ inside torch read a size as a number: torch's limit, not the shapes'

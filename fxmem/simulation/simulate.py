@@ -25,7 +25,7 @@ import torch.fx
 from ..isolation import isolated
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
-from ..errors import DeviceError, FxMemError, ModelError, SpecError, UnsupportedOpError
+from ..errors import DeviceError, FxMemError, ModelError, NothingToTrainError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
 from ..records import Node, Phase, Recording, Role
@@ -363,7 +363,7 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
     has said which parameters get a gradient."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
-        raise FxMemError("no parameter requires grad, so there is nothing to train")
+        raise NothingToTrainError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("creating the optimizer's state", recorder.rename):
         optimizer = training.make_optimizer(params)  # some (Adagrad) create state here already
         hooks.eager_state = {id(p) for p, state in optimizer.state.items() if state}
@@ -382,7 +382,7 @@ def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_param
     recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`)."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
-        raise FxMemError("no parameter requires grad, so there is nothing to train")
+        raise NothingToTrainError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("your step= function (its first, warm-up call)", recorder.rename):
         optimizer = training.make_optimizer(params)
         warm = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
@@ -409,7 +409,7 @@ def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder:
     gradients arrived), and the optimizer creates its state."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise FxMemError("no parameter requires grad, so there is nothing to train")
+        raise NothingToTrainError("no parameter requires grad, so there is nothing to train")
     # in the recorder (quiet: nothing recorded) so that its symbolic kernels run here too: a fake
     # kernel that reads sizes as numbers would fix the user's dims (transformers' loss pads the
     # labels: F.pad's fake kernel took B and L as ints, and a whole FSDP2 analysis held only there)

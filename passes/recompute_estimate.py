@@ -63,8 +63,12 @@ class Estimator:
                          if kind == NODE}
         self.step_at = {i: k for k, (kind, i) in enumerate(rec.events) if kind == STEP}
         self.made_by = {s.index: s for s in rec.storages if s.step is not None}
-        # which storage each fx node's outputs live in (a view's is its base's)
-        self.outputs = {n.name: {o for o in n.outputs if o is not None} for n in rec.nodes}
+        # which fx nodes' outputs live in each storage (a view's is its base's)
+        self.holders: dict = {}  # storage -> the fx nodes whose outputs live in it
+        for n in rec.nodes:
+            for o in n.outputs:
+                if o is not None:
+                    self.holders.setdefault(o, []).append(n.name)
         graph = getattr(rec.graph_module, "graph", None)
         self.users = {n.name: [u.name for u in n.users] for n in graph.nodes} if graph is not None else {}
         self._blocks: dict = {}
@@ -126,7 +130,7 @@ class Estimator:
 
     def _readers(self, s: int) -> set:
         """The fx nodes that use storage ``s``: users of every node whose output lives in it."""
-        holders = [n for n, outs in self.outputs.items() if s in outs]
+        holders = self.holders.get(s, [])
         return {u for n in holders for u in self.users.get(n, ())} | set(holders)
 
     def peak(self, plan: Sequence[tuple[Any, str]]) -> int:

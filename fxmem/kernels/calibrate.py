@@ -461,13 +461,34 @@ def program_for_call(call: Call) -> list | Unknown | None:
     min_shape = tuple(adapter.minimum(frozen, tuple(x.shape)))
     # the thread count is part of the key: oneDNN picks its path (and its buffers) by it
     key = (call.func, tuple(frozen.items()), min_shape, torch.get_num_threads())
+    free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
+    hint = tuple(tc.size_hint(d) for d in x.shape)
+    if any(hint[i] < min_shape[i] for i in free):  # below the smallest sampled sizes: never seen
+        return _below_samples(call, key[1], x, hint, free)
     fitted = _fit_cached(*key, retry=True)
     if fitted is None:
         return _other_regime(call, adapter, frozen, x, min_shape)
     check = _check_shape(x, min_shape)
     if check is not None and not _holds_at(fitted, _sample_at(call.func, key[1], check, key[3])):
         return _larger_regime(call, adapter, frozen, x, min_shape, check)
+    # a guard: the fit holds from the smallest sampled sizes on (a 3x3 convolution on AVX2 takes
+    # another oneDNN path at H = 2 than at the sampled H = 4..7: smaller sizes are analysed again)
+    for i in free:
+        bool(x.shape[i] >= min_shape[i])
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+
+
+def _below_samples(call: Call, frozen_items: tuple, x: torch.Tensor, hint: tuple, free: list) -> list | Unknown:
+    """The example sizes lie below the smallest sizes a fit samples: run the kernel there and pin
+    the dims (exact at these sizes; every other size is re-analysed), or, too large to run, unknown."""
+    if _numel(hint) > EXACT_RUN_ELEMENTS:
+        return Unknown(call.op, f"its input at the example sizes ({'x'.join(map(str, hint))}) is smaller along a "
+                                f"dim than the sizes its buffers are measured at, and too large to run once; give "
+                                f"concrete sizes for exact numbers")
+    program = _program_at(call.func, frozen_items, hint, torch.get_num_threads())
+    for i in free:  # pinned: exact at these sizes only
+        bool(x.shape[i] == hint[i])
+    return list(program)
 
 
 CHECK_ELEMENTS = 1 << 20  # the driver of the run that checks a fit toward the example sizes: at most this many elements

@@ -189,7 +189,10 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
     sizes = [{"B": 2, "N": 50}]
     r_train = check_against_real_run(copy.deepcopy(opt).train(), BranchOnFlag.SPECS, sizes)
     r_eval = check_against_real_run(copy.deepcopy(opt).eval(), BranchOnFlag.SPECS, sizes)
-    assert r_train.peak != r_eval.peak
+    # each analysed its own mode's graph (the noise only in train mode); their peak formulas may
+    # coincide where the noise is not at the peak
+    noise = lambda r: any("randn" in str(n.target) for n in r.nodes)  # noqa: E731
+    assert noise(r_train) and not noise(r_eval)
     check_training_against_real_run(copy.deepcopy(opt).train(), BranchOnFlag.SPECS, sizes,
                                     lambda p: torch.optim.SGD(p, lr=0.1))
     # the mode can be switched back and forth, and survives a copy

@@ -38,6 +38,7 @@ from ..options import AnalysisOptions
 from ..capture import forward_parameters
 from ..errors import FxMemError, ModelError, NothingToTrainError, ShapeError, SpecError, TraceError
 from ..inputs import random_inputs
+from ..simulation.failures import first_line
 from ..report import Report
 from ..capture.whole_graph import capture
 from ..specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
@@ -986,7 +987,7 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
         except NothingToTrainError:  # no parameter reaches the output: forward only, as there is no step
             report = None
         except FxMemError as exc:  # the step cannot be analysed: forward only, and the decisions say so
-            failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            failure = f"{type(exc).__name__}: {first_line(str(exc))[:200]}"
     if report is None:
         report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
     inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))

@@ -261,6 +261,12 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
                       line.verify_inputs, base=known.report if known is not None else None, verify=line.verify)
 
 
+def _flops(choices: Sequence[BlockCost], plan: tuple) -> int:
+    """The FLOPs ``plan`` recomputes in backward."""
+    by_name = {c.block.name: c for c in choices}
+    return sum(by_name[n].flops[how] for n, how in plan)
+
+
 def _where(plan: Sequence[tuple]) -> str:
     return ", ".join(f"{name} ({how})" for name, how in plan) or "nothing"
 
@@ -323,7 +329,7 @@ class _Planner:
                 break
             peak = self.estimate(plan)
             if peak <= target:
-                cost = sum({c.block.name: c for c in choices}[n].flops[how] for n, how in plan)
+                cost = _flops(choices, plan)
                 if best is None or cost < best[0]:
                     best = (cost, plan)
                 enough = need
@@ -357,9 +363,7 @@ class _Planner:
                 f"{str(exc).splitlines()[0].replace(' on the given input shapes', '')}. The budget is not met; "
                 f"what to do: checkpoint the blocks yourself and analyse that model with fxmem.analyze, or a larger "
                 f"budget", 0, {}) from exc
-        costs = {c.block.name: c for c in self.choices()} if plan else {}
-        flops = sum(costs[n].flops[how] for n, how in plan)
-        return Trial(plan, module, report, peak, flops)
+        return Trial(plan, module, report, peak, _flops(self.choices(), plan) if plan else 0)
 
     def parts(self, trial: Trial) -> dict:
         """What the training-step peak of ``trial`` is made of (bytes at ``dims``)."""

@@ -27,7 +27,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..accounting.symbolic import evaluate
 from ..kernels import OUT
 from ..records import FREE, NODE, STEP, Phase, Placed
 from .segments import KEPT_BY_SELECTIVE
@@ -51,7 +50,7 @@ class Estimator:
         plan = report._plan
         rec = self.rec = plan.rec
         values = {report.symbols[k]: v for k, v in dims.items() if k in report.symbols}
-        self.size = [evaluate(e, values) for e in plan.sizes]
+        self.size = plan.bytes_at(values)
         delta = plan._delta(values)
         self.resident = sum(self.size[s.index] for s in rec.storages if s.step is None)
         self.allocated = [s.step is not None for s in rec.storages]

@@ -121,10 +121,9 @@ def _run(module: "torch.nn.Module | _Copies", inputs: Sequence[Any], dtype: torc
         torch.manual_seed(seed)  # dropout draws the same masks in both modules
         out = module(*xs)
     leaves = tc.tree_leaves(out)
-    # an output may be a module's tensor (or a view of it), which the next run's restore overwrites
-    result: dict[str, Any] = {f"output {k}": v.detach().clone() if isinstance(v, torch.Tensor) and any(
-        v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for _, t in _tensors(module)) else v
-        for k, v in enumerate(leaves)}
+    # copies: an output may be a module's tensor (or a view of it), which the next run's restore overwrites
+    result: dict[str, Any] = {f"output {k}": v.detach().clone() if isinstance(v, torch.Tensor) else v
+                              for k, v in enumerate(leaves)}
     # copies: the module's own buffers are put back before its next run, and these are kept
     result.update({f"buffer {n} after the call": b.detach().clone() for n, b in module.named_buffers()})
     if not mode.grad:

@@ -250,8 +250,7 @@ class MemoryPlan:
         step)`` (see :func:`~fxmem.accounting.replay.walk`; on CUDA storages in 512-byte blocks),
         and how many of them the forward made (the rest are the training step's). The same walk as
         :meth:`evaluate`, so its running sum reaches exactly the peaks ``evaluate`` gives."""
-        cuda = self.device == "cuda"
-        block = [cuda_block_bytes(n) if cuda else n for n in (evaluate(e, values) for e in self.sizes)]
+        block = self.bytes_at(values)
         events: list = []
 
         def hear(action: str, what: Any, nbytes: int, step: int | None) -> None:
@@ -262,6 +261,11 @@ class MemoryPlan:
         marks = [k for k, e in enumerate(events) if e[0] == "mark"]
         forward = marks[0] if marks else len(events)
         return [e for e in events if e[0] != "mark"], forward
+
+    def bytes_at(self, values: Mapping[sympy.Symbol, int]) -> list[int]:
+        """Each storage's bytes at ``values``, as the walks count them (on CUDA, 512-byte blocks)."""
+        raw = [evaluate(e, values) for e in self.sizes]
+        return [cuda_block_bytes(n) for n in raw] if self.device == "cuda" else raw
 
     def _delta(self, values: Mapping[sympy.Symbol, int]) -> Any:
         """A kernel's hidden allocation or free in bytes at ``values``; on CUDA each is its own
@@ -301,8 +305,7 @@ class MemoryPlan:
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
         """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
         cuda = self.device == "cuda"
-        raw = [evaluate(e, values) for e in self.sizes]
-        block = [cuda_block_bytes(n) if cuda else n for n in raw]
+        block = self.bytes_at(values)
         w = walk(self.rec, lambda i: block[i], self._delta(values), 0,
                  operator.add, operator.neg, lambda d: d > 0, mark=self.rec.forward_end)
         storages = self.rec.storages

@@ -66,8 +66,8 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             or "meta kernel" in text.lower() or "register_fake" in text:
         op = getattr(exc, "func", None) or op
         if op is None:  # torch names the op only in its message (a custom op's CustomOpDef(ns::name))
-            named = re.search(r"CustomOpDef\(([\w.:]+)\)|for (?:op |operator )?([\w.:]+)", text)
-            op = next((g for g in named.groups() if g), None) if named else None
+            named = re.search(r"\b(\w+::[\w.]+)", text)
+            op = named.group(1).rstrip(".") if named else None
         return UnsupportedOpError(
             f"{where}: {'op ' + str(op) if op is not None else 'an op'} has no meta/fake kernel, so fxmem cannot run it on symbolic shapes "
             f"({type(exc).__name__}: {first_line(text) if text.strip() else ''}). "

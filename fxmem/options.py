@@ -74,6 +74,12 @@ class AnalysisOptions:
             dtypes; a transformer's ``layers.0`` ... ``layers.31``) is simulated with four of them,
             and the inner blocks' memory events are the second's, repeated (the second and third
             are checked to match event by event; where they do not, every block is simulated).
+            Eager mode (Hugging Face models) does the same for a ``ModuleList`` of alike layers
+            (same classes, tensor shapes and settings but a layer index): it simulates the first
+            three and the real last one. It cannot read the code of the layers it does not run:
+            a forward that branches on its index by arithmetic (``if self.layer_idx % 4 == 3``)
+            needs ``repeats=False``; a different attribute per layer (a sliding window, a MoE
+            flag) is seen and every layer simulated.
             ``False`` simulates every block: the same numbers, slower.
         world_size: the number of ranks (GPUs) ``parallelize`` shards the model over; the report
             is one rank's memory (bytes per rank). See :mod:`fxmem.distributed`.

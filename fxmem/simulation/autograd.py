@@ -137,9 +137,9 @@ class Autograd:
     def _leave(self, *_: Any) -> None:
         self.between_nodes = True
 
-    def name_backward(self, node_name: str, value: Any) -> None:
+    def name_backward(self, node_name: str, value: Any, release: bool = True) -> None:
         """Attribute the backward of the autograd nodes fx node ``node_name`` created to it, and
-        release what was kept for it once that backward ran.
+        (``release``) release what was kept for it once that backward ran.
 
         An autograd node is named by the first fx node that returns it (a getitem of a tuple
         returns its producer's). The mark lives in the node's own ``metadata``: a set of ``id``s
@@ -152,7 +152,8 @@ class Autograd:
             fn.metadata[_NAMED] = node_name
             name = f"{node_name} (backward)"
             fn.register_prehook(lambda *_, name=name: setattr(self.log, "node", name))
-            fn.register_hook(lambda *_: self.release_keeps(node_name))
+            if release:
+                fn.register_hook(lambda *_: self.release_keeps(node_name))
 
 
 _NAMED = "fxmem.fx_node"  # key in an autograd node's metadata: the fx node its backward is attributed to

@@ -14,12 +14,14 @@ function returns (its locals) is recorded as that function's ``(return)``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..capture import SourceLine, is_user_file, raised_at, statement_of, statement_text
 from ..errors import FxMemError
@@ -42,9 +44,10 @@ class _Open:
 class LineRunner:
     """Runs a module call with a line tracer; one :class:`~fxmem.records.Node` per executed line."""
 
-    def __init__(self, recorder: Recorder, model_files: frozenset = frozenset()):
+    def __init__(self, recorder: Recorder, model_files: frozenset = frozenset(), name_backward: bool = False):
         self.recorder, self.log = recorder, recorder.log
         self.model_files = model_files
+        self.name_backward = name_backward
         self._stack: list[_Open] = []
         self._seen: dict[str, int] = {}
         self._user: dict[str, bool] = {}
@@ -108,9 +111,11 @@ class LineRunner:
         """Call ``module(*inputs)`` under the tracer; frees at the call's return form a last record."""
         previous = sys.gettrace()
         self.log.enter("<call>")
+        named = _BackwardNames(self.recorder, self.log) if self.name_backward else contextlib.nullcontext()
         sys.settrace(self._global)
         try:
-            out = module(*inputs)
+            with named:
+                out = module(*inputs)
         except FxMemError:
             raise
         except Exception as exc:
@@ -123,6 +128,25 @@ class LineRunner:
         self.log.enter("(return)")
         self.recorder.end_node()
         self._close("(return)", None, first)
+        return out
+
+
+class _BackwardNames(TorchFunctionMode):
+    """Each torch call's autograd node is named after the line running it: its backward steps are
+    then ``line (backward)`` (as graph mode names them after fx nodes), so a training step's
+    backward is attributed to the lines, and to the blocks of a repeated chain (:mod:`.unroll`).
+    Nodes a call makes inside (a composite's) run under the name of the one before them."""
+
+    def __init__(self, recorder: Recorder, log: Any):
+        super().__init__()
+        self.autograd, self.log = recorder.autograd, log
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            # what was kept until a node's backward is released as eager mode always has (bound to
+            # the op's grad_fn, see Autograd.keep): naming changes no number
+            self.autograd.name_backward(self.log.node, out, release=False)
         return out
 
 

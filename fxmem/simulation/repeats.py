@@ -13,6 +13,12 @@ the whole model's.
 >>> chain.prefix, chain.count, len(chain.segments[0])           # doctest: +SKIP
 ('layers', 32, 57)
 >>> short = shorten(gm, chain)                                  # doctest: +SKIP
+
+Eager mode has no graph to compare: :func:`find_module_chain` finds the container of a model's own
+modules whose children are alike (same classes, tensors of the same shapes, the same settings but
+for a layer index), and :func:`shorten_module` keeps its first three and its last child (the last
+runs as the last, whatever its code does with its index); the simulation of those four says, event
+by event, whether the second and third ran the same (:mod:`.unroll`).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as tc
-from ..capture import module_path
+from ..capture import module_path, private_copy
 
 # blocks simulated: the two middle ones each see a block on either side, as every inner block does,
 # so the second checks the first event by event (see .unroll)
@@ -42,7 +48,7 @@ class Chain:
 
     @property
     def count(self) -> int:
-        return len(self.segments)
+        return len(self.indices)
 
     def module(self, j: int) -> str:
         """The dotted path of block ``j`` (0-based position in the chain)."""
@@ -93,6 +99,110 @@ def _order_like(out: torch.nn.Module, gm: torch.nn.Module) -> None:
         twin = getattr(gm, name, None)
         if isinstance(twin, torch.nn.Module) and child is not twin:
             _order_like(child, twin)
+
+
+# --- eager mode: a chain of the model's own modules ----------------------------------------------
+def find_module_chain(model: torch.nn.Module) -> Chain | None:
+    """The container (``nn.ModuleList`` or ``nn.Sequential``) of five or more alike children that
+    holds the most parameters, as a chain without segments (eager mode names its lines as they
+    run), or None."""
+    best: tuple[int, Chain] | None = None
+    for prefix, container in model.named_modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(container.named_children())
+        if len(children) < _MIN_BLOCKS or not all(name.isdigit() for name, _ in children):
+            continue
+        blocks = [m for _, m in children]
+        if not _alike(blocks, [int(name) for name, _ in children]) or _shares_tensors(model, prefix, blocks):
+            continue
+        size = sum(p.numel() for p in blocks[0].parameters()) * len(blocks) + len(blocks)
+        chain = Chain(prefix, tuple(int(name) for name, _ in children), ())
+        if best is None or size > best[0]:
+            best = (size, chain)
+    return best[1] if best else None
+
+
+def simulated_positions(chain: Chain) -> tuple[int, ...]:
+    """The chain positions :func:`shorten_module` keeps: the first three and the last."""
+    return tuple(range(KEPT - 1)) + (chain.count - 1,)
+
+
+def shorten_module(model: torch.nn.Module, chain: Chain) -> torch.nn.Module:
+    """A private copy of ``model`` (tensors shared) whose container holds only the blocks at
+    :func:`simulated_positions`, under their own names (the last keeps its index)."""
+    short = private_copy(model)
+    container = short.get_submodule(chain.prefix) if chain.prefix else short
+    keep = {str(chain.indices[p]) for p in simulated_positions(chain)}
+    held = container.__dict__["_modules"]
+    for name in [k for k in held if k not in keep]:
+        del held[name]
+    return short
+
+
+def _alike(blocks: list, indices: list) -> bool:
+    """Blocks of the same classes, all the way down, holding tensors of the same shapes, strides,
+    dtypes and trainability, with the same hooks and the same other attributes - but for integers
+    equal to each block's own index (a ``layer_idx``)."""
+    walks = [list(b.named_modules(remove_duplicate=False)) for b in blocks]
+    if any(len(w) != len(walks[0]) for w in walks):
+        return False
+    for row in zip(*walks):
+        names, modules = [n for n, _ in row], [m for _, m in row]
+        if any(n != names[0] or type(m) is not type(modules[0]) for n, m in zip(names, modules)):
+            return False
+        if any(tc.module_hooks(m) != tc.module_hooks(modules[0]) for m in modules) or \
+                any(m.training != modules[0].training for m in modules):
+            return False
+        states = [_state(m) for m in modules]
+        if any(set(st) != set(states[0]) for st in states):
+            return False
+        for key in states[0]:
+            values = [st[key] for st in states]
+            if all(_same(v, values[0]) for v in values):
+                continue
+            if not all(type(v) is int and v == i for v, i in zip(values, indices)):  # a layer index
+                return False
+    return True
+
+
+def _state(module: torch.nn.Module) -> dict:
+    """A module's own attributes, tensors as (shape, stride, dtype, requires_grad, kind)."""
+    out = {}
+    for table in ("_parameters", "_buffers"):
+        for k, t in module.__dict__.get(table, {}).items():
+            out[(table, k)] = None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+    for k, v in module.__dict__.items():
+        if k in ("_parameters", "_buffers", "_modules", "training") or k.endswith("hooks") or "hooks_" in k:
+            continue
+        out[k] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if hasattr(a, "__func__") and hasattr(a, "__self__"):  # bound methods: the same function
+        return a.__func__ is b.__func__
+    try:
+        return bool(a == b)
+    except Exception:  # an object that cannot say
+        return False
+
+
+def _shares_tensors(model: torch.nn.Module, prefix: str, blocks: list) -> bool:
+    """Does a block hold a tensor another block or the rest of the model also holds (tied weights)?"""
+    owner: dict[int, str] = {}
+    inside = prefix + "." if prefix else ""
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        holder = name[len(inside):].split(".", 1)[0] if name.startswith(inside) else ""
+        if not holder.isdigit():
+            holder = ""
+        if owner.setdefault(id(t), holder) != holder:
+            return True
+    return False
 
 
 # --- finding the chain ---------------------------------------------------------------------------

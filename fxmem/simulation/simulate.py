@@ -34,12 +34,12 @@ from ..training import StepHooks, Training, train_step, user_step
 from .autograd import Autograd
 from .data_dims import DataDims
 from .events import EventLog
-from .failures import SPARSE_GRADS, failure, optimizer_failure, renamer
+from .failures import SPARSE_GRADS, failure, first_line, optimizer_failure, renamer
 from .graph_runner import GraphRunner
 from .line_runner import LineRunner
 from .module_stack import ModuleStack
 from .recorder import Recorder
-from .repeats import find_chain, shorten
+from .repeats import find_chain, find_module_chain, shorten, shorten_module
 from .unroll import unroll
 from .storages import StorageTable
 from .user_step import Router, objects_kept, register_leftovers
@@ -184,7 +184,26 @@ def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], sym
             if isinstance(whole, Recording):
                 return whole
             _log.info("simulating all %d blocks of %s: %s", chain.count, chain.prefix, whole)
+    elif repeats and mode == "eager" and isinstance(model, torch.nn.Module) and not user_loop \
+            and options.get("parallel") is None:
+        chain = find_module_chain(model)
+        if chain is not None:
+            whole = _eager_shortcut(model, chain, specs, symbols, hints, device, grad, training, **options)
+            if isinstance(whole, Recording):
+                return whole
+            _log.info("simulating all %d blocks of %s: %s", chain.count, chain.prefix, whole)
     return simulate_once(model, specs, symbols, hints, device, grad, training, mode, **options)
+
+
+def _eager_shortcut(model: torch.nn.Module, chain: Any, *args: Any, **options: Any) -> Recording | str:
+    """Eager mode's repeated blocks: the model with only the first three and the last simulated,
+    unrolled (see :mod:`.unroll`); or why not. A failure of the shortened model (code that counts
+    its blocks, say) is a reason to simulate the whole one, not the user's error."""
+    try:
+        short = simulate_once(shorten_module(model, chain), *args, "eager", **options)
+    except FxMemError as exc:
+        return f"the model with four of its blocks failed ({type(exc).__name__}: {first_line(str(exc))})"
+    return unroll(short, chain, None)
 
 
 def simulate_once(
@@ -278,7 +297,7 @@ def simulate_once(
             runner = GraphRunner(fake_model, recorder, specs, name_backward=training is not None)
             run_forward = lambda xs: runner.run(*xs)  # noqa: E731
         else:
-            line_runner = LineRunner(recorder, model_files(model))
+            line_runner = LineRunner(recorder, model_files(model), name_backward=training is not None)
             module_stack = ModuleStack(fake_model, env)  # which module allocates (report.modules())
             table.module_now = line_runner.module_now = module_stack.now
 

@@ -23,14 +23,18 @@ between two blocks' runs.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch.fx
 
 from ..records import FREE, NODE, STEP, Phase, Placed, Recording, Role, SavedBy, Step, Storage
-from .repeats import KEPT, Chain
+from .repeats import KEPT, Chain, simulated_positions
 
 _BACKWARD = " (backward)"
+_LAST_INNER = "last inner"  # names as B2 sees them, B2 standing for the block before the last
+_AT = "@"  # eager mode: a node of an inner block not simulated, before its lines are numbered
+_LABEL = re.compile(r"^(.*?)(?:#\d+)?(?:@\d+)?$", re.S)  # a line label's base: file.py:12 of file.py:12#3
 A, B, B2, C = range(KEPT)  # the simulated blocks: first, the template, its check, the last
 # whose storages a run of each owner may touch (None: code outside the chain)
 _NEIGHBOURS = {A: {None, A, B}, B: {None, A, B, B2}, B2: {None, B, B2, C}, C: {None, B2, C}, None: {None, A, C}}
@@ -40,22 +44,33 @@ class _Mismatch(Exception):
     """The simulated blocks do not repeat: why, in words."""
 
 
-def unroll(rec: Recording, chain: Chain, gm: torch.fx.GraphModule) -> Recording | str:
+def unroll(rec: Recording, chain: Chain, gm: torch.fx.GraphModule | None) -> Recording | str:
     """``rec`` (of ``chain``'s first four blocks) as the recording of ``gm`` with all of them, or
-    the reason it cannot be (a string)."""
+    the reason it cannot be (a string).
+
+    ``gm=None``: eager mode (:func:`.repeats.shorten_module`): ``rec`` ran the first three blocks
+    and the last, its nodes are source lines, and a block's lines are those its modules ran (with
+    the lines of the loop that calls it); the whole recording's lines are numbered as a run of
+    every block would number them (``model.py:12#7``)."""
     try:
+        if gm is None:
+            return _Unroller(rec, chain, None).run_eager()
         return _Unroller(rec, chain, gm).run()
     except _Mismatch as exc:
         return str(exc)
 
 
 class _Unroller:
-    def __init__(self, rec: Recording, chain: Chain, gm: torch.fx.GraphModule):
+    def __init__(self, rec: Recording, chain: Chain, gm: torch.fx.GraphModule | None):
         if rec.data_dims:
             raise _Mismatch("sizes that depend on the data differ from block to block")
         self.rec, self.chain, self.gm, self.n = rec, chain, gm, chain.count
-        self.block_of_node = {name: j for j in range(KEPT) for name in chain.segments[j]}
-        self.position = {name: k for j in range(KEPT) for k, name in enumerate(chain.segments[j])}
+        # the simulated blocks' positions in the chain, their modules and their nodes' names
+        self.sim = tuple(range(KEPT)) if gm is not None else simulated_positions(chain)
+        self.sim_module = [chain.module(p) for p in self.sim]
+        self.seg = chain.segments[:KEPT] if gm is not None else _line_segments(rec, self.sim_module)
+        self.block_of_node = {name: j for j in range(KEPT) for name in self.seg[j]}
+        self.position = {name: k for j in range(KEPT) for k, name in enumerate(self.seg[j])}
         self.owner: list = [None] * len(rec.storages)
         self.step_owner: list = [None] * len(rec.steps)
         self._storage_and_step_owners()
@@ -69,9 +84,9 @@ class _Unroller:
         base = text[:-len(_BACKWARD)] if text.endswith(_BACKWARD) else text
         j = self.block_of_node.get(base)
         if j is None:
-            j = self.block_of_node.get(base.split(":", 1)[0])
+            j = self.block_of_node.get(self.split(base)[0])
         if j is None:
-            j = next((k for k in range(KEPT) if _within(base, self.chain.module(k))), None)
+            j = next((k for k in range(KEPT) if _within(base, self.sim_module[k])), None)
         return j
 
     def _storage_and_step_owners(self) -> None:
@@ -163,18 +178,27 @@ class _Unroller:
         self.bij: dict = {}  # B's storage -> B2's
         self.prev: dict = {}  # A's storage B uses -> B's storage B2 uses in its place
         self.next: dict = {}  # B2's storage B uses -> C's storage B2 uses in its place
-        names = {s.name: s.index for s in self.rec.storages if s.step is None and self.owner[s.index] == B2}
+        names: dict[str, list[int]] = {}  # a name may be several storages' (one line's two cats): in order
+        for s in self.rec.storages:
+            if s.step is None and self.owner[s.index] == B2:
+                names.setdefault(s.name, []).append(s.index)
+        seen: dict[str, int] = {}
         for s in self.rec.storages:
             if s.step is None and self.owner[s.index] == B:
-                other = names.get(self.rename(s.name, B, B2))
+                key = self.rename(s.name, B, B2)
+                k = seen[key] = seen.get(key, -1) + 1
+                others = names.get(key, [])
+                other = others[k] if k < len(others) else None
                 if other is None or not self._same_meta(s.index, other):
                     raise _Mismatch(f"{s.name} has no counterpart in {self.chain.module(B2)}")
                 self.bij[s.index] = other
         for owner, start, end in runs:
             for k in range(start, end):
-                if any(self.owner[s] not in _NEIGHBOURS[owner] for s in self._refs(self.events[k])):
-                    raise _Mismatch("a block uses the tensors of a block that is not its neighbour, or code outside "
-                                    "the chain uses an inner block's tensors")
+                far = [s for s in self._refs(self.events[k]) if self.owner[s] not in _NEIGHBOURS[owner]]
+                if far:
+                    raise _Mismatch(f"a block uses the tensors of a block that is not its neighbour, or code outside "
+                                    f"the chain uses an inner block's tensors ({self.rec.storages[far[0]].name} at "
+                                    f"{self._event_text(self.events[k])})")
         ours = [r for r in runs if r[0] == B]
         checks = [r for r in runs if r[0] == B2]
         if len(ours) != len(checks) or not ours:
@@ -187,6 +211,12 @@ class _Unroller:
             self._compare(rb, rc)
             pairs.append((rb, rc))
         return pairs
+
+    def _event_text(self, event: tuple) -> str:
+        kind, i = event
+        if kind == STEP:
+            return f"{self.rec.steps[i].op} at {self.rec.steps[i].node}"
+        return "a free" if kind == FREE else self.rec.nodes[i].name
 
     def _refs(self, event: tuple) -> list[int]:
         kind, i = event
@@ -215,8 +245,9 @@ class _Unroller:
         else:
             ok = False
         if not ok:
+            x, y = self.rec.storages[sx], self.rec.storages[sy]
             raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} use different tensors in "
-                            f"the same place")
+                            f"the same place ({x.name}, {y.name})")
 
     def _compare(self, rb: tuple, rc: tuple) -> None:
         rec = self.rec
@@ -224,12 +255,23 @@ class _Unroller:
         if len(eb) != len(ec):
             raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} record different numbers "
                             f"of memory events")
-        for (kx, ix), (ky, iy) in zip(eb, ec):
+        k = 0
+        while k < len(eb):
+            (kx, ix), (ky, iy) = eb[k], ec[k]
             if kx != ky:
                 raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} record different events")
-            if kx == FREE:
-                self._correspond(ix, iy)
-            elif kx == STEP:
+            if kx == FREE:  # frees noticed at one poll: one moment, in no particular order
+                end = k
+                while end < len(eb) and eb[end][0] == FREE:
+                    end += 1
+                if any(kind != FREE for kind, _ in ec[k:end]) or end < len(ec) and ec[end][0] == FREE:
+                    raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} free different "
+                                    f"numbers of tensors at once")
+                self._correspond_frees([i for _, i in eb[k:end]], [i for _, i in ec[k:end]])
+                k = end
+                continue
+            k += 1
+            if kx == STEP:
                 self._compare_steps(rec.steps[ix], rec.steps[iy])
             else:
                 nx, ny = rec.nodes[ix], rec.nodes[iy]
@@ -240,6 +282,34 @@ class _Unroller:
                 for a, b in zip(nx.outputs, ny.outputs):
                     if a is not None:
                         self._correspond(a, b)
+
+    def _correspond_frees(self, xs: list[int], ys: list[int]) -> None:
+        """Storages ``xs`` B frees at one moment are ``ys`` B2 frees, in any order."""
+        if all(self._expected(x) in (y, None) for x, y in zip(xs, ys)):
+            pairs = list(zip(xs, ys))
+        else:
+            left, pairs, unknown = list(ys), [], []
+            for x in xs:
+                y = self._expected(x)
+                if y is None:
+                    unknown.append(x)
+                elif y in left:
+                    left.remove(y)
+                    pairs.append((x, y))
+                else:
+                    pairs.append((x, left.pop(0) if left else -1))
+            pairs += list(zip(unknown, left))
+        for x, y in pairs:
+            if y < 0:
+                raise _Mismatch(f"blocks {self.chain.module(B)} and {self.chain.module(B2)} free different tensors")
+            self._correspond(x, y)
+
+    def _expected(self, sx: int) -> int | None:
+        """The storage B2 uses where B uses ``sx``, if known yet."""
+        o = self.owner[sx]
+        if o is None:
+            return sx
+        return {B: self.bij, A: self.prev, B2: self.next}.get(o, {}).get(sx)
 
     def _compare_steps(self, sx: Step, sy: Step) -> None:
         storages = self.rec.storages
@@ -275,16 +345,35 @@ class _Unroller:
             return text
         if text.endswith(_BACKWARD):
             return self.rename(text[:-len(_BACKWARD)], src, dst) + _BACKWARD
-        seg = self.chain.segments
         if self.block_of_node.get(text) == src:
-            return seg[dst][self.position[text]]
-        head, sep, tail = text.partition(":")
-        if sep and self.block_of_node.get(head) == src:
-            return seg[dst][self.position[head]] + sep + tail
-        module = self.chain.module(src)
+            return self.segment_name(dst, self.position[text])
+        head, tail = self.split(text)
+        if tail and self.block_of_node.get(head) == src:
+            return self.segment_name(dst, self.position[head]) + ":" + tail
+        module = self.sim_module[src]
         if _within(text, module):
             return self.chain.module(dst) + text[len(module):]
         return text
+
+    def split(self, text: str) -> tuple[str, str]:
+        """``node:op`` (a storage's name) as (node, op); eager mode's nodes have a ``:`` of their own
+        (``model.py:12:aten.mm``). ``(text, "")`` when no node of the blocks starts it."""
+        at = text.find(":")
+        while at >= 0:
+            if text[:at] in self.block_of_node:
+                return text[:at], text[at + 1:]
+            at = text.find(":", at + 1)
+        return text, ""
+
+    def segment_name(self, position: int, k: int) -> str:
+        """The name of the ``k``-th node of the block at ``position`` of the whole chain. Eager mode
+        knows only the simulated blocks' names: the others' are placeholders :meth:`run_eager`
+        numbers as the whole run would."""
+        if self.gm is not None:
+            return self.chain.segments[position][k]
+        if position in self.sim and k < len(self.seg[self.sim.index(position)]):
+            return self.seg[self.sim.index(position)][k]
+        return f"{self.seg[B][k]}{_AT}{position}"
 
     def _name(self, text: Any, where: Any) -> Any:
         """A name from the short run as the whole model has it, seen from ``where``: ``A``, ``C``, a
@@ -298,7 +387,8 @@ class _Unroller:
         if where is None:
             target = {A: 0, B: 1, B2: 2, C: self.n - 1}[j]
         else:
-            base_j, base_t = (A, 0) if where == "A" else (C, self.n - 1) if where == "C" else (B, where)
+            base_j, base_t = (A, 0) if where == "A" else (C, self.n - 1) if where == "C" else \
+                (B2, self.n - 2) if where == _LAST_INNER else (B, where)
             target = base_t + j - base_j
         return self.rename(text, j, target)
 
@@ -391,7 +481,56 @@ class _Unroller:
                              f"fxmem simulated four and repeated the memory events of the second for the inner "
                              f"{n - 2} (the second and third were checked to match, event by event)"]
         return dataclasses.replace(rec, storages=storages, steps=steps, nodes=nodes, events=events, notes=notes,
-                                   forward_end=forward_end, graph_module=self.gm)
+                                   forward_end=forward_end, graph_module=self.gm or rec.graph_module)
+
+    def run_eager(self) -> Recording:
+        """:meth:`run`, then eager mode's line labels numbered as one run of every block numbers
+        them, and the module calls of the blocks not simulated added."""
+        whole = self.run()
+        count: dict[str, int] = {}
+        label: dict[str, str] = {}
+        for node in whole.nodes:  # nodes of one line never nest: their order is the order they started
+            base = _LABEL.match(node.name).group(1)
+            count[base] = count.get(base, 0) + 1
+            label[node.name] = base if count[base] == 1 else f"{base}#{count[base]}"
+
+        def named(text: Any) -> Any:
+            if not isinstance(text, str):
+                return text
+            if text.endswith(_BACKWARD):
+                return named(text[:-len(_BACKWARD)]) + _BACKWARD
+            if text in label:
+                return label[text]
+            at = text.rfind(":")  # a storage's node:op
+            while at > 0 and text[:at] not in label:
+                at = text.rfind(":", 0, at)
+            return label[text[:at]] + text[at:] if at > 0 else text
+
+        nodes = [dataclasses.replace(n, name=named(n.name)) for n in whole.nodes]
+        steps = [dataclasses.replace(s, node=named(s.node)) for s in whole.steps]
+        storages = [dataclasses.replace(s, name=named(s.name), node=named(s.node),
+                                        saved_by=[SavedBy(named(v.node), v.op) for v in s.saved_by])
+                    for s in whole.storages]
+        return dataclasses.replace(whole, nodes=nodes, steps=steps, storages=storages,
+                                   module_calls=self._module_calls(whole.module_calls))
+
+    def _module_calls(self, calls: dict | None) -> dict | None:
+        """Eager mode's module calls with those of the inner blocks not simulated (as B's)."""
+        if not calls:
+            return calls
+        items = list(calls.items())
+        ours = [(k, v) for k, v in items if _within(k, self.sim_module[B])]
+        after = max((i for i, (k, _) in enumerate(items) if _within(k, self.sim_module[B2])), default=None)
+        if after is None:
+            raise _Mismatch(f"{self.chain.module(B2)} was not called")
+        out: dict = {}
+        for i, (k, v) in enumerate(items):
+            out[k] = v
+            if i == after:
+                for p in range(B2 + 1, self.n - 1):
+                    for path, call in ours:
+                        out[self.chain.module(p) + path[len(self.sim_module[B]):]] = dataclasses.replace(call)
+        return out
 
     def _storage(self, k: Any, new_index: dict, step_index: dict, key: Any) -> Storage:
         ctx, s = k if isinstance(k, tuple) else (None, k)
@@ -401,15 +540,52 @@ class _Unroller:
         if o == B:
             where = ctx = ctx or 1
         step = None if record.step is None else step_index[(ctx if o == B else None, record.step)]
-        saved_by = []
-        for v in record.saved_by:
-            if o is None and self.block_of(v.node) == B:  # a value from outside, saved by every inner block
-                saved_by.extend(SavedBy(self._name(v.node, p), v.op) for p in range(1, self.n - 1))
-            elif not (o is None and self.block_of(v.node) == B2):
-                saved_by.append(SavedBy(self._name(v.node, where), v.op))
+        saved_by, inner = [], []  # a value from outside, saved by every inner block: block by block
+        savers, seen_from = record.saved_by, where
+        if o == B and where == self.n - 2 > 1:
+            # the last inner block's tensors are saved by the last block's code: as B2's were (the
+            # last block's code may differ from the others': eager mode runs the real one)
+            savers, seen_from = self.rec.storages[self.bij[s]].saved_by, _LAST_INNER
+        for v in [*savers, None]:
+            if v is not None and o is None and self.block_of(v.node) == B:
+                inner.append(v)
+                continue
+            saved_by.extend(SavedBy(self._name(u.node, p), u.op) for p in range(1, self.n - 1) for u in inner)
+            inner = []
+            if v is not None and not (o is None and self.block_of(v.node) == B2):
+                saved_by.append(SavedBy(self._name(v.node, seen_from), v.op))
         copy_of = None if record.copy_of is None else new_index[key(record.copy_of, where)]
         return dataclasses.replace(record, index=new_index[k], name=self._name(record.name, where),
-                                   node=self._name(record.node, where), step=step, saved_by=saved_by, copy_of=copy_of)
+                                   node=self._name(record.node, where), module=self._name(record.module, where),
+                                   step=step, saved_by=saved_by, copy_of=copy_of)
+
+
+def _line_segments(rec: Recording, modules: list) -> tuple:
+    """Eager mode: each simulated block's source-line nodes in order - those its modules ran, and
+    the calling code's lines from its first line to the next block's (the loop's own lines); the
+    last block's end with its own. The blocks must run the same lines."""
+    nodes = [rec.nodes[i] for kind, i in rec.events if kind == NODE]
+    block = [next((j for j, m in enumerate(modules) if _within(n.module, m)), None) for n in nodes]
+    spans = []
+    for j in range(KEPT):
+        at = [k for k, b in enumerate(block) if b == j]
+        if not at:
+            raise _Mismatch(f"{modules[j]} ran no line of its own")
+        spans.append((at[0], at[-1]))
+    if any(spans[j][0] >= spans[j + 1][0] for j in range(KEPT - 1)):
+        raise _Mismatch("the blocks did not run in order")
+    segments: list = [[] for _ in range(KEPT)]
+    for k, (node, b) in enumerate(zip(nodes, block)):
+        if b is None:
+            b = next((j for j in range(KEPT - 1) if spans[j][0] <= k < spans[j + 1][0]), None)
+            if b is None and spans[C][0] <= k <= spans[C][1]:
+                b = C
+        if b is not None:
+            segments[b].append(node.name)
+    bases = [[_LABEL.match(name).group(1) for name in seg] for seg in segments]
+    if not bases[A] == bases[B] == bases[B2]:  # the last is simulated itself: its lines may differ
+        raise _Mismatch("the blocks ran different source lines")
+    return tuple(tuple(seg) for seg in segments)
 
 
 def _within(path: str, module: str) -> bool:

@@ -13,7 +13,12 @@ from corpus.harness import compare
 from corpus.models import CORPUS
 
 
-@pytest.mark.parametrize("name", sorted(CORPUS))
+# the heaviest entries (several seconds to minutes each) run in the slow set; CI keeps one model of
+# each family (llama, gpt2, bert, vit, the PyG layers, the torch-only blocks)
+_SLOW = {"diffusers-unet", "t5", "bart", "llama-mask", "llama-sdpa-mask-filled", "qwen2", "distilbert", "clip-text"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n for n in sorted(CORPUS)])
 def test_corpus_model_is_exact(name):
     entry = CORPUS[name]
     if not entry.available():

@@ -166,6 +166,7 @@ def test_past_the_regions_bound_the_tokens_are_analysed_as_asked():
     assert (at["peak_above_resident"], at["retained"]) == _real(model, 2, 64, 300, "dynamic")
 
 
+@pytest.mark.slow  # test_cli_serve prints the same summary
 def test_serve_summary_at_many_tokens_uses_the_formulas_and_agrees():
     from fxmem.generation import serve_summary
 

@@ -141,8 +141,8 @@ class RandomNet(nn.Module):
         return h
 
 
-# three random models in CI's quick run, all eight in the full run (each ~25 s on 2 cores)
-@pytest.mark.parametrize("seed", [s if s < 3 else pytest.param(s, marks=pytest.mark.slow) for s in range(8)])
+# two random models in CI's quick run, all eight in the full run (each ~25 s on 2 cores)
+@pytest.mark.parametrize("seed", [s if s < 2 else pytest.param(s, marks=pytest.mark.slow) for s in range(8)])
 def test_random_model_with_dropout_and_batch_norm_agrees_in_every_mode(seed):
     torch.manual_seed(seed)
     model = RandomNet(seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import pytest
 import sympy
 import torch
 import torch.nn as nn
@@ -51,6 +52,7 @@ def _agrees(lower: dict, upper: dict, guards: list, dims: list, span: range | di
     return text
 
 
+@pytest.mark.slow  # test_small_batches_are_analysed_once_per_region_and_exact reads the CNN's regions in CI
 def test_cnn_guards_read_as_three_bounds_and_mean_the_same():
     text = _agrees({B: 2, H: 6, W: 6}, {}, CNN_GUARDS, [B, H, W], range(1, 40))
     # sympy itself rewrites floor(W/2) < ... as W/2 < ... when the guards are built here, which

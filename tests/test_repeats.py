@@ -123,7 +123,8 @@ def tiny_llama(layers: int = 6) -> nn.Module:
 
 
 @pytest.mark.parametrize("optimizer", [None, lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                       lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)],
+                                       pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                                    marks=pytest.mark.slow)],
                          ids=["forward", "adamw", "sgd-momentum"])
 def test_llama_recording_equals_simulating_every_block(optimizer):
     fast, slow = both(tiny_llama(6), TOKENS, optimizer=optimizer)

@@ -118,3 +118,14 @@ def test_gpt_in_eager_mode_with_dropout_in_training_and_inference():
 @pytest.mark.slow
 def test_hf_llama_forward_equals_every_block_simulated():
     assert_same(*both(hf_llama(6), TOKENS), 6)
+
+
+def test_generate_with_a_kv_cache_equals_every_block_simulated():
+    """generate() runs the forward once per token: each run's layers repeat, the KV cache each
+    layer keeps from run to run is that layer's (tests/test_generation.py: exact against real calls)."""
+    model = hf_llama(6).eval()
+    fast = fxmem.generation(model, ("B", "P"), new_tokens=3)
+    slow = fxmem.generation(model, ("B", "P"), new_tokens=3, options=fxmem.AnalysisOptions(repeats=False))
+    assert any(REPEATED in n and "the 6 blocks" in n for n in fast.notes), fast.notes
+    assert canonical(fast._plan.rec) == canonical(slow._plan.rec)
+    assert fast.formulas() == slow.formulas()

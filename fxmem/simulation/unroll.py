@@ -562,24 +562,30 @@ class _Unroller:
 
 def _line_segments(rec: Recording, modules: list) -> tuple:
     """Eager mode: each simulated block's source-line nodes in order - those its modules ran, and
-    the calling code's lines from its first line to the next block's (the loop's own lines); the
-    last block's end with its own. The blocks must run the same lines."""
+    the calling code's lines between it and the next block (the loop's own lines) or inside its
+    run; a forward run several times (``generate``) adds each run's. The first three blocks must
+    run the same lines (the last is simulated itself)."""
     nodes = [rec.nodes[i] for kind, i in rec.events if kind == NODE]
     block = [next((j for j, m in enumerate(modules) if _within(n.module, m)), None) for n in nodes]
-    spans = []
+    firsts = []
     for j in range(KEPT):
         at = [k for k, b in enumerate(block) if b == j]
         if not at:
             raise _Mismatch(f"{modules[j]} ran no line of its own")
-        spans.append((at[0], at[-1]))
-    if any(spans[j][0] >= spans[j + 1][0] for j in range(KEPT - 1)):
+        firsts.append(at[0])
+    if firsts != sorted(firsts):
         raise _Mismatch("the blocks did not run in order")
+    before, after = [None] * len(nodes), [None] * len(nodes)  # the nearest block's node on each side
+    last = None
+    for k, b in enumerate(block):
+        before[k], last = last, b if b is not None else last
+    last = None
+    for k in range(len(nodes) - 1, -1, -1):
+        after[k], last = last, block[k] if block[k] is not None else last
     segments: list = [[] for _ in range(KEPT)]
     for k, (node, b) in enumerate(zip(nodes, block)):
-        if b is None:
-            b = next((j for j in range(KEPT - 1) if spans[j][0] <= k < spans[j + 1][0]), None)
-            if b is None and spans[C][0] <= k <= spans[C][1]:
-                b = C
+        if b is None and before[k] is not None and after[k] in (before[k], before[k] + 1):
+            b = before[k]  # inside a block's run, or the caller's lines between it and the next
         if b is not None:
             segments[b].append(node.name)
     bases = [[_LABEL.match(name).group(1) for name in seg] for seg in segments]

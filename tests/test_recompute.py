@@ -99,6 +99,7 @@ def test_dropout_inside_recomputed_blocks_keeps_outputs_and_gradients():
     assert not opt.layers[0].drop.training  # train()/eval() reach the recomputed blocks' modules
 
 
+@pytest.mark.slow  # CI: selective plans against the allocator in test_plan_estimates_match_the_allocator_on_real_steps
 def test_a_small_shortfall_is_met_by_selective_recomputation_only():
     """Cheap ops recomputed, products kept: almost no FLOPs, so it wins when it is enough."""
     torch.manual_seed(0)

@@ -114,7 +114,7 @@ def find_module_chain(model: torch.nn.Module) -> Chain | None:
         if len(children) < _MIN_BLOCKS or not all(name.isdigit() for name, _ in children):
             continue
         blocks = [m for _, m in children]
-        if not _alike(blocks, [int(name) for name, _ in children]) or _shares_tensors(model, prefix, blocks):
+        if not _alike(blocks, [int(name) for name, _ in children]) or _shares_tensors(model, prefix):
             continue
         size = sum(p.numel() for p in blocks[0].parameters()) * len(blocks) + len(blocks)
         chain = Chain(prefix, tuple(int(name) for name, _ in children), ())
@@ -167,7 +167,7 @@ def _alike(blocks: list, indices: list) -> bool:
 
 
 def _state(module: torch.nn.Module) -> dict:
-    """A module's own attributes, tensors as (shape, stride, dtype, requires_grad, kind)."""
+    """A module's own attributes (hooks aside), tensors as (shape, stride, dtype, requires_grad)."""
     out = {}
     for table in ("_parameters", "_buffers"):
         for k, t in module.__dict__.get(table, {}).items():
@@ -192,7 +192,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _shares_tensors(model: torch.nn.Module, prefix: str, blocks: list) -> bool:
+def _shares_tensors(model: torch.nn.Module, prefix: str) -> bool:
     """Does a block hold a tensor another block or the rest of the model also holds (tied weights)?"""
     owner: dict[int, str] = {}
     inside = prefix + "." if prefix else ""

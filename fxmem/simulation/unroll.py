@@ -356,14 +356,9 @@ class _Unroller:
         return text
 
     def split(self, text: str) -> tuple[str, str]:
-        """``node:op`` (a storage's name) as (node, op); eager mode's nodes have a ``:`` of their own
-        (``model.py:12:aten.mm``). ``(text, "")`` when no node of the blocks starts it."""
-        at = text.find(":")
-        while at >= 0:
-            if text[:at] in self.block_of_node:
-                return text[:at], text[at + 1:]
-            at = text.find(":", at + 1)
-        return text, ""
+        """``node:op`` (a storage's name) as (node, op); ``(text, "")`` when no node of the blocks
+        starts it."""
+        return _split_node(text, self.block_of_node)
 
     def segment_name(self, position: int, k: int) -> str:
         """The name of the ``k``-th node of the block at ``position`` of the whole chain. Eager mode
@@ -501,17 +496,19 @@ class _Unroller:
                 return named(text[:-len(_BACKWARD)]) + _BACKWARD
             if text in label:
                 return label[text]
-            at = text.rfind(":")  # a storage's node:op
-            while at > 0 and text[:at] not in label:
-                at = text.rfind(":", 0, at)
-            return label[text[:at]] + text[at:] if at > 0 else text
+            node, op = _split_node(text, label)  # a storage's node:op
+            return f"{label[node]}:{op}" if op else text
 
         nodes = [dataclasses.replace(n, name=named(n.name)) for n in whole.nodes]
         steps = [dataclasses.replace(s, node=named(s.node)) for s in whole.steps]
         storages = [dataclasses.replace(s, name=named(s.name), node=named(s.node),
                                         saved_by=[SavedBy(named(v.node), v.op) for v in s.saved_by])
                     for s in whole.storages]
-        return dataclasses.replace(whole, nodes=nodes, steps=steps, storages=storages,
+        notes = [*whole.notes, f"eager mode ran {self.chain.module(B2 + 1)} ... {self.chain.module(self.n - 2)} as "
+                               f"{self.chain.module(B)} ran; their code was not run: a layer that branches on its own "
+                               f"index by arithmetic alone (no attribute differs) is not seen - repeats=False "
+                               f"simulates every layer"]
+        return dataclasses.replace(whole, nodes=nodes, steps=steps, storages=storages, notes=notes,
                                    module_calls=self._module_calls(whole.module_calls))
 
     def _module_calls(self, calls: dict | None) -> dict | None:
@@ -558,6 +555,18 @@ class _Unroller:
         return dataclasses.replace(record, index=new_index[k], name=self._name(record.name, where),
                                    node=self._name(record.node, where), module=self._name(record.module, where),
                                    step=step, saved_by=saved_by, copy_of=copy_of)
+
+
+def _split_node(text: str, nodes: Any) -> tuple[str, str]:
+    """``node:op`` as (node, op), ``node`` the first prefix of ``text`` before a ``:`` that is in
+    ``nodes`` (eager mode's nodes have a ``:`` of their own: ``model.py:12:aten.mm``); else
+    ``(text, "")``."""
+    at = text.find(":")
+    while at >= 0:
+        if text[:at] in nodes:
+            return text[:at], text[at + 1:]
+        at = text.find(":", at + 1)
+    return text, ""
 
 
 def _line_segments(rec: Recording, modules: list) -> tuple:

@@ -11,10 +11,11 @@ The number of new tokens is a Python loop's length: a number gives one analysis 
 steps. A dim name (``new_tokens="T"``) gives formulas in ``T`` too (:class:`TokenFormulas`): with a
 dynamic cache every decode step is the previous one with the cache, the ids and the mask one
 position longer, so its candidates for the peak are affine in the step's index. fxmem analyses
-2, 3, 4 and 5 new tokens, checks that the candidates of the 2nd, 3rd and 4th decode steps differ by
-the same bytes (and the retained bytes likewise), and takes the peak of T tokens as the largest of
-the prefill's, the first decode step's and the 2nd and last decode steps' candidates (an affine
-function's largest value over the steps is at one end).
+3, 4 and 5 new tokens, checks that the shorter calls run as the longer one begins and that the
+candidates of the 2nd, 3rd and 4th decode steps differ by the same bytes (and the retained bytes
+likewise), and takes the peak of T tokens as the largest of the prefill's, the first decode step's
+and the 2nd and last decode steps' candidates (an affine function's largest value over the steps is
+at one end), dropping those another one is at least as large as everywhere (T >= 3).
 
 >>> report = generation(model, ("B", "P"), new_tokens=16)          # doctest: +SKIP
 >>> report.max_size("B", "80GiB", P=8192)                            # doctest: +SKIP
@@ -76,7 +77,7 @@ class TokenFormulas:
     @classmethod
     def of(cls, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
            rehinted: bool = False) -> "TokenFormulas":
-        from .accounting.symbolic import add_terms, to_expr
+        from .accounting.symbolic import Region, add_terms, build_max, max_of, to_expr
 
         if cache != "dynamic":
             raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens need the dynamic cache (a "
@@ -88,29 +89,35 @@ class TokenFormulas:
         if AnalysisOptions.of(options).device != "cpu":
             raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens are CPU numbers (on CUDA each "
                             f"block is rounded to 512 bytes); give a number of tokens for device='cuda'")
-        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (2, 3, 4, 5)}
+        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (3, 4, 5)}
         cands = {n: r._plan.peak_candidates for n, r in reports.items()}
-        step = len(cands[3]) - len(cands[2])
-        pre = len(cands[2]) - step  # the prefill and generate's setup, then the first decode step
+        step = len(cands[4]) - len(cands[3])
+        pre = len(cands[3]) - 2 * step  # the prefill and generate's setup, then the first decode step
         steps = [cands[5][pre + j * step:pre + (j + 1) * step] for j in range(4)]  # decode steps 1..4
         grown = [[add_terms(b, a, signs=[1, -1]) for a, b in zip(x, y)] for x, y in zip(steps[1:], steps[2:])]
         retained = {n: r._plan.retained_terms for n, r in reports.items()}
-        same_runs = all(cands[n] == cands[5][:len(cands[n])] for n in (2, 3, 4)) and step > 0 and pre >= 0 \
-            and all(len(cands[n]) == pre + (n - 1) * step for n in (2, 3, 4, 5))
+        same_runs = all(cands[n] == cands[5][:len(cands[n])] for n in (3, 4)) and step > 0 and pre >= 0 \
+            and len(cands[5]) == pre + 4 * step
         if not same_runs or grown[0] != grown[1] or add_terms(retained[4], retained[3], signs=[1, -1]) != \
                 add_terms(retained[5], retained[4], signs=[1, -1]):
             raise ModelError(f"new_tokens={name!r}: the decode steps of this model's generate() do not repeat with "
-                             f"a fixed growth per token (checked at 2 to 5 new tokens), so fxmem has no formula in "
+                             f"a fixed growth per token (checked at 3 to 5 new tokens), so fxmem has no formula in "
                              f"the number of new tokens for it; give a number of tokens")
         t = sympy.Symbol(name, positive=True, integer=True)
-        growth = [to_expr(g) for g in grown[0]]
-        head = [to_expr(c) for c in cands[5][:pre + 2 * step]]  # prefill, setup, decode steps 1 and 2
-        last = [to_expr(c) + (t - 3) * g for c, g in zip(steps[1], growth)]  # decode step T-1
-        peak = reports[3].resident + sympy.Max(*[sympy.expand(e) for e in head + last])
+        head = cands[5][:pre + 2 * step]  # prefill, setup, decode steps 1 and 2
+        last = [add_terms(c, {m * t: k for m, k in g.items()}, g, signs=[1, 1, -3])  # decode step T-1: c + (T-3)*g
+                for c, g in zip(steps[1], grown[0])]
+        # the Max over hundreds of candidates, pruned as every report's is: a candidate another one is
+        # at least as large as everywhere the formulas are used (T >= 3, the sizes in the region) goes
+        plan = reports[5]._plan
+        region = Region(lower={**plan.region.lower, t: 3}, guards=plan.region.guards, pinned=plan.region.pinned,
+                        upper=plan.region.upper)
+        kept = max_of(head + last, region, {**plan.hint_values, t: 64})
+        peak = reports[3].resident + build_max(to_expr((head + last)[i]) for i in kept)
         more = to_expr(add_terms(retained[4], retained[3], signs=[1, -1]))
         kept = sympy.expand(to_expr(retained[3]) + (t - 3) * more)
         notes = list(reports[5].notes) + [
-            f"formulas in {name} (new tokens) for {name} >= 3: the decode steps of 2 to 5 new tokens grow by the same "
+            f"formulas in {name} (new tokens) for {name} >= 3: the decode steps of 3 to 5 new tokens grow by the same "
             f"bytes per token (checked); fewer tokens, or sizes outside the analyses' region, are analysed as asked"]
         return cls(model, dims, name, cache, options, kwargs, reports, peak, kept, notes, rehinted)
 
@@ -148,7 +155,7 @@ class TokenFormulas:
                     "retained": int(self.retained.subs(subs))}
         t = dims[self.name]
         sizes = {k: v for k, v in dims.items() if k != self.name}
-        if t >= 3 and not self._rehinted:  # the same 4 short analyses at these sizes (guards hold there)
+        if t >= 3 and not self._rehinted:  # the same 3 short analyses at these sizes (guards hold there)
             from .options import AnalysisOptions
 
             key = tuple(sorted(sizes.items()))
@@ -280,7 +287,7 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
     from .views.text import format_bytes as fb
 
     report = None
-    if new_tokens >= 6:  # formulas in the number of tokens: 4 short analyses instead of new_tokens steps
+    if new_tokens >= 6:  # formulas in the number of tokens: 3 short analyses instead of new_tokens steps
         try:
             formulas = generation(model, ("B", "P"), new_tokens="T")
         except ModelError:

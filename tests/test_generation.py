@@ -127,7 +127,7 @@ def test_sliding_window_refused():
 # --- formulas in the number of new tokens ----------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_formulas_in_new_tokens_are_exact_against_real_calls(kind):
-    """new_tokens="T": 4 short analyses give the peak and the retained bytes of any number of tokens;
+    """new_tokens="T": 3 short analyses give the peak and the retained bytes of any number of tokens;
     checked against real generate() calls at numbers of tokens and prompt sizes none of them saw."""
     model = _model(kind)
     formulas = fxmem.generation(model, ("B", "P"), new_tokens="T")

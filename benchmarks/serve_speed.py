@@ -1,6 +1,6 @@
 """How long a serving question takes: ``fxmem.generation`` on the Llama-2-7B configuration (meta device,
 no weights), with a number of new tokens (one decode step simulated per token) and with
-``new_tokens="T"`` (formulas in the number of tokens from four short analyses), issue 22.
+``new_tokens="T"`` (formulas in the number of tokens from three short analyses), issue 22.
 
     python benchmarks/serve_speed.py            # writes benchmarks/results/serve_speed.{json,md}
     python benchmarks/serve_speed.py --help     # this text; runs nothing
@@ -60,7 +60,7 @@ def main() -> None:
     rows["peak at B=8, P=128, T=64 and largest batch in 80 GiB (s)"] = round(time.perf_counter() - start, 2)
     rows["peak at B=8, P=128, T=64"] = fxmem.format_bytes(peak)
     rows["largest batch at P=128, T=64 in 80 GiB"] = batch
-    rows["re-analyses near the sizes asked (4 short analyses each)"] = formulas.reanalyses
+    rows["re-analyses near the sizes asked (3 short analyses each)"] = formulas.reanalyses
     print(rows, flush=True)
     meta = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "torch": torch.__version__,
             "threads": torch.get_num_threads(), "command": "python benchmarks/serve_speed.py " + " ".join(sys.argv[1:]),

@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of a training step")
     m.add_argument("--prompt", type=int, help="--serve: prompt length")
     m.add_argument("--new-tokens", type=int, help="--serve: tokens generated")
+    m.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                   help="--serve: transformers' KV cache (default dynamic; static: sized for all tokens up front)")
     m.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     return p
 
@@ -286,9 +288,9 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
 
         if not args.prompt or not args.new_tokens:
             raise SpecError("fxmem llm --serve needs --prompt P and --new-tokens T")
-        progress.say(f"analysing generate(): prefill, then {args.new_tokens} decode steps")
+        progress.say(f"analysing generate(): prefill, then {args.new_tokens} decode steps ({args.cache} KV cache)")
         print(serve_summary(model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, dtype=dtype,
-                            gpu=args.gpu))
+                            gpu=args.gpu, cache=args.cache))
         return 0
     if not args.seq:
         raise SpecError("fxmem llm needs --seq L (the training step's sequence length), or --serve")

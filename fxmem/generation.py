@@ -8,14 +8,16 @@ real call allocates them. The call is greedy (``do_sample=False``) and generates
 ``new_tokens`` tokens for every sequence (no early stop at an end-of-sequence token: the most
 memory a call of that many tokens takes); the prompt is unpadded (its attention mask all ones).
 The number of new tokens is a Python loop's length: a number gives one analysis of that many
-steps. A dim name (``new_tokens="T"``) gives formulas in ``T`` too (:class:`TokenFormulas`): with a
-dynamic cache every decode step is the previous one with the cache, the ids and the mask one
-position longer, so its candidates for the peak are affine in the step's index. fxmem analyses
-3, 4 and 5 new tokens, checks that the shorter calls run as the longer one begins and that the
-candidates of the 2nd, 3rd and 4th decode steps differ by the same bytes (and the retained bytes
-likewise), and takes the peak of T tokens as the largest of the prefill's, the first decode step's
-and the 2nd and last decode steps' candidates (an affine function's largest value over the steps is
-at one end), dropping those another one is at least as large as everywhere (T >= 3).
+steps. A dim name (``new_tokens="T"``) gives formulas in ``T`` too (:class:`TokenFormulas`), with
+either cache: every decode step is the previous one with the ids and the mask (and a dynamic cache)
+one position longer, and a static cache, sized for all tokens up front, makes every step of a call
+of more tokens larger by the same bytes per token. So the candidates for the peak are affine in the
+step's index and in T. fxmem analyses 3, 4 and 5 new tokens and checks both: the prefill and each
+decode step grow by the same bytes from 3 to 4 to 5 tokens (nothing, with a dynamic cache), and
+within the call of 5 the 2nd, 3rd and 4th decode steps differ by the same bytes (the retained bytes
+likewise). The peak of T tokens is then the largest of the prefill's, the first decode step's and
+the 2nd and last decode steps' candidates (an affine function's largest value over the steps is at
+one end), dropping those another one is at least as large as everywhere (T >= 3).
 
 >>> report = generation(model, ("B", "P"), new_tokens=16)          # doctest: +SKIP
 >>> report.max_size("B", "80GiB", P=8192)                            # doctest: +SKIP
@@ -79,9 +81,6 @@ class TokenFormulas:
            rehinted: bool = False) -> "TokenFormulas":
         from .accounting.symbolic import Region, add_terms, build_max, max_of, to_expr
 
-        if cache != "dynamic":
-            raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens need the dynamic cache (a "
-                            f"static cache is sized for all tokens up front); give a number with cache={cache!r}")
         if name in dims:
             raise SpecError(f"new_tokens={name!r}: the name is already one of dims={dims}")
         from .options import AnalysisOptions
@@ -93,20 +92,38 @@ class TokenFormulas:
         cands = {n: r._plan.peak_candidates for n, r in reports.items()}
         step = len(cands[4]) - len(cands[3])
         pre = len(cands[3]) - 2 * step  # the prefill and generate's setup, then the first decode step
-        steps = [cands[5][pre + j * step:pre + (j + 1) * step] for j in range(4)]  # decode steps 1..4
-        grown = [[add_terms(b, a, signs=[1, -1]) for a, b in zip(x, y)] for x, y in zip(steps[1:], steps[2:])]
+
+        def seg(n: int, j: int) -> list:  # segment j of the call of n tokens: 0 the prefill, j >= 1 decode step j
+            return cands[n][:pre] if j == 0 else cands[n][pre + (j - 1) * step:pre + j * step]
+
+        def diff(a: list, b: list) -> list:
+            return [add_terms(y, x, signs=[1, -1]) for x, y in zip(a, b)]
+
         retained = {n: r._plan.retained_terms for n, r in reports.items()}
-        same_runs = all(cands[n] == cands[5][:len(cands[n])] for n in (3, 4)) and step > 0 and pre >= 0 \
-            and len(cands[5]) == pre + 4 * step
-        if not same_runs or grown[0] != grown[1] or add_terms(retained[4], retained[3], signs=[1, -1]) != \
-                add_terms(retained[5], retained[4], signs=[1, -1]):
-            raise ModelError(f"new_tokens={name!r}: the decode steps of this model's generate() do not repeat with "
-                             f"a fixed growth per token (checked at 3 to 5 new tokens), so fxmem has no formula in "
-                             f"the number of new tokens for it; give a number of tokens")
+        # by_t[j]: what segment j grows by per token asked for (0 with a dynamic cache; a static cache
+        # is sized for every token up front, so each step grows with T); by_j: what a decode step grows
+        # by over the previous one in the same call (the ids, the mask, a dynamic cache)
+        by_t = {j: diff(seg(3, j), seg(4, j)) for j in (0, 1, 2)}
+        by_j = diff(seg(5, 2), seg(5, 3))
+        affine = (step > 0 and pre >= 0 and len(cands[5]) == pre + 4 * step
+                  and all(diff(seg(4, j), seg(5, j)) == by_t[j] for j in (0, 1, 2))
+                  and diff(seg(4, 3), seg(5, 3)) == by_t[2]  # the growth in T is the same in every later step
+                  and diff(seg(5, 3), seg(5, 4)) == by_j
+                  and reports[3].resident == reports[5].resident
+                  and add_terms(retained[4], retained[3], signs=[1, -1]) == add_terms(retained[5], retained[4],
+                                                                                   signs=[1, -1]))
+        if not affine:
+            raise ModelError(f"new_tokens={name!r}: the decode steps of this model's generate() ({cache} cache) do not "
+                             f"grow by fixed bytes per token (checked at 3 to 5 new tokens), so fxmem has no formula "
+                             f"in the number of new tokens for it; give a number of tokens")
         t = sympy.Symbol(name, positive=True, integer=True)
-        head = cands[5][:pre + 2 * step]  # prefill, setup, decode steps 1 and 2
-        last = [add_terms(c, {m * t: k for m, k in g.items()}, g, signs=[1, 1, -3])  # decode step T-1: c + (T-3)*g
-                for c, g in zip(steps[1], grown[0])]
+
+        def at_t(c: dict, g: dict) -> dict:  # c + (T - 3) * g
+            return add_terms(c, {m * t: k for m, k in g.items()}, g, signs=[1, 1, -3])
+
+        head = [at_t(c, g) for j in (0, 1, 2) for c, g in zip(seg(3, j), by_t[j])]  # prefill, decode steps 1, 2
+        # decode step T-1 (an affine function's largest value over steps 2..T-1 is at one end)
+        last = [at_t(c, add_terms(gt, gj)) for c, gt, gj in zip(seg(3, 2), by_t[2], by_j)]
         # the Max over hundreds of candidates, pruned as every report's is: a candidate another one is
         # at least as large as everywhere the formulas are used (T >= 3, the sizes in the region) goes
         plan = reports[5]._plan
@@ -114,11 +131,11 @@ class TokenFormulas:
                         upper=plan.region.upper)
         kept = max_of(head + last, region, {**plan.hint_values, t: 64})
         peak = reports[3].resident + build_max(to_expr((head + last)[i]) for i in kept)
-        more = to_expr(add_terms(retained[4], retained[3], signs=[1, -1]))
-        kept = sympy.expand(to_expr(retained[3]) + (t - 3) * more)
+        kept = to_expr(at_t(retained[3], add_terms(retained[4], retained[3], signs=[1, -1])))
         notes = list(reports[5].notes) + [
-            f"formulas in {name} (new tokens) for {name} >= 3: the decode steps of 3 to 5 new tokens grow by the same "
-            f"bytes per token (checked); fewer tokens, or sizes outside the analyses' region, are analysed as asked"]
+            f"formulas in {name} (new tokens) for {name} >= 3: the calls of 3 to 5 new tokens grow by the same bytes "
+            f"per token, step by step (checked); fewer tokens, or sizes outside the analyses' region, are analysed "
+            f"as asked"]
         return cls(model, dims, name, cache, options, kwargs, reports, peak, kept, notes, rehinted)
 
     def _values(self, dims: dict) -> dict:
@@ -278,24 +295,24 @@ class _AtTokens:
 
 
 def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, dtype: Any = None,
-                  gpu: Any = None) -> str:
+                  gpu: Any = None, cache: str = "dynamic") -> str:
     """A few lines for ``fxmem llm --serve``: the weights, the peak of one ``generate`` call at
     ``batch`` x ``prompt`` for ``new_tokens`` tokens, and with ``gpu`` (bytes or "80GiB") the
     largest batch and prompt length whose call fits. ``dtype``: the model's parameters' (it is
-    built in it; said in the first line)."""
+    built in it; said in the first line). ``cache``: "dynamic" or "static", as for :func:`generation`."""
     from .accounting.budget import parse_bytes
     from .views.text import format_bytes as fb
 
     report = None
     if new_tokens >= 6:  # formulas in the number of tokens: 3 short analyses instead of new_tokens steps
         try:
-            formulas = generation(model, ("B", "P"), new_tokens="T")
+            formulas = generation(model, ("B", "P"), new_tokens="T", cache=cache)
         except ModelError:
             formulas = None
         if formulas is not None:
             report = _AtTokens(formulas, new_tokens)
     if report is None:
-        report = generation(model, ("B", "P"), new_tokens=new_tokens)
+        report = generation(model, ("B", "P"), new_tokens=new_tokens, cache=cache)
     at = report.evaluate(B=batch, P=prompt)
     weights = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
     try:
@@ -305,7 +322,7 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
         kv = None
     kind = dtype or next((p.dtype for p in model.parameters()), None)
     lines = [f"{type(model).__name__}.generate() ({str(kind).replace('torch.', '')}): {new_tokens} new tokens, "
-             f"greedy, dynamic KV cache",
+             f"greedy, {cache} KV cache",
              f"  weights             {fb(weights)}",
              f"  peak                {fb(at['peak'])}  at batch {batch}, prompt {prompt}"]
     if kv is not None:
@@ -346,7 +363,9 @@ def _geometry(config) -> tuple[int, int, int]:
 
 
 def kv_cache_bytes(config, batch="B", prompt="P", new_tokens="T", dtype="float32") -> sympy.Expr:
-    """Bytes of the DynamicCache left by greedy ``generate`` of ``new_tokens`` after ``prompt`` tokens.
+    """Bytes of the KV cache left by greedy ``generate`` of ``new_tokens`` after ``prompt`` tokens:
+    ``prompt + new_tokens - 1`` positions (the last token is never fed back), in a ``DynamicCache``
+    as in a ``StaticCache`` (``generate`` sizes it so; tests/test_generation.py checks both).
 
     ``batch``/``prompt``/``new_tokens`` are dim names (symbols) or ints; ``dtype`` names the cache's
     dtype (the model's). Example: ``kv_cache_bytes(cfg, 4, 128, 32)`` gives an integer of bytes.

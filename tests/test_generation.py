@@ -76,10 +76,12 @@ def test_cli_serve(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", **LLAMA}))
     out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--serve", "--batch", "2", "--prompt",
-                          "64", "--new-tokens", "2", "--gpu", "2MiB", "--quiet"], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          "64", "--new-tokens", "2", "--gpu", "2MiB", "--cache", "static", "--quiet"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr
-    report = fxmem.generation(fxmem.from_config({"model_type": "llama", **LLAMA}), ("B", "P"), new_tokens=2)
+    report = fxmem.generation(fxmem.from_config({"model_type": "llama", **LLAMA}), ("B", "P"), new_tokens=2,
+                              cache="static")
+    assert "static KV cache" in out.stdout and "(65 positions x batch 2)" in out.stdout, out.stdout
     assert fxmem.format_bytes(report.evaluate(B=2, P=64)["peak"]) in out.stdout
     assert f"largest batch       {report.max_size('B', '2MiB', P=64):,}" in out.stdout
 
@@ -94,24 +96,26 @@ def _configs():
     }
 
 
-def _real_cache_bytes(model, B, P, T):
+def _real_cache_bytes(model, B, P, T, cache="dynamic"):
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (B, P))
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=T,
-                         max_new_tokens=T, return_dict_in_generate=True, pad_token_id=0)
+                         max_new_tokens=T, return_dict_in_generate=True, pad_token_id=0, **kw)
     cache = out.past_key_values
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-gqa", "gpt2"])
-def test_kv_cache_bytes_matches_real_generate(name):
+@pytest.mark.parametrize("name, cache", [("llama", "dynamic"), ("qwen2-gqa", "dynamic"), ("gpt2", "dynamic"),
+                                         ("llama", "static")])
+def test_kv_cache_bytes_matches_real_generate(name, cache):
     config = _configs()[name]
-    formula = kv_cache_bytes(config)
+    formula = kv_cache_bytes(config)  # the same positions in both caches
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     for B, P, T in [(1, 5, 3), (3, 7, 4), (2, 11, 1)]:
         with torch.no_grad():
-            real = _real_cache_bytes(model, B, P, T)
+            real = _real_cache_bytes(model, B, P, T, cache)
         sizes = {"B": B, "P": P, "T": T}
         assert formula.subs({s: sizes[s.name] for s in formula.free_symbols}) == real, (B, P, T)
         assert kv_cache_bytes(config, B, P, T) == real
@@ -125,20 +129,22 @@ def test_sliding_window_refused():
 
 
 # --- formulas in the number of new tokens ----------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_formulas_in_new_tokens_are_exact_against_real_calls(kind):
+@pytest.mark.parametrize("kind, cache", [("llama", "dynamic"), ("llama", "static"),
+                                         pytest.param("gpt2", "dynamic", marks=pytest.mark.slow)])
+def test_formulas_in_new_tokens_are_exact_against_real_calls(kind, cache):
     """new_tokens="T": 3 short analyses give the peak and the retained bytes of any number of tokens;
-    checked against real generate() calls at numbers of tokens and prompt sizes none of them saw."""
+    checked against real generate() calls at numbers of tokens and prompt sizes none of them saw. A
+    static cache is sized for all T tokens up front: every step grows with T, not only the last."""
     model = _model(kind)
-    formulas = fxmem.generation(model, ("B", "P"), new_tokens="T")
+    formulas = fxmem.generation(model, ("B", "P"), new_tokens="T", cache=cache)
     assert {s.name for s in formulas.peak.free_symbols} >= {"B", "P", "T"} and formulas.exact
     for b, p, t in ((3, 37, 7), (2, 70, 12)):
         assert formulas._holds(dict(B=b, P=p, T=t))  # the formulas answer, not an analysis of t tokens
         at = formulas.evaluate(B=b, P=p, T=t)
-        assert (at["peak_above_resident"], at["retained"]) == _real(model, b, p, t, "dynamic"), (b, p, t)
+        assert (at["peak_above_resident"], at["retained"]) == _real(model, b, p, t, cache), (b, p, t)
     # where the formulas do not hold (2 tokens) the call is analysed as asked: exact too
     at = formulas.evaluate(B=3, P=37, T=2)
-    assert (at["peak_above_resident"], at["retained"]) == _real(model, 3, 37, 2, "dynamic")
+    assert (at["peak_above_resident"], at["retained"]) == _real(model, 3, 37, 2, cache)
 
 
 def test_max_batch_for_many_tokens_and_what_is_refused():
@@ -148,8 +154,6 @@ def test_max_batch_for_many_tokens_and_what_is_refused():
     assert formulas.evaluate(B=b, P=32, T=150)["peak"] <= 2 * 2**20 < formulas.evaluate(B=b + 1, P=32, T=150)["peak"]
     # at 150 new tokens the last decode step, not the prefill, sets the peak
     assert formulas.evaluate(B=b, P=32, T=150)["peak"] > formulas.evaluate(B=b, P=32, T=30)["peak"]
-    with pytest.raises(fxmem.SpecError, match="dynamic cache"):
-        fxmem.generation(model, ("B", "P"), new_tokens="T", cache="static")
     with pytest.raises(fxmem.SpecError, match="give exactly"):
         formulas.evaluate(B=2, P=64)
 

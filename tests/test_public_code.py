@@ -153,6 +153,8 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
 
 
+@pytest.mark.slow  # ~45 s; the second graph that is made is checked in CI by
+# test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal
 def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there_is_refused(monkeypatch):
     """The second graph at L == block_size is one more optimize call; where it fails, the result
     runs the model's own forward there, its record does not claim a second graph, and a budget at

@@ -225,6 +225,8 @@ def test_reanalysis_outside_the_region_keeps_repeating_blocks():
     assert dict(fast.evaluate(B=1, L=1)) == dict(slow.evaluate(B=1, L=1))
 
 
+@pytest.mark.slow  # ~60 s; in CI the shortcut is checked by the GPT and Llama tests above, optimize on alike
+# layers by tests/test_sdpa.py::test_alike_layers_are_decided_in_one_trial
 def test_blocks_rewritten_by_optimize_still_repeat_and_match_real_steps():
     """A rewrite holds a graph per site (the original attention that runs while dropout is on): the
     held graphs compute the same in every block, so the rewritten model's blocks still repeat."""

@@ -16,10 +16,14 @@ on the operands so laid out, must reproduce the matmul's value. Look-alikes are 
 the reason: scores that are not LeakyReLU(s_i + t_j) (GATv2's a·LeakyReLU(Wh_i + Wh_j), dot
 products), masks added rather than filled in, a softmax over the wrong axis.
 
-Dropout: a row-blocked kernel cannot draw the mask an N x M ``dropout`` draws from the same random
-stream, so where the attention has dropout with p > 0, the rewritten graph runs the fused kernel
-when the dropout is off (eval mode) and the original nodes when it is on (train mode) - same
-numbers as the original in both; with ``training=True`` written into the code, the rule declines.
+Dropout with p > 0 on the weights runs inside the kernel while it is on (train mode), with the
+model's own random mask: on the CPU ``F.dropout`` draws one number per weight in memory order, and
+the kernel, visiting the weights group by group and row by row, draws the same numbers from the same
+stream where the weights are laid out in that order (checked at every probe; its backward draws them
+again from the generator's state). Where they are laid out otherwise, the rewritten graph runs the
+fused kernel while the dropout is off (eval mode) and the original nodes while it is on - same numbers
+as the original in both. With ``training=True`` written into the code (dropout on in eval mode too)
+the rule declines.
 
 >>> [f.status for f in find(gm, probes)]                         # doctest: +SKIP
 ['match']
@@ -79,6 +83,9 @@ class AttentionPlan:
     dropout_module: str | None  # an nn.Dropout's path: it reads its own flag
     fallback: tuple  # (nodes of the original attention, in graph order; the nodes they read)
     edge_list: bool = False  # run over the adjacency's kept entries (fxmem.ops.edge_attention)
+    # the dropout runs inside the kernel (the model's own mask: the weights are drawn in the order
+    # the kernel visits them); otherwise the original attention runs while dropout is on
+    dropout_in_kernel: bool = False
 
 
 # --- walking back from the matmul -------------------------------------------------------------------
@@ -527,16 +534,35 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     if isinstance(layout, str):
         return layout
     p, training, module = drop if drop is not None else (0.0, None, None)
+    in_kernel = (drop is not None and p > 0 and training is not False and not edge_list
+                 and all(_draws_in_order(pr.env[softmax], groups_mask + groups_heads + [i, j]) for pr in probes))
     if drop is not None and p > 0 and module is None and training is True:
-        return (f"dropout (p={p}) is always on here (training=True written in the code): a blocked kernel cannot "
-                f"draw the same random mask as dropout over the whole N x M matrix")
+        return (f"dropout (p={p}) is always on here (training=True written in the code, eval mode too): the rule "
+                f"checks the kernel against the attention's values at its probes, which always-on dropout leaves "
+                f"random in every mode; fused where dropout follows the mode (training=self.training, nn.Dropout)")
     if drop is not None and (p == 0 or training is False):
         training = False
+        in_kernel = False
     options = (compare, threshold, keep, _constant(mask.fill, env), slope, block_bytes)
     plan = AttentionPlan(node, u, v, values, source, *layout, options, p, training, module,
-                         _original(node, [u, v, values, source]), edge_list)
+                         _original(node, [u, v, values, source]), edge_list, in_kernel)
     mismatch = _check(plan, probes)
     return mismatch if mismatch is not None else plan
+
+
+def _draws_in_order(weights: Any, order: list) -> bool:
+    """Whether ``F.dropout(weights)`` draws its noise in the order the fused kernel visits the
+    weights: the axes ``order`` (the groups, the rows i, the columns j), row-major, size-1 axes
+    aside. On the CPU dropout draws into ``empty_like(weights)`` element by element in memory
+    order (the strides of dense weights, else contiguous ones): the order the kernel's blocks draw
+    in when the two agree, and then the kernel draws the model's own mask."""
+    if not isinstance(weights, torch.Tensor) or weights.device.type != "cpu":
+        return False
+    noise = torch.empty_like(weights, device="meta")
+    rest = [a for a in range(weights.dim()) if a not in order]
+    if any(weights.shape[a] != 1 for a in rest):
+        return False
+    return noise.permute(*order, *rest).is_contiguous()
 
 
 def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, groups_heads, parts, probes,
@@ -681,9 +707,9 @@ def edges_of(source: torch.Tensor, mask_axes: Axes, compare: str, threshold: flo
 
 
 def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
-                edges: torch.Tensor | None = None) -> torch.Tensor:
+                edges: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
     """The attention computed by the fused kernel (over ``edges``, the mask's kept entries, when
-    given), in the layout of the original matmul's result."""
+    given; with dropout ``p`` on its weights), in the layout of the original matmul's result."""
     u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze, options = data
     compare, threshold, keep, fill, slope, block_bytes = options
     s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
@@ -695,21 +721,22 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
                              added=adj if compare == "add" else None)
     else:
         out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
-                               block_bytes=block_bytes)
+                               block_bytes=block_bytes, dropout=p)
     return scatter_axes(out, u, u_axes, out_order, out_unsqueeze)  # u has every group axis of the result
 
 
 def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
                     dropout: bool = False, original: Any = None, box: list | None = None,
-                    edges: torch.Tensor | None = None) -> torch.Tensor:
-    """What the rewritten graph calls: the fused attention, or - while its dropout is on (``dropout``
-    true: train mode, p > 0) - the original nodes (``original[0]``, a GraphModule of them, on the
-    values in the list ``box``, which it empties), which draw the same random mask as the model."""
+                    edges: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+    """What the rewritten graph calls: the fused attention - with dropout ``p`` inside the kernel
+    while ``dropout`` is true (train mode) - or, where the kernel cannot draw the model's mask,
+    while dropout is on the original nodes (``original[0]``, a GraphModule of them, on the values
+    in the list ``box``, which it empties), which draw the same random mask as the model."""
     if dropout and original is not None:
         return original[0](box)
     if box is not None:
         box.clear()
-    return fused_value(u, v, values, source, data, edges)
+    return fused_value(u, v, values, source, data, edges, p if dropout else 0.0)
 
 
 def _name(node: torch.fx.Node, env: Mapping) -> str:
@@ -735,9 +762,15 @@ def _describe(plan: AttentionPlan, env: Mapping) -> str:
         text += (f"fused, in row blocks of at most {block_bytes} bytes of scratch, no N x N float tensor built or kept "
                  f"(work in N x N still: on a sparse graph, settings={{'fused-attention': {{'edge_list': True}}}} "
                  f"runs it over the edges)")
-    if plan.dropout_p > 0 and plan.training is not False:
-        text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: a blocked "
-                 f"kernel cannot draw dropout's random mask from the same stream")
+    if plan.dropout_p > 0 and plan.training is not False and plan.dropout_in_kernel:
+        text += (f"; dropout (p={plan.dropout_p:g}) inside the kernel, with the model's own random mask: the kernel "
+                 f"visits the weights in the order dropout draws them (groups, rows, columns) and draws them from the "
+                 f"same stream; its backward draws them again from the generator's state (CPU: checked at the probes "
+                 f"and by verification; on CUDA the mask is another one)")
+    elif plan.dropout_p > 0 and plan.training is not False:
+        text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: the weights "
+                 f"are not laid out in the order the kernel visits them, so it cannot draw dropout's random mask from "
+                 f"the same stream")
     return text
 
 
@@ -748,14 +781,17 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
     kwargs = {"edges": _edges_node(graph, nodes[plan.mask_source], plan)} if plan.edge_list else {}
     with graph.inserting_before(nodes[plan.output]):
         if plan.dropout_p > 0 and plan.training is not False:
-            holder = _fallback(plan, gm)
             if plan.dropout_module is not None:
                 module = graph.get_attr(plan.dropout_module)
                 flag = graph.call_function(getattr, (module, "training"))
             else:
                 flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
-            original = graph.create_node("get_attr", holder)
-            args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
+            if plan.dropout_in_kernel:
+                args.append(flag)
+                kwargs["p"] = plan.dropout_p
+            else:
+                original = graph.create_node("get_attr", _fallback(plan, gm))
+                args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
         return graph.call_function(fused_attention, tuple(args), kwargs)
 
 

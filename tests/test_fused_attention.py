@@ -7,7 +7,9 @@
 * the kernel's rule alone against real runs: several blocks, a last partial block, masks that are
   views, bool and float adjacencies, float64, operands that must be copied;
 * look-alikes are declined with the reason, and the graph is left as it was;
-* dropout with p > 0: the fused kernel runs in eval mode, the original attention in train mode.
+* dropout with p > 0: inside the kernel with the model's own random mask (the same outputs and
+  gradients from the same seed), or, where the weights are laid out otherwise, the original
+  attention in train mode.
 """
 from __future__ import annotations
 
@@ -136,11 +138,13 @@ def test_many_blocks_are_exact(monkeypatch):
 class KernelOnly(nn.Module):
     """s, t, h from one linear map; the fused kernel with the given options (h permuted: it is copied)."""
 
-    def __init__(self, heads: int, compare: str, keep: bool, block_bytes: int, permuted: bool) -> None:
+    def __init__(self, heads: int, compare: str, keep: bool, block_bytes: int, permuted: bool,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.lin = nn.Linear(6, heads * 8)
         self.a, self.b = nn.Parameter(torch.randn(heads, 8)), nn.Parameter(torch.randn(heads, 8))
         self.heads, self.compare, self.keep, self.block_bytes, self.permuted = heads, compare, keep, block_bytes, permuted
+        self.dropout = dropout
 
     def forward(self, x, adj):
         B, N = x.shape[0], x.shape[1]
@@ -148,20 +152,22 @@ class KernelOnly(nn.Module):
         h = h.transpose(1, 2) if self.permuted else h.permute(0, 2, 1, 3).contiguous()  # [B, H, N, 8]
         s, t = (h * self.a[:, None]).sum(-1), (h * self.b[:, None]).sum(-1)
         return masked_attention(s, t, h, adj, compare=self.compare, keep=self.keep, block_bytes=self.block_bytes,
-                                fill=-1e9).sum(1)
+                                fill=-1e9, dropout=self.dropout).sum(1)
 
 
-@pytest.mark.parametrize("heads,compare,keep,block_bytes,permuted,dtype", [
-    (2, "gt", True, 4 * 2**20, False, torch.float32),  # one block
-    (2, "gt", True, 3000, True, torch.float32),  # blocks of one row, h copied
-    (3, "eq", False, 20000, False, torch.float32),  # several rows per block, a partial last one
-    (1, "true", True, 10000, False, torch.bool),  # bool adjacency, its negation allocated
-    (2, "true", False, 10000, True, torch.bool),  # a bool adjacency that says what to drop: a view
-    (2, "ne", False, 10000, False, torch.float64),  # float64 scores and adjacency
+@pytest.mark.parametrize("heads,compare,keep,block_bytes,permuted,dtype,dropout", [
+    (2, "gt", True, 4 * 2**20, False, torch.float32, 0.0),  # one block
+    (2, "gt", True, 3000, True, torch.float32, 0.0),  # blocks of one row, h copied
+    (3, "eq", False, 20000, False, torch.float32, 0.0),  # several rows per block, a partial last one
+    (1, "true", True, 10000, False, torch.bool, 0.0),  # bool adjacency, its negation allocated
+    (2, "true", False, 10000, True, torch.bool, 0.0),  # a bool adjacency that says what to drop: a view
+    (2, "ne", False, 10000, False, torch.float64, 0.0),  # float64 scores and adjacency
+    (3, "eq", False, 20000, False, torch.float32, 0.5),  # dropout: one group per block, its noise
+    (2, "ne", False, 10000, True, torch.float64, 0.2),  # dropout in float64 (1 - p wrapped, not cast)
 ])
-def test_kernel_rule_matches_real_runs(heads, compare, keep, block_bytes, permuted, dtype):
+def test_kernel_rule_matches_real_runs(heads, compare, keep, block_bytes, permuted, dtype, dropout):
     torch.manual_seed(0)
-    model = KernelOnly(heads, compare, keep, block_bytes, permuted)
+    model = KernelOnly(heads, compare, keep, block_bytes, permuted, dropout)
     float_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model = model.to(float_dtype)
     specs = (fxmem.TensorSpec(("B", "N", 6), dtype=float_dtype), fxmem.TensorSpec(("B", "N", "N"), dtype=dtype))
@@ -238,7 +244,31 @@ def test_seed_layer_as_written_is_not_fused():
 
 # --- dropout in training ---------------------------------------------------------------------------------
 
-def test_dropout_on_runs_the_original_attention_and_off_runs_the_fused_kernel():
+@pytest.mark.parametrize("cls,p", [(A.DecomposedHead, 0.6), (A.HeadsFirst, 0.3)], ids=["functional", "module"])
+def test_dropout_runs_inside_the_kernel_with_the_models_own_mask(cls, p):
+    """pyGAT's dropout (p=0.6) on the attention: the kernel draws the model's own mask (same outputs
+    and gradients as the original in train mode), so the training step keeps no N x N tensor either,
+    and fxmem's analysis of it equals the allocator on a real step."""
+    torch.manual_seed(0)
+    model = cls(dropout=p)
+    opt = optimize(model, *cls.SPECS)
+    (entry,) = fused(opt)
+    assert entry["status"] == "applied" and f"dropout (p={p:g}) inside the kernel" in entry["reason"], entry
+    assert entry["train_peak_after"] != entry["train_peak_before"]
+    assert not any(k.startswith("_fxmem_original_") for k in vars(opt))  # no fallback held
+    step = check_training_against_real_run(opt.train(), cls.SPECS, [{"B": 2, "N": 23}],
+                                           lambda q: torch.optim.SGD(q, lr=0.1))
+    assert quadratic_float_activations(step) == []
+    assert set(opt.state_dict()) == set(model.state_dict())
+    assert_same_in_every_mode(model, opt, inputs(cls.SPECS, {"B": 2, "N": 6}))
+
+
+def test_where_the_kernel_cannot_draw_the_mask_the_original_runs_while_dropout_is_on(monkeypatch):
+    """Weights laid out in another order than the kernel visits them: the fused kernel runs in eval
+    mode, the original attention (the model's own dropout) in train mode."""
+    import fxmem.passes.fused_attention as rule
+
+    monkeypatch.setattr(rule, "_draws_in_order", lambda weights, order: False)
     torch.manual_seed(0)
     model = A.DecomposedHead(dropout=0.6)
     opt = optimize(model, *A.DecomposedHead.SPECS)
@@ -251,8 +281,38 @@ def test_dropout_on_runs_the_original_attention_and_off_runs_the_fused_kernel():
     assert quadratic_float_activations(inference) == []
     check_against_real_run(opt.eval(), A.DecomposedHead.SPECS, [{"B": 3, "N": 17}], grad=False)
     check_against_real_run(opt.train(), A.DecomposedHead.SPECS, [{"B": 3, "N": 17}])
-    assert set(opt.state_dict()) == set(model.state_dict())
     assert_same_in_every_mode(model, opt, inputs(A.DecomposedHead.SPECS, {"B": 2, "N": 6}))
+
+
+def test_the_kernels_dropout_is_the_models_own():
+    """The kernel with dropout against the plain form with F.dropout, from the same seed: the same
+    outputs bit for bit, the same gradients, and the generator left where F.dropout leaves it - one
+    group and several (mask per group or shared), one block and many."""
+    F = torch.nn.functional
+    for gm, gh, am, block_bytes in ((1, 1, 1, 10**9), (1, 1, 1, 300), (2, 3, 2, 300), (2, 3, 1, 10**9)):
+        s = torch.randn(gm, gh, 9, dtype=torch.float64, requires_grad=True)
+        t = torch.randn(gm, gh, 7, dtype=torch.float64, requires_grad=True)
+        h = torch.randn(gm, gh, 7, 4, dtype=torch.float64, requires_grad=True)
+        adj = torch.rand(am, 9, 7) > 0.6
+
+        def plain(s, t, h):
+            e = F.leaky_relu(s[..., None] + t[..., None, :], 0.2)
+            return F.dropout(torch.softmax(torch.where(adj[:, None], e, -9e15), -1), 0.4, True) @ h
+
+        def fused_form(s, t, h):
+            return masked_attention(s, t, h, adj, compare="true", block_bytes=block_bytes, dropout=0.4)
+
+        runs = []
+        for fn in (fused_form, plain):
+            torch.manual_seed(5)
+            out = fn(s, t, h)
+            after = torch.rand(3)
+            weights = torch.arange(out.numel(), dtype=out.dtype).view_as(out)
+            runs.append((out, torch.autograd.grad((out * weights).sum(), (s, t, h)), after))
+        (out, grads, after), (out2, grads2, after2) = runs
+        assert torch.equal(out, out2) and torch.equal(after, after2), (gm, gh, am, block_bytes)
+        for a, b in zip(grads, grads2):
+            torch.testing.assert_close(a, b)
 
 
 def test_settings_are_checked():

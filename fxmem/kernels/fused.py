@@ -30,8 +30,13 @@ from .cpu import copy_bytes
 
 _ATTENTION = torch.ops.fxmem.masked_attention
 _ATTENTION_BACKWARD = torch.ops.fxmem.masked_attention_backward
+_DROPOUT = torch.ops.fxmem.masked_attention_dropout
+_DROPOUT_BACKWARD = torch.ops.fxmem.masked_attention_dropout_backward
 require_args(_ATTENTION.default, "s", "t", "h", "adj", "compare", "threshold", "keep", "block_bytes")
 require_args(_ATTENTION_BACKWARD.default, "grad", "s", "t", "h", "adj", "compare", "threshold", "keep", "block_bytes")
+require_args(_DROPOUT.default, "s", "t", "h", "adj", "compare", "threshold", "keep", "block_bytes", "dropout")
+require_args(_DROPOUT_BACKWARD.default, "grad", "s", "t", "h", "adj", "compare", "threshold", "keep", "block_bytes",
+             "dropout")
 
 
 def _compare_with_number(device: str, operand: torch.Tensor, numel: Any, number: float) -> tuple[list, list]:
@@ -47,11 +52,11 @@ def _compare_with_number(device: str, operand: torch.Tensor, numel: Any, number:
     return before, [-b for b in reversed(before)]
 
 
-def _drop_mask(call: Call, rows: Any) -> tuple[list, list]:
+def _drop_mask(call: Call, rows: Any, mask_groups: Any) -> tuple[list, list]:
     """``_dropped``: the bool mask of one block (a view of a bool adj that says what to replace)."""
     adj, compare, keep = call.arg("adj"), call.arg("compare"), call.arg("keep")
     m = call.arg("t").shape[-1]
-    size = adj.shape[0] * rows * m
+    size = mask_groups * rows * m
     if compare == "add":  # an additive mask is added in place from a view: no mask block
         return [], []
     if compare == "true":
@@ -61,11 +66,24 @@ def _drop_mask(call: Call, rows: Any) -> tuple[list, list]:
 
 
 def _sizes(call: Call) -> tuple:
+    """(groups per block, M, F, rows per block, element size, mask groups per block): the kernel
+    with dropout visits one group at a time (its noise is drawn in the weights' memory order)."""
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
     gm, gh, n = s.shape
     g, m, f = gm * gh, t.shape[-1], h.shape[-1]
-    rows = block_rows(n, m, f, g, call.arg("adj").shape[0], s.element_size(), call.arg("block_bytes"))
-    return g, m, f, rows, s.element_size()
+    if call.arg("dropout", 0.0):
+        rows = block_rows(n, m, f, 1, 1, s.element_size(), call.arg("block_bytes"), score_blocks=5)
+        return 1, m, f, rows, s.element_size(), 1
+    am = call.arg("adj").shape[0]
+    rows = block_rows(n, m, f, g, am, s.element_size(), call.arg("block_bytes"))
+    return g, m, f, rows, s.element_size(), am
+
+
+def _noise(call: Call, scores: Any) -> list:
+    """F.dropout's noise for one block (``ops.attention._noise``): the block, drawn in place, then
+    divided by 1 - p in place (a Python number: wrapped in a tensor on CPU, see :mod:`.scalars`)."""
+    before, after = _compare_with_number(call.device, call.arg("s"), 0, 0.0)
+    return [scores, *[b for b in before if b], *[a for a in after if a]]
 
 
 def _unchecked_on_gpu(call: Call, program: list) -> list:
@@ -79,22 +97,28 @@ def _unchecked_on_gpu(call: Call, program: list) -> list:
 
 @hidden(_ATTENTION, device="cpu")
 @hidden(_ATTENTION, device="cuda")
+@hidden(_DROPOUT, device="cpu")
+@hidden(_DROPOUT, device="cuda")
 def _masked_attention(call: Call) -> list:
     """Row blocks of masked attention: contiguous copies of s, t, h; then per block the scores
-    (G x rows x M), the bool drop mask, the softmax, and - when there are several blocks - the
-    block's output before it is copied into place (one block is written straight into the output)."""
+    (G x rows x M), the bool drop mask, the softmax, with dropout its noise (one group per block),
+    and - when there are several blocks - the block's output before it is copied into place (one
+    block is written straight into the output)."""
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
-    g, m, f, rows, es = _sizes(call)
+    g, m, f, rows, es, am = _sizes(call)
     copies = _copies(s, t, h)
     scores = g * rows * m * es
-    mask, unmask = _drop_mask(call, rows)
+    mask, unmask = _drop_mask(call, rows, am)
+    noise = [*_noise(call, scores), -scores] if call.arg("dropout", 0.0) else []
     block_out = [] if rows == s.shape[-1] else [g * rows * f * es, -g * rows * f * es]
-    block = [scores, *mask, *unmask, scores, -scores, *block_out, -scores]
+    block = [scores, *mask, *unmask, scores, -scores, *noise, *block_out, -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
 
 
 @hidden(_ATTENTION_BACKWARD, device="cpu")
 @hidden(_ATTENTION_BACKWARD, device="cuda")
+@hidden(_DROPOUT_BACKWARD, device="cpu")
+@hidden(_DROPOUT_BACKWARD, device="cuda")
 def _masked_attention_backward(call: Call) -> list:
     """Row blocks of the attention's backward: contiguous copies of s and t and h, a copy of the
     gradient where its groups do not merge into one batch dim; then per block the recomputed
@@ -102,7 +126,7 @@ def _masked_attention_backward(call: Call) -> list:
     (an expanded gradient), dP (G x rows x M), a row sum, the check whether masked entries got
     weight, LeakyReLU's backward (a new block), and the two partial sums."""
     s, t, h, grad = call.arg("s"), call.arg("t"), call.arg("h"), call.arg("grad")
-    g, m, f, rows, es = _sizes(call)
+    g, m, f, rows, es, am = _sizes(call)
     copies = _copies(s, t, h)
     if not groups_merge(grad):
         copies.append(grad.numel() * es)
@@ -111,18 +135,20 @@ def _masked_attention_backward(call: Call) -> list:
         ready = gemm_ready(grad)  # the last two dims are those of the merged view
     scores, row = g * rows * m * es, g * rows * es
     grad_rows = [] if ready else [g * rows * f * es]
-    mask, unmask = _drop_mask(call, rows)
+    mask, unmask = _drop_mask(call, rows, am)
+    # with dropout: the noise drawn again, the kept weights for dh (freed), dP times the noise
+    noise = [*_noise(call, scores), scores, -scores, -scores] if call.arg("dropout", 0.0) else []
     # torch.gt(top, below).all(): a bool per row, then one bool
     check_before, check_after = _compare_with_number(call.device, s, g * rows, 0.0)
     check = [*check_before, g * rows, *check_after, 1, -g * rows, -1]
     if call.arg("compare") == "add":  # nothing is masked: no check; the mask's gradient, summed over heads
         check = []
         if call.arg("need_adj", False):
-            gm = s.shape[0]
+            gm = 1 if call.arg("dropout", 0.0) else s.shape[0]
             part = gm * rows * m * es
             whole = rows * m * es if call.arg("adj").shape[0] == 1 and not _is_one(gm) else 0
             check = [part, whole, -part, -whole] if whole else [part, -part]
-    block = [scores, *mask, scores, *grad_rows, scores, row, -row, -scores, *check, *unmask,
+    block = [scores, *mask, scores, *grad_rows, scores, *noise, row, -row, -scores, *check, *unmask,
              scores, -scores, -scores, row, -row, g * m * es, -g * m * es, *[-b for b in grad_rows], -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
 

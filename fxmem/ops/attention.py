@@ -54,14 +54,16 @@ _UNDERFLOW = {torch.float64: -800.0}
 _UNDERFLOW_DEFAULT = -120.0
 
 
-def block_rows(n: Any, m: Any, f: Any, groups: Any, mask_groups: Any, element_size: int, block_bytes: int) -> Any:
-    """Rows per block: as many as keep the backward's scratch (3 float score blocks per group - the
-    scores, their softmax or LeakyReLU's gradient, dP - 1 bool mask block per mask group, and the
-    block's rows of the output or its gradient) within ``block_bytes``, at least 1, at most ``n``.
+def block_rows(n: Any, m: Any, f: Any, groups: Any, mask_groups: Any, element_size: int, block_bytes: int,
+               score_blocks: int = 3) -> Any:
+    """Rows per block: as many as keep the backward's scratch (``score_blocks`` float score blocks
+    per group - the scores, their softmax or LeakyReLU's gradient, dP; with dropout also its noise
+    and the dropped weights - 1 bool mask block per mask group, and the block's rows of the output
+    or its gradient) within ``block_bytes``, at least 1, at most ``n``.
 
     Sizes may be symbolic: the comparisons then become guards of the analysis' region.
     """
-    per_row = 3 * element_size * groups * m + mask_groups * m + element_size * groups * f
+    per_row = score_blocks * element_size * groups * m + mask_groups * m + element_size * groups * f
     rows = block_bytes // per_row
     if rows < 1:
         return 1
@@ -124,13 +126,18 @@ def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: 
     return out, top
 
 
-def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, threshold, keep, fill, slope) -> None:
+def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, threshold, keep, fill, slope,
+                   dropout: float = 0.0) -> None:
     # a function per block: its temporaries die when it returns, before the next block's are made
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     del drop
     torch.amax(z, -1, keepdim=True, out=top3[:, r0:r0 + rows])
     p = torch.softmax(z, -1)
     del z
+    if dropout:  # F.dropout's own steps on the CPU (noise, bernoulli_, div_, multiply): the same numbers
+        noise = _noise(p, dropout, None)
+        p.mul_(noise)
+        del noise
     if rows == out3.shape[1]:  # one block: straight into the output
         torch.bmm(p, h3, out=out3)
     else:
@@ -143,13 +150,9 @@ def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes):
     return s.new_empty(gm, gh, n, h.shape[-1]), s.new_empty(gm, gh, n, 1)
 
 
-@torch.library.custom_op("fxmem::masked_attention_backward", mutates_args=())
-def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
-                                 adj: torch.Tensor, top: torch.Tensor, compare: str, threshold: float, keep: bool,
-                                 fill: float, slope: float, block_bytes: int, need_adj: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ds, dt, dh, dadj)`` from the gradient of ``out``, recomputing the scores block by block;
-    ``dadj`` (an additive mask's gradient) is empty unless ``need_adj``."""
+def _backward_buffers(grad, s, t, h, adj, top, need_adj: bool) -> tuple:
+    """The backward's operands as [G, ...] (contiguous copies where they are not) and its results,
+    allocated (``ds, dt, dh, dadj``) and as [G, ...] views (``ds2, dt2, dh3``)."""
     gm, gh, n = s.shape
     m, f = t.shape[-1], h.shape[-1]
     g = gm * gh
@@ -159,10 +162,24 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
     dt = t.new_zeros(gm, gh, m)
     dh = h.new_zeros(gm, gh, m, f)
     dadj = adj.new_zeros(adj.shape) if need_adj else adj.new_empty(0)
-    ds2, dt2, dh3, top3 = ds.view(g, n), dt.view(g, m), dh.view(g, m, f), top.view(g, n, 1)
+    views = (ds.view(g, n), dt.view(g, m), dh.view(g, m, f), top.view(g, n, 1))
+    return (s3, t3, h3, grad3), (ds, dt, dh, dadj), views
+
+
+@torch.library.custom_op("fxmem::masked_attention_backward", mutates_args=())
+def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
+                                 adj: torch.Tensor, top: torch.Tensor, compare: str, threshold: float, keep: bool,
+                                 fill: float, slope: float, block_bytes: int, need_adj: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ds, dt, dh, dadj)`` from the gradient of ``out``, recomputing the scores block by block;
+    ``dadj`` (an additive mask's gradient) is empty unless ``need_adj``."""
+    gm, gh, n = s.shape
+    m, f = t.shape[-1], h.shape[-1]
+    (s3, t3, h3, grad3), (ds, dt, dh, dadj), (ds2, dt2, dh3, top3) = _backward_buffers(grad, s, t, h, adj, top,
+                                                                                      need_adj)
     # the masked pass is needed only where a masked entry's softmax is not exactly 0
     below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
-    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
+    step = block_rows(n, m, f, gm * gh, adj.shape[0], s.element_size(), block_bytes)
     for r0 in range(0, n, step):
         _backward_block(grad3, s3, t3, h3, adj, top3, gh, ds2, dt2, dh3, r0, min(step, n - r0), compare, threshold,
                         keep, fill, slope, below, dadj if need_adj else None)
@@ -170,14 +187,22 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
 
 
 def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows, compare, threshold, keep, fill,
-                    slope, below, dadj=None) -> None:
+                    slope, below, dadj=None, dropout: float = 0.0, generator: Any = None) -> None:
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     p = torch.softmax(z, -1)  # the forward's softmax: the same op on the same scores
     g = grad3[:, r0:r0 + rows]
     if not gemm_ready(grad3):  # an expanded gradient (from a sum): the block's rows, copied once
         g = g.contiguous()
     dp = torch.bmm(g, h3.transpose(1, 2))
-    dh3.baddbmm_(p.transpose(1, 2), g)
+    if dropout:  # the forward's noise drawn again from its generator state: the weights it dropped
+        noise = _noise(p, dropout, generator)
+        kept = p * noise
+        dh3.baddbmm_(kept.transpose(1, 2), g)
+        del kept
+        dp.mul_(noise)  # dropout's backward: the gradient times the noise
+        del noise
+    else:
+        dh3.baddbmm_(p.transpose(1, 2), g)
     dp.mul_(p)
     row = dp.sum(-1, keepdim=True)
     dp.addcmul_(p, row, value=-1.0)  # softmax backward: P ⊙ (dP - rowsum(P ⊙ dP))
@@ -220,16 +245,124 @@ def _backward(ctx: Any, grad: torch.Tensor, grad_top: Any) -> tuple:
 masked_attention_op.register_autograd(_backward, setup_context=_setup)
 
 
+# --- with dropout on the attention weights --------------------------------------------------------------
+# F.dropout(a, p) on the CPU draws one Bernoulli number per element of ``a`` in memory order from the
+# default generator, and a tensor drawn in pieces, in order, gets the same numbers as drawn whole
+# (tests/test_fused_attention.py checks it). So the kernel gets the model's own dropout mask when it
+# visits the weights in their memory order: group by group, rows in order within a group (the
+# rewrite checks at its probes that the model's weights are laid out so). The backward draws the
+# same noise again from a copy of the generator's state taken before the forward's first draw.
+
+def _noise(p: torch.Tensor, dropout: float, generator: Any) -> torch.Tensor:
+    """What ``F.dropout(p, dropout)`` multiplies ``p`` by: Bernoulli(1 - dropout) / (1 - dropout)."""
+    noise = torch.empty_like(p)
+    noise.bernoulli_(1 - dropout, generator=generator)
+    return noise.div_(1 - dropout)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _groups(s: torch.Tensor, adj: torch.Tensor):
+    """(group, its mask group) in memory order: Gm-major, then the Gh heads."""
+    gm, gh = s.shape[0], s.shape[1]
+    for k in range(gm * gh):
+        yield k, (k // gh if adj.shape[0] > 1 else 0)
+
+
+@torch.library.custom_op("fxmem::masked_attention_dropout", mutates_args=())
+def masked_attention_dropout_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
+                                threshold: float, keep: bool, fill: float, slope: float, block_bytes: int,
+                                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, top, state)``: as :func:`masked_attention_op`, with ``F.dropout(weights, dropout)``
+    before the product, one group at a time; ``state`` is the generator's state before the first
+    draw (the backward draws the same noise from it)."""
+    gm, gh, n = s.shape
+    m, f = t.shape[-1], h.shape[-1]
+    g = gm * gh
+    s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
+    out = s.new_empty(gm, gh, n, f)
+    top = s.new_empty(gm, gh, n, 1)
+    state = _rng_state(s.device)
+    out3, top3 = out.view(g, n, f), top.view(g, n, 1)
+    step = block_rows(n, m, f, 1, 1, s.element_size(), block_bytes, score_blocks=5)
+    for k, a in _groups(s, adj):
+        for r0 in range(0, n, step):
+            _forward_block(s3[k:k + 1], t3[k:k + 1], h3[k:k + 1], adj[a:a + 1], 1, out3[k:k + 1], top3[k:k + 1], r0,
+                           min(step, n - r0), compare, threshold, keep, fill, slope, dropout)
+    return out, top, state
+
+
+@masked_attention_dropout_op.register_fake
+def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout):
+    gm, gh, n = s.shape
+    size = 16 if s.device.type == "cuda" else 5056  # the generator's state: Philox seed and offset / MT19937
+    return (s.new_empty(gm, gh, n, h.shape[-1]), s.new_empty(gm, gh, n, 1),
+            torch.empty(size, dtype=torch.uint8, device="cpu"))
+
+
+@torch.library.custom_op("fxmem::masked_attention_dropout_backward", mutates_args=())
+def masked_attention_dropout_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
+                                         adj: torch.Tensor, top: torch.Tensor, state: torch.Tensor, compare: str,
+                                         threshold: float, keep: bool, fill: float, slope: float, block_bytes: int,
+                                         dropout: float, need_adj: bool = False
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ds, dt, dh, dadj)`` of :func:`masked_attention_dropout_op`, its noise drawn again from ``state``."""
+    gm, gh, n = s.shape
+    m, f = t.shape[-1], h.shape[-1]
+    (s3, t3, h3, grad3), (ds, dt, dh, dadj), (ds2, dt2, dh3, top3) = _backward_buffers(grad, s, t, h, adj, top,
+                                                                                      need_adj)
+    generator = torch.Generator(device=s.device)
+    generator.set_state(state)
+    below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
+    step = block_rows(n, m, f, 1, 1, s.element_size(), block_bytes, score_blocks=5)
+    for k, a in _groups(s, adj):
+        for r0 in range(0, n, step):
+            _backward_block(grad3[k:k + 1], s3[k:k + 1], t3[k:k + 1], h3[k:k + 1], adj[a:a + 1], top3[k:k + 1], 1,
+                            ds2[k:k + 1], dt2[k:k + 1], dh3[k:k + 1], r0, min(step, n - r0), compare, threshold, keep,
+                            fill, slope, below, dadj[a:a + 1] if need_adj else None, dropout, generator)
+    return ds, dt, dh, dadj
+
+
+@masked_attention_dropout_backward_op.register_fake
+def _(grad, s, t, h, adj, top, state, compare, threshold, keep, fill, slope, block_bytes, dropout, need_adj=False):
+    return (s.new_empty(s.shape), t.new_empty(t.shape), h.new_empty(h.shape),
+            adj.new_empty(adj.shape) if need_adj else adj.new_empty(0))
+
+
+def _setup_dropout(ctx: Any, inputs: tuple, output: tuple) -> None:
+    s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout = inputs
+    ctx.options = (compare, threshold, keep, fill, slope, block_bytes, dropout)
+    ctx.save_for_backward(s, t, h, adj, output[1], output[2])
+
+
+def _backward_dropout(ctx: Any, grad: torch.Tensor, grad_top: Any, grad_state: Any) -> tuple:
+    s, t, h, adj, top, state = ctx.saved_tensors
+    need_adj = bool(ctx.needs_input_grad[3]) and ctx.options[0] == "add"
+    ds, dt, dh, dadj = torch.ops.fxmem.masked_attention_dropout_backward(grad, s, t, h, adj, top, state, *ctx.options,
+                                                                         need_adj)
+    return ds, dt, dh, (dadj if need_adj else None), None, None, None, None, None, None, None
+
+
+masked_attention_dropout_op.register_autograd(_backward_dropout, setup_context=_setup_dropout)
+
+
 def masked_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, *, compare: str = "gt",
                      threshold: float = 0.0, keep: bool = True, fill: float = -9e15, slope: float = 0.2,
-                     block_bytes: int = DEFAULT_BLOCK_BYTES) -> torch.Tensor:
+                     block_bytes: int = DEFAULT_BLOCK_BYTES, dropout: float = 0.0) -> torch.Tensor:
     """softmax_j(LeakyReLU(s_i + t_j) where kept, else fill) @ h, fused; [Gm, Gh, N, F] (see module doc).
 
     The mask: ``adj <compare> threshold`` (``compare="true"``: a bool ``adj`` itself) says which scores
     stay (``keep=True``) or which are replaced by ``fill`` (``keep=False``); ``compare="add"`` adds
     ``adj`` to the scores instead (an additive mask, whose gradient is computed where it needs one).
+    ``dropout``: ``F.dropout(weights, dropout)`` (training) before the product, the same mask as
+    dropout over the weights ``[Gm, Gh, N, M]`` laid out contiguously draws (see above).
     """
     if compare not in COMPARE:
         raise ValueError(f"compare={compare!r}: use one of {COMPARE}")
+    if dropout:
+        return torch.ops.fxmem.masked_attention_dropout(s, t, h, adj, compare, float(threshold), bool(keep),
+                                                        float(fill), float(slope), int(block_bytes), float(dropout))[0]
     return torch.ops.fxmem.masked_attention(s, t, h, adj, compare, float(threshold), bool(keep), float(fill),
                                             float(slope), int(block_bytes))[0]

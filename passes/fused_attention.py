@@ -729,10 +729,11 @@ def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, sour
                     dropout: bool = False, original: Any = None, box: list | None = None,
                     edges: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
     """What the rewritten graph calls: the fused attention - with dropout ``p`` inside the kernel
-    while ``dropout`` is true (train mode) - or, where the kernel cannot draw the model's mask,
-    while dropout is on the original nodes (``original[0]``, a GraphModule of them, on the values
-    in the list ``box``, which it empties), which draw the same random mask as the model."""
-    if dropout and original is not None:
+    while ``dropout`` is true (train mode), on the CPU - or, where the kernel cannot draw the
+    model's mask (``p`` is 0, or the tensors are on another device), while dropout is on the
+    original nodes (``original[0]``, a GraphModule of them, on the values in the list ``box``,
+    which it empties), which draw the same random mask as the model."""
+    if dropout and original is not None and not (p and u.device.type == "cpu"):
         return original[0](box)
     if box is not None:
         box.clear()
@@ -765,12 +766,14 @@ def _describe(plan: AttentionPlan, env: Mapping) -> str:
     if plan.dropout_p > 0 and plan.training is not False and plan.dropout_in_kernel:
         text += (f"; dropout (p={plan.dropout_p:g}) inside the kernel, with the model's own random mask: the kernel "
                  f"visits the weights in the order dropout draws them (groups, rows, columns) and draws them from the "
-                 f"same stream; its backward draws them again from the generator's state (CPU: checked at the probes "
-                 f"and by verification; on CUDA the mask is another one)")
+                 f"same stream; its backward draws them again from the generator's state (checked at the probes and "
+                 f"by verification; on CUDA, whose dropout draws by offsets, the original attention runs while "
+                 f"dropout is on)")
     elif plan.dropout_p > 0 and plan.training is not False:
-        text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: the weights "
-                 f"are not laid out in the order the kernel visits them, so it cannot draw dropout's random mask from "
-                 f"the same stream")
+        why = ("the edge-list kernel draws no dropout" if plan.edge_list else
+               "the weights are not laid out in the order the kernel visits them, so it cannot draw dropout's random "
+               "mask from the same stream")
+        text += f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: {why}"
     return text
 
 
@@ -786,12 +789,12 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
                 flag = graph.call_function(getattr, (module, "training"))
             else:
                 flag = nodes[plan.training] if isinstance(plan.training, torch.fx.Node) else plan.training
+            # the original nodes are held also where the kernel draws the mask: on another device than
+            # the CPU they run while dropout is on (CUDA's dropout draws by offsets, not in order)
+            original = graph.create_node("get_attr", _fallback(plan, gm))
+            args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
             if plan.dropout_in_kernel:
-                args.append(flag)
                 kwargs["p"] = plan.dropout_p
-            else:
-                original = graph.create_node("get_attr", _fallback(plan, gm))
-                args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
         return graph.call_function(fused_attention, tuple(args), kwargs)
 
 

@@ -309,8 +309,7 @@ def masked_attention_dropout_backward_op(grad: torch.Tensor, s: torch.Tensor, t:
                                          dropout: float, need_adj: bool = False
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ds, dt, dh, dadj)`` of :func:`masked_attention_dropout_op`, its noise drawn again from ``state``."""
-    gm, gh, n = s.shape
-    m, f = t.shape[-1], h.shape[-1]
+    n, m, f = s.shape[-1], t.shape[-1], h.shape[-1]
     (s3, t3, h3, grad3), (ds, dt, dh, dadj), (ds2, dt2, dh3, top3) = _backward_buffers(grad, s, t, h, adj, top,
                                                                                       need_adj)
     generator = torch.Generator(device=s.device)

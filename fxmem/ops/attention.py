@@ -108,21 +108,28 @@ def _scores(s3: torch.Tensor, t3: torch.Tensor, adj: torch.Tensor, heads: int, r
     return z, drop
 
 
-@torch.library.custom_op("fxmem::masked_attention", mutates_args=())
-def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
-                        threshold: float, keep: bool, fill: float, slope: float, block_bytes: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, top)``: the attention output [Gm, Gh, N, F] and each row's largest masked score [Gm, Gh, N, 1]."""
+def _forward_buffers(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> tuple:
+    """The forward's operands as [G, ...] (contiguous copies where they are not), and its outputs
+    ``out`` [Gm, Gh, N, F] and ``top`` [Gm, Gh, N, 1], allocated and as [G, ...] views."""
     gm, gh, n = s.shape
     m, f = t.shape[-1], h.shape[-1]
     g = gm * gh
     s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
     out = s.new_empty(gm, gh, n, f)
     top = s.new_empty(gm, gh, n, 1)
-    out3, top3 = out.view(g, n, f), top.view(g, n, 1)
-    step = block_rows(n, m, f, g, adj.shape[0], s.element_size(), block_bytes)
+    return (s3, t3, h3), (out, top), (out.view(g, n, f), top.view(g, n, 1))
+
+
+@torch.library.custom_op("fxmem::masked_attention", mutates_args=())
+def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
+                        threshold: float, keep: bool, fill: float, slope: float, block_bytes: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, top)``: the attention output [Gm, Gh, N, F] and each row's largest masked score [Gm, Gh, N, 1]."""
+    (s3, t3, h3), (out, top), (out3, top3) = _forward_buffers(s, t, h)
+    n, m, f = s.shape[-1], t.shape[-1], h.shape[-1]
+    step = block_rows(n, m, f, s.shape[0] * s.shape[1], adj.shape[0], s.element_size(), block_bytes)
     for r0 in range(0, n, step):
-        _forward_block(s3, t3, h3, adj, gh, out3, top3, r0, min(step, n - r0), compare, threshold, keep, fill, slope)
+        _forward_block(s3, t3, h3, adj, s.shape[1], out3, top3, r0, min(step, n - r0), compare, threshold, keep, fill, slope)
     return out, top
 
 
@@ -278,14 +285,9 @@ def masked_attention_dropout_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tenso
     """``(out, top, state)``: as :func:`masked_attention_op`, with ``F.dropout(weights, dropout)``
     before the product, one group at a time; ``state`` is the generator's state before the first
     draw (the backward draws the same noise from it)."""
-    gm, gh, n = s.shape
-    m, f = t.shape[-1], h.shape[-1]
-    g = gm * gh
-    s3, t3, h3 = s.contiguous().view(g, n), t.contiguous().view(g, m), h.contiguous().view(g, m, f)
-    out = s.new_empty(gm, gh, n, f)
-    top = s.new_empty(gm, gh, n, 1)
+    (s3, t3, h3), (out, top), (out3, top3) = _forward_buffers(s, t, h)
     state = _rng_state(s.device)
-    out3, top3 = out.view(g, n, f), top.view(g, n, 1)
+    n, m, f = s.shape[-1], t.shape[-1], h.shape[-1]
     step = block_rows(n, m, f, 1, 1, s.element_size(), block_bytes, score_blocks=5)
     for k, a in _groups(s, adj):
         for r0 in range(0, n, step):

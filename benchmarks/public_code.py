@@ -13,8 +13,8 @@ original's at the user's size (eval mode, relative to their largest magnitude).
 
     python benchmarks/public_code.py [--only NAME [--merge]] [--repeats 3]
 
-``--merge`` with ``--only``: the re-measured rows replace theirs in the stored results (the
-command that re-measured them is recorded next to the one that measured the rest).
+``--merge`` with ``--only``: the re-measured rows replace theirs in the stored results, new ones
+are added (the command that measured them is recorded next to the one that measured the rest).
 Results: benchmarks/results/public_code_cpu.{json,md}
 """
 from __future__ import annotations
@@ -78,7 +78,19 @@ def entries() -> list[tuple]:
          lambda g, t: [t]),
         ("timm Attention (fused_attn=False)", "timm.models.vision_transformer.Attention", lambda: P.TimmAttention(),
          (tokens,), lambda g, t: [t]),
+        *_pyg_as_written(f),
     ]
+
+
+def _pyg_as_written(f: int) -> list[tuple]:
+    """PyG's own layers optimized as they are (where torch_geometric is installed)."""
+    if not __import__("importlib").util.find_spec("torch_geometric"):
+        return []
+    import torch_geometric.nn as gnn
+
+    return [("PyG DenseGATConv, dropout 0.6 (8 heads)", "torch_geometric.nn.DenseGATConv(heads=8, dropout=0.6) itself "
+             "(heads last: [B, N, N, H])", lambda: gnn.DenseGATConv(f, 8, heads=8, dropout=0.6),
+             (("B", "N", f), ("B", "N", "N")), lambda g, t: [g["x"][None], g["adj"][None]])]
 
 
 def pyg_entries() -> list[tuple]:
@@ -199,7 +211,8 @@ def main() -> None:
         with open(path + ".json") as f:
             stored = json.load(f)
         fresh = {r["name"]: r for r in rows}
-        stored["rows"] = [fresh.get(r["name"], r) for r in stored["rows"]]
+        known = {r["name"] for r in stored["rows"]}
+        stored["rows"] = [fresh.get(r["name"], r) for r in stored["rows"]] + [r for r in rows if r["name"] not in known]
         if stored["meta"]["machine"] != meta["machine"] or stored["meta"]["torch"] != meta["torch"]:
             raise SystemExit(f"the stored results were measured on {stored['meta']['machine']} with torch "
                              f"{stored['meta']['torch']}; re-measure every row here instead of merging")
@@ -253,6 +266,8 @@ def write_markdown(meta: dict, rows: list, pyg: list, path: str) -> None:
               if not r["applied"] and r["declined"]]
     if missed:
         lines += ["", "Matched and declined everywhere (the reasons are in the JSON file): " + "; ".join(missed) + "."]
+    for note in meta.get("notes", []):  # what a run's reader should know, kept in the JSON file
+        lines += ["", note]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -18,9 +18,10 @@ products), masks added rather than filled in, a softmax over the wrong axis.
 
 Dropout with p > 0 on the weights runs inside the kernel while it is on (train mode), with the
 model's own random mask: on the CPU ``F.dropout`` draws one number per weight in memory order, and
-the kernel, visiting the weights group by group and row by row, draws the same numbers from the same
-stream where the weights are laid out in that order (checked at every probe; its backward draws them
-again from the generator's state). Where they are laid out otherwise, the rewritten graph runs the
+the kernel, visiting the weights group by group and row by row (or, for weights laid out heads last,
+``[B, N, N, H]``, a row block's heads together), draws the same numbers from the same stream where the
+weights are laid out in that order (checked at every probe; its backward draws them again from the
+generator's state). Where they are laid out otherwise, the rewritten graph runs the
 fused kernel while the dropout is off (eval mode) and the original nodes while it is on - same numbers
 as the original in both. With ``training=True`` written into the code (dropout on in eval mode too)
 the rule declines.
@@ -86,6 +87,8 @@ class AttentionPlan:
     # the dropout runs inside the kernel (the model's own mask: the weights are drawn in the order
     # the kernel visits them); otherwise the original attention runs while dropout is on
     dropout_in_kernel: bool = False
+    # ... visiting the Gh heads of a row block at once: the model's weights have their heads last
+    heads_last: bool = False
 
 
 # --- walking back from the matmul -------------------------------------------------------------------
@@ -534,8 +537,12 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     if isinstance(layout, str):
         return layout
     p, training, module = drop if drop is not None else (0.0, None, None)
-    in_kernel = (drop is not None and p > 0 and training is not False and not edge_list
-                 and all(_draws_in_order(pr.env[softmax], groups_mask + groups_heads + [i, j]) for pr in probes))
+    in_kernel = drop is not None and p > 0 and training is not False and not edge_list
+    heads_last = False
+    if in_kernel and not all(_draws_in_order(pr.env[softmax], groups_mask + groups_heads + [i, j]) for pr in probes):
+        # [B, N, M, H] (PyG's DenseGATConv): the kernel visits a row block's heads together
+        heads_last = in_kernel = bool(groups_heads) and all(
+            _draws_in_order(pr.env[softmax], groups_mask + [i, j] + groups_heads) for pr in probes)
     if drop is not None and p > 0 and module is None and training is True:
         return (f"dropout (p={p}) is always on here (training=True written in the code, eval mode too): the rule "
                 f"checks the kernel against the attention's values at its probes, which always-on dropout leaves "
@@ -545,7 +552,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         in_kernel = False
     options = (compare, threshold, keep, _constant(mask.fill, env), slope, block_bytes)
     plan = AttentionPlan(node, u, v, values, source, *layout, options, p, training, module,
-                         _original(node, [u, v, values, source]), edge_list, in_kernel)
+                         _original(node, [u, v, values, source]), edge_list, in_kernel, heads_last)
     mismatch = _check(plan, probes)
     return mismatch if mismatch is not None else plan
 
@@ -707,9 +714,10 @@ def edges_of(source: torch.Tensor, mask_axes: Axes, compare: str, threshold: flo
 
 
 def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
-                edges: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+                edges: torch.Tensor | None = None, p: float = 0.0, heads_last: bool = False) -> torch.Tensor:
     """The attention computed by the fused kernel (over ``edges``, the mask's kept entries, when
-    given; with dropout ``p`` on its weights), in the layout of the original matmul's result."""
+    given; with dropout ``p`` on its weights, drawn as over weights laid out heads last when
+    ``heads_last``), in the layout of the original matmul's result."""
     u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze, options = data
     compare, threshold, keep, fill, slope, block_bytes = options
     s, t = gather_axes(u, u_axes), gather_axes(v, v_axes)
@@ -721,13 +729,13 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
                              added=adj if compare == "add" else None)
     else:
         out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
-                               block_bytes=block_bytes, dropout=p)
+                               block_bytes=block_bytes, dropout=p, heads_last=heads_last)
     return scatter_axes(out, u, u_axes, out_order, out_unsqueeze)  # u has every group axis of the result
 
 
 def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: torch.Tensor, data: tuple,
                     dropout: bool = False, original: Any = None, box: list | None = None,
-                    edges: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+                    edges: torch.Tensor | None = None, p: float = 0.0, heads_last: bool = False) -> torch.Tensor:
     """What the rewritten graph calls: the fused attention - with dropout ``p`` inside the kernel
     while ``dropout`` is true (train mode), on the CPU - or, where the kernel cannot draw the
     model's mask (``p`` is 0, or the tensors are on another device), while dropout is on the
@@ -737,7 +745,7 @@ def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, sour
         return original[0](box)
     if box is not None:
         box.clear()
-    return fused_value(u, v, values, source, data, edges, p if dropout else 0.0)
+    return fused_value(u, v, values, source, data, edges, p if dropout else 0.0, heads_last)
 
 
 def _name(node: torch.fx.Node, env: Mapping) -> str:
@@ -765,7 +773,9 @@ def _describe(plan: AttentionPlan, env: Mapping) -> str:
                  f"runs it over the edges)")
     if plan.dropout_p > 0 and plan.training is not False and plan.dropout_in_kernel:
         text += (f"; dropout (p={plan.dropout_p:g}) inside the kernel, with the model's own random mask: the kernel "
-                 f"visits the weights in the order dropout draws them (groups, rows, columns) and draws them from the "
+                 f"visits the weights in the order dropout draws them "
+                 f"({'mask groups, rows, columns, heads' if plan.heads_last else 'groups, rows, columns'}) and draws "
+                 f"them from the "
                  f"same stream; its backward draws them again from the generator's state (checked at the probes and "
                  f"by verification; on CUDA, whose dropout draws by offsets, the original attention runs while "
                  f"dropout is on)")
@@ -795,6 +805,8 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
             args += [flag, original, boxed(graph, [nodes[r] for r in plan.fallback[1]])]
             if plan.dropout_in_kernel:
                 kwargs["p"] = plan.dropout_p
+                if plan.heads_last:
+                    kwargs["heads_last"] = True
         return graph.call_function(fused_attention, tuple(args), kwargs)
 
 

@@ -139,12 +139,12 @@ class KernelOnly(nn.Module):
     """s, t, h from one linear map; the fused kernel with the given options (h permuted: it is copied)."""
 
     def __init__(self, heads: int, compare: str, keep: bool, block_bytes: int, permuted: bool,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, heads_last: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(6, heads * 8)
         self.a, self.b = nn.Parameter(torch.randn(heads, 8)), nn.Parameter(torch.randn(heads, 8))
         self.heads, self.compare, self.keep, self.block_bytes, self.permuted = heads, compare, keep, block_bytes, permuted
-        self.dropout = dropout
+        self.dropout, self.heads_last = dropout, heads_last
 
     def forward(self, x, adj):
         B, N = x.shape[0], x.shape[1]
@@ -152,22 +152,23 @@ class KernelOnly(nn.Module):
         h = h.transpose(1, 2) if self.permuted else h.permute(0, 2, 1, 3).contiguous()  # [B, H, N, 8]
         s, t = (h * self.a[:, None]).sum(-1), (h * self.b[:, None]).sum(-1)
         return masked_attention(s, t, h, adj, compare=self.compare, keep=self.keep, block_bytes=self.block_bytes,
-                                fill=-1e9, dropout=self.dropout).sum(1)
+                                fill=-1e9, dropout=self.dropout, heads_last=self.heads_last).sum(1)
 
 
-@pytest.mark.parametrize("heads,compare,keep,block_bytes,permuted,dtype,dropout", [
-    (2, "gt", True, 4 * 2**20, False, torch.float32, 0.0),  # one block
-    (2, "gt", True, 3000, True, torch.float32, 0.0),  # blocks of one row, h copied
-    (3, "eq", False, 20000, False, torch.float32, 0.0),  # several rows per block, a partial last one
-    (1, "true", True, 10000, False, torch.bool, 0.0),  # bool adjacency, its negation allocated
-    (2, "true", False, 10000, True, torch.bool, 0.0),  # a bool adjacency that says what to drop: a view
-    (2, "ne", False, 10000, False, torch.float64, 0.0),  # float64 scores and adjacency
-    (3, "eq", False, 20000, False, torch.float32, 0.5),  # dropout: one group per block, its noise
-    (2, "ne", False, 10000, True, torch.float64, 0.2),  # dropout in float64 (1 - p wrapped, not cast)
+@pytest.mark.parametrize("heads,compare,keep,block_bytes,permuted,dtype,dropout,heads_last", [
+    (2, "gt", True, 4 * 2**20, False, torch.float32, 0.0, False),  # one block
+    (2, "gt", True, 3000, True, torch.float32, 0.0, False),  # blocks of one row, h copied
+    (3, "eq", False, 20000, False, torch.float32, 0.0, False),  # several rows per block, a partial last one
+    (1, "true", True, 10000, False, torch.bool, 0.0, False),  # bool adjacency, its negation allocated
+    (2, "true", False, 10000, True, torch.bool, 0.0, False),  # a bool adjacency that says what to drop: a view
+    (2, "ne", False, 10000, False, torch.float64, 0.0, False),  # float64 scores and adjacency
+    (3, "eq", False, 20000, False, torch.float32, 0.5, False),  # dropout: one group per block, its noise
+    (2, "ne", False, 10000, True, torch.float64, 0.2, False),  # dropout in float64 (1 - p wrapped, not cast)
+    (3, "gt", True, 20000, False, torch.float32, 0.5, True),  # dropout, heads last: a block is every head's rows
 ])
-def test_kernel_rule_matches_real_runs(heads, compare, keep, block_bytes, permuted, dtype, dropout):
+def test_kernel_rule_matches_real_runs(heads, compare, keep, block_bytes, permuted, dtype, dropout, heads_last):
     torch.manual_seed(0)
-    model = KernelOnly(heads, compare, keep, block_bytes, permuted, dropout)
+    model = KernelOnly(heads, compare, keep, block_bytes, permuted, dropout, heads_last)
     float_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model = model.to(float_dtype)
     specs = (fxmem.TensorSpec(("B", "N", 6), dtype=float_dtype), fxmem.TensorSpec(("B", "N", "N"), dtype=dtype))
@@ -244,7 +245,8 @@ def test_seed_layer_as_written_is_not_fused():
 
 # --- dropout in training ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cls,p", [(A.DecomposedHead, 0.6), (A.HeadsFirst, 0.3)], ids=["functional", "module"])
+@pytest.mark.parametrize("cls,p", [(A.DecomposedHead, 0.6), (A.HeadsFirst, 0.3), (A.DenseGATLike, 0.6)],
+                         ids=["functional", "module", "heads-last"])
 def test_dropout_runs_inside_the_kernel_with_the_models_own_mask(cls, p):
     """pyGAT's dropout (p=0.6) on the attention: the kernel draws the model's own mask (same outputs
     and gradients as the original in train mode), so the training step keeps no N x N tensor either,
@@ -301,9 +303,12 @@ def test_on_cuda_the_original_attention_runs_while_dropout_is_on():
 def test_the_kernels_dropout_is_the_models_own():
     """The kernel with dropout against the plain form with F.dropout, from the same seed: the same
     outputs bit for bit, the same gradients, and the generator left where F.dropout leaves it - one
-    group and several (mask per group or shared), one block and many."""
+    group and several (mask per group or shared), one block and many; and with ``heads_last`` as
+    dropout over weights laid out [Gm, N, M, Gh] (PyG's DenseGATConv) draws."""
     F = torch.nn.functional
-    for gm, gh, am, block_bytes in ((1, 1, 1, 10**9), (1, 1, 1, 300), (2, 3, 2, 300), (2, 3, 1, 10**9)):
+    for gm, gh, am, block_bytes, heads_last in ((1, 1, 1, 10**9, False), (1, 1, 1, 300, False), (2, 3, 2, 300, False),
+                                                (2, 3, 1, 10**9, False), (2, 3, 2, 300, True), (2, 3, 1, 10**9, True),
+                                                (1, 4, 1, 700, True)):
         s = torch.randn(gm, gh, 9, dtype=torch.float64, requires_grad=True)
         t = torch.randn(gm, gh, 7, dtype=torch.float64, requires_grad=True)
         h = torch.randn(gm, gh, 7, 4, dtype=torch.float64, requires_grad=True)
@@ -311,10 +316,14 @@ def test_the_kernels_dropout_is_the_models_own():
 
         def plain(s, t, h):
             e = F.leaky_relu(s[..., None] + t[..., None, :], 0.2)
-            return F.dropout(torch.softmax(torch.where(adj[:, None], e, -9e15), -1), 0.4, True) @ h
+            w = torch.softmax(torch.where(adj[:, None], e, -9e15), -1)
+            if heads_last:  # the weights [Gm, N, M, Gh] in memory, as the model has them
+                return F.dropout(w.permute(0, 2, 3, 1).contiguous(), 0.4, True).permute(0, 3, 1, 2) @ h
+            return F.dropout(w, 0.4, True) @ h
 
         def fused_form(s, t, h):
-            return masked_attention(s, t, h, adj, compare="true", block_bytes=block_bytes, dropout=0.4)
+            return masked_attention(s, t, h, adj, compare="true", block_bytes=block_bytes, dropout=0.4,
+                                    heads_last=heads_last)
 
         runs = []
         for fn in (fused_form, plain):
@@ -324,7 +333,7 @@ def test_the_kernels_dropout_is_the_models_own():
             weights = torch.arange(out.numel(), dtype=out.dtype).view_as(out)
             runs.append((out, torch.autograd.grad((out * weights).sum(), (s, t, h)), after))
         (out, grads, after), (out2, grads2, after2) = runs
-        assert torch.equal(out, out2) and torch.equal(after, after2), (gm, gh, am, block_bytes)
+        assert torch.equal(out, out2) and torch.equal(after, after2), (gm, gh, am, block_bytes, heads_last)
         for a, b in zip(grads, grads2):
             torch.testing.assert_close(a, b)
 

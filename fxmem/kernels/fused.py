@@ -67,13 +67,15 @@ def _drop_mask(call: Call, rows: Any, mask_groups: Any) -> tuple[list, list]:
 
 def _sizes(call: Call) -> tuple:
     """(groups per block, M, F, rows per block, element size, mask groups per block): the kernel
-    with dropout visits one group at a time (its noise is drawn in the weights' memory order)."""
+    with dropout visits one group at a time, or with ``heads_last`` the Gh heads of one Gm group
+    (its noise is drawn in the weights' memory order)."""
     s, t, h = call.arg("s"), call.arg("t"), call.arg("h")
     gm, gh, n = s.shape
     g, m, f = gm * gh, t.shape[-1], h.shape[-1]
     if call.arg("dropout", 0.0):
-        rows = block_rows(n, m, f, 1, 1, s.element_size(), call.arg("block_bytes"), score_blocks=5)
-        return 1, m, f, rows, s.element_size(), 1
+        heads = gh if call.arg("heads_last", False) else 1
+        rows = block_rows(n, m, f, heads, 1, s.element_size(), call.arg("block_bytes"), score_blocks=5)
+        return heads, m, f, rows, s.element_size(), 1
     am = call.arg("adj").shape[0]
     rows = block_rows(n, m, f, g, am, s.element_size(), call.arg("block_bytes"))
     return g, m, f, rows, s.element_size(), am

@@ -134,7 +134,7 @@ def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: 
 
 
 def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, threshold, keep, fill, slope,
-                   dropout: float = 0.0) -> None:
+                   dropout: float = 0.0, heads_last: bool = False) -> None:
     # a function per block: its temporaries die when it returns, before the next block's are made
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     del drop
@@ -142,7 +142,7 @@ def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, thresh
     p = torch.softmax(z, -1)
     del z
     if dropout:  # F.dropout's own steps on the CPU (noise, bernoulli_, div_, multiply): the same numbers
-        noise = _noise(p, dropout, None)
+        noise = _noise(p, dropout, None, heads_last)
         p.mul_(noise)
         del noise
     if rows == out3.shape[1]:  # one block: straight into the output
@@ -194,7 +194,8 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
 
 
 def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows, compare, threshold, keep, fill,
-                    slope, below, dadj=None, dropout: float = 0.0, generator: Any = None) -> None:
+                    slope, below, dadj=None, dropout: float = 0.0, generator: Any = None,
+                    heads_last: bool = False) -> None:
     z, drop = _scores(s3, t3, adj, heads, r0, rows, compare, threshold, keep, fill, slope)
     p = torch.softmax(z, -1)  # the forward's softmax: the same op on the same scores
     g = grad3[:, r0:r0 + rows]
@@ -202,7 +203,7 @@ def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows
         g = g.contiguous()
     dp = torch.bmm(g, h3.transpose(1, 2))
     if dropout:  # the forward's noise drawn again from its generator state: the weights it dropped
-        noise = _noise(p, dropout, generator)
+        noise = _noise(p, dropout, generator, heads_last)
         kept = p * noise
         dh3.baddbmm_(kept.transpose(1, 2), g)
         del kept
@@ -256,48 +257,57 @@ masked_attention_op.register_autograd(_backward, setup_context=_setup)
 # F.dropout(a, p) on the CPU draws one Bernoulli number per element of ``a`` in memory order from the
 # default generator, and a tensor drawn in pieces, in order, gets the same numbers as drawn whole
 # (tests/test_fused_attention.py checks it). So the kernel gets the model's own dropout mask when it
-# visits the weights in their memory order: group by group, rows in order within a group (the
-# rewrite checks at its probes that the model's weights are laid out so). The backward draws the
-# same noise again from a copy of the generator's state taken before the forward's first draw.
+# visits the weights in their memory order: group by group, rows in order within a group - or, where
+# the model lays its weights out heads last ([B, N, M, H], PyG's DenseGATConv), mask group by mask
+# group, rows in order, all Gh heads of a row block at once (the rewrite checks at its probes that
+# the model's weights are laid out one of these ways). The backward draws the same noise again
+# from a copy of the generator's state taken before the forward's first draw.
 
-def _noise(p: torch.Tensor, dropout: float, generator: Any) -> torch.Tensor:
-    """What ``F.dropout(p, dropout)`` multiplies ``p`` by: Bernoulli(1 - dropout) / (1 - dropout)."""
-    noise = torch.empty_like(p)
+def _noise(p: torch.Tensor, dropout: float, generator: Any, heads_last: bool = False) -> torch.Tensor:
+    """What ``F.dropout(p, dropout)`` multiplies ``p`` [G, rows, M] by: Bernoulli(1 - dropout) /
+    (1 - dropout), drawn as [rows, M, G] when the model's weights have their heads last."""
+    noise = p.new_empty(p.shape[1], p.shape[2], p.shape[0]) if heads_last else torch.empty_like(p)
     noise.bernoulli_(1 - dropout, generator=generator)
-    return noise.div_(1 - dropout)
+    noise.div_(1 - dropout)
+    return noise.permute(2, 0, 1) if heads_last else noise
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _groups(s: torch.Tensor, adj: torch.Tensor):
-    """(group, its mask group) in memory order: Gm-major, then the Gh heads."""
+def _groups(s: torch.Tensor, adj: torch.Tensor, heads_last: bool):
+    """(first group, end, its mask group) of each visit, in the weights' memory order: one group at
+    a time, Gm-major then the Gh heads; heads last: the Gh heads of one Gm group at once."""
     gm, gh = s.shape[0], s.shape[1]
-    for k in range(gm * gh):
-        yield k, (k // gh if adj.shape[0] > 1 else 0)
+    width = gh if heads_last else 1
+    for k in range(0, gm * gh, width):
+        yield k, k + width, (k // gh if adj.shape[0] > 1 else 0)
 
 
 @torch.library.custom_op("fxmem::masked_attention_dropout", mutates_args=())
 def masked_attention_dropout_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
                                 threshold: float, keep: bool, fill: float, slope: float, block_bytes: int,
-                                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                dropout: float, heads_last: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, top, state)``: as :func:`masked_attention_op`, with ``F.dropout(weights, dropout)``
-    before the product, one group at a time; ``state`` is the generator's state before the first
-    draw (the backward draws the same noise from it)."""
+    before the product, one group at a time (``heads_last``: the Gh heads of a Gm group at once, for
+    weights laid out [Gm, N, M, Gh]); ``state`` is the generator's state before the first draw (the
+    backward draws the same noise from it)."""
     (s3, t3, h3), (out, top), (out3, top3) = _forward_buffers(s, t, h)
     state = _rng_state(s.device)
     n, m, f = s.shape[-1], t.shape[-1], h.shape[-1]
-    step = block_rows(n, m, f, 1, 1, s.element_size(), block_bytes, score_blocks=5)
-    for k, a in _groups(s, adj):
+    heads = s.shape[1] if heads_last else 1
+    step = block_rows(n, m, f, heads, 1, s.element_size(), block_bytes, score_blocks=5)
+    for k, e, a in _groups(s, adj, heads_last):
         for r0 in range(0, n, step):
-            _forward_block(s3[k:k + 1], t3[k:k + 1], h3[k:k + 1], adj[a:a + 1], 1, out3[k:k + 1], top3[k:k + 1], r0,
-                           min(step, n - r0), compare, threshold, keep, fill, slope, dropout)
+            _forward_block(s3[k:e], t3[k:e], h3[k:e], adj[a:a + 1], heads, out3[k:e], top3[k:e], r0,
+                           min(step, n - r0), compare, threshold, keep, fill, slope, dropout, heads_last)
     return out, top, state
 
 
 @masked_attention_dropout_op.register_fake
-def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout):
+def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout, heads_last=False):
     gm, gh, n = s.shape
     size = 16 if s.device.type == "cuda" else 5056  # the generator's state: Philox seed and offset / MT19937
     return (s.new_empty(gm, gh, n, h.shape[-1]), s.new_empty(gm, gh, n, 1),
@@ -308,7 +318,7 @@ def _(s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout)
 def masked_attention_dropout_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
                                          adj: torch.Tensor, top: torch.Tensor, state: torch.Tensor, compare: str,
                                          threshold: float, keep: bool, fill: float, slope: float, block_bytes: int,
-                                         dropout: float, need_adj: bool = False
+                                         dropout: float, need_adj: bool = False, heads_last: bool = False
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ds, dt, dh, dadj)`` of :func:`masked_attention_dropout_op`, its noise drawn again from ``state``."""
     n, m, f = s.shape[-1], t.shape[-1], h.shape[-1]
@@ -317,24 +327,27 @@ def masked_attention_dropout_backward_op(grad: torch.Tensor, s: torch.Tensor, t:
     generator = torch.Generator(device=s.device)
     generator.set_state(state)
     below = fill - _UNDERFLOW.get(s.dtype, _UNDERFLOW_DEFAULT)
-    step = block_rows(n, m, f, 1, 1, s.element_size(), block_bytes, score_blocks=5)
-    for k, a in _groups(s, adj):
+    heads = s.shape[1] if heads_last else 1
+    step = block_rows(n, m, f, heads, 1, s.element_size(), block_bytes, score_blocks=5)
+    for k, e, a in _groups(s, adj, heads_last):
         for r0 in range(0, n, step):
-            _backward_block(grad3[k:k + 1], s3[k:k + 1], t3[k:k + 1], h3[k:k + 1], adj[a:a + 1], top3[k:k + 1], 1,
-                            ds2[k:k + 1], dt2[k:k + 1], dh3[k:k + 1], r0, min(step, n - r0), compare, threshold, keep,
-                            fill, slope, below, dadj[a:a + 1] if need_adj else None, dropout, generator)
+            _backward_block(grad3[k:e], s3[k:e], t3[k:e], h3[k:e], adj[a:a + 1], top3[k:e], heads, ds2[k:e],
+                            dt2[k:e], dh3[k:e], r0, min(step, n - r0), compare, threshold, keep, fill, slope, below,
+                            dadj[a:a + 1] if need_adj else None, dropout, generator, heads_last)
     return ds, dt, dh, dadj
 
 
 @masked_attention_dropout_backward_op.register_fake
-def _(grad, s, t, h, adj, top, state, compare, threshold, keep, fill, slope, block_bytes, dropout, need_adj=False):
+def _(grad, s, t, h, adj, top, state, compare, threshold, keep, fill, slope, block_bytes, dropout, need_adj=False,
+      heads_last=False):
     return (s.new_empty(s.shape), t.new_empty(t.shape), h.new_empty(h.shape),
             adj.new_empty(adj.shape) if need_adj else adj.new_empty(0))
 
 
 def _setup_dropout(ctx: Any, inputs: tuple, output: tuple) -> None:
-    s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout = inputs
+    s, t, h, adj, compare, threshold, keep, fill, slope, block_bytes, dropout, heads_last = inputs
     ctx.options = (compare, threshold, keep, fill, slope, block_bytes, dropout)
+    ctx.heads_last = heads_last
     ctx.save_for_backward(s, t, h, adj, output[1], output[2])
 
 
@@ -342,8 +355,8 @@ def _backward_dropout(ctx: Any, grad: torch.Tensor, grad_top: Any, grad_state: A
     s, t, h, adj, top, state = ctx.saved_tensors
     need_adj = bool(ctx.needs_input_grad[3]) and ctx.options[0] == "add"
     ds, dt, dh, dadj = torch.ops.fxmem.masked_attention_dropout_backward(grad, s, t, h, adj, top, state, *ctx.options,
-                                                                         need_adj)
-    return ds, dt, dh, (dadj if need_adj else None), None, None, None, None, None, None, None
+                                                                         need_adj, ctx.heads_last)
+    return ds, dt, dh, (dadj if need_adj else None), None, None, None, None, None, None, None, None
 
 
 masked_attention_dropout_op.register_autograd(_backward_dropout, setup_context=_setup_dropout)
@@ -351,19 +364,22 @@ masked_attention_dropout_op.register_autograd(_backward_dropout, setup_context=_
 
 def masked_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, *, compare: str = "gt",
                      threshold: float = 0.0, keep: bool = True, fill: float = -9e15, slope: float = 0.2,
-                     block_bytes: int = DEFAULT_BLOCK_BYTES, dropout: float = 0.0) -> torch.Tensor:
+                     block_bytes: int = DEFAULT_BLOCK_BYTES, dropout: float = 0.0,
+                     heads_last: bool = False) -> torch.Tensor:
     """softmax_j(LeakyReLU(s_i + t_j) where kept, else fill) @ h, fused; [Gm, Gh, N, F] (see module doc).
 
     The mask: ``adj <compare> threshold`` (``compare="true"``: a bool ``adj`` itself) says which scores
     stay (``keep=True``) or which are replaced by ``fill`` (``keep=False``); ``compare="add"`` adds
     ``adj`` to the scores instead (an additive mask, whose gradient is computed where it needs one).
     ``dropout``: ``F.dropout(weights, dropout)`` (training) before the product, the same mask as
-    dropout over the weights ``[Gm, Gh, N, M]`` laid out contiguously draws (see above).
+    dropout over the weights ``[Gm, Gh, N, M]`` laid out contiguously draws (see above), or with
+    ``heads_last`` over weights laid out ``[Gm, N, M, Gh]``.
     """
     if compare not in COMPARE:
         raise ValueError(f"compare={compare!r}: use one of {COMPARE}")
     if dropout:
         return torch.ops.fxmem.masked_attention_dropout(s, t, h, adj, compare, float(threshold), bool(keep),
-                                                        float(fill), float(slope), int(block_bytes), float(dropout))[0]
+                                                        float(fill), float(slope), int(block_bytes), float(dropout),
+                                                        bool(heads_last))[0]
     return torch.ops.fxmem.masked_attention(s, t, h, adj, compare, float(threshold), bool(keep), float(fill),
                                             float(slope), int(block_bytes))[0]

@@ -129,8 +129,8 @@ class TokenFormulas:
         plan = reports[5]._plan
         region = Region(lower={**plan.region.lower, t: 3}, guards=plan.region.guards, pinned=plan.region.pinned,
                         upper=plan.region.upper)
-        kept = max_of(head + last, region, {**plan.hint_values, t: 64})
-        peak = reports[3].resident + build_max(to_expr((head + last)[i]) for i in kept)
+        candidates = max_of(head + last, region, {**plan.hint_values, t: 64})  # those that can set the peak
+        peak = reports[3].resident + build_max(to_expr((head + last)[i]) for i in candidates)
         kept = to_expr(at_t(retained[3], add_terms(retained[4], retained[3], signs=[1, -1])))
         notes = list(reports[5].notes) + [
             f"formulas in {name} (new tokens) for {name} >= 3: the calls of 3 to 5 new tokens grow by the same bytes "

@@ -39,8 +39,10 @@ require_args(_DROPOUT_BACKWARD.default, "grad", "s", "t", "h", "adj", "compare",
              "dropout")
 
 
-def _compare_with_number(device: str, operand: torch.Tensor, numel: Any, number: float) -> tuple[list, list]:
-    """Allocations around ``operand <op> number`` (a bool result): before it, and their frees after."""
+def _with_a_number(device: str, operand: torch.Tensor, numel: Any, number: float) -> tuple[list, list]:
+    """Allocations around an op of ``operand`` with a Python number (``adj > 0``, ``noise.div_(1 - p)``):
+    before it, and their frees after (the number wrapped, cast, and ``numel`` elements of the operand
+    cast where the common dtype is another)."""
     if device != "cpu":
         return [], []
     common = result_dtype([operand], [number])
@@ -61,7 +63,7 @@ def _drop_mask(call: Call, rows: Any, mask_groups: Any) -> tuple[list, list]:
         return [], []
     if compare == "true":
         return ([size], [-size]) if keep else ([], [])
-    before, after = _compare_with_number(call.device, adj, size, call.arg("threshold"))
+    before, after = _with_a_number(call.device, adj, size, call.arg("threshold"))
     return [*before, size, *after], [-size]  # logical_not_ works in place
 
 
@@ -84,7 +86,7 @@ def _sizes(call: Call) -> tuple:
 def _noise(call: Call, scores: Any) -> list:
     """F.dropout's noise for one block (``ops.attention._noise``): the block, drawn in place, then
     divided by 1 - p in place (a Python number: wrapped in a tensor on CPU, see :mod:`.scalars`)."""
-    before, after = _compare_with_number(call.device, call.arg("s"), 0, 0.0)
+    before, after = _with_a_number(call.device, call.arg("s"), 0, 0.0)
     return [scores, *[b for b in before if b], *[a for a in after if a]]
 
 
@@ -141,7 +143,7 @@ def _masked_attention_backward(call: Call) -> list:
     # with dropout: the noise drawn again, the kept weights for dh (freed), dP times the noise
     noise = [*_noise(call, scores), scores, -scores, -scores] if call.arg("dropout", 0.0) else []
     # torch.gt(top, below).all(): a bool per row, then one bool
-    check_before, check_after = _compare_with_number(call.device, s, g * rows, 0.0)
+    check_before, check_after = _with_a_number(call.device, s, g * rows, 0.0)
     check = [*check_before, g * rows, *check_after, 1, -g * rows, -1]
     if call.arg("compare") == "add":  # nothing is masked: no check; the mask's gradient, summed over heads
         check = []

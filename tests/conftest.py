@@ -80,6 +80,19 @@ def check_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dic
     return report
 
 
+@pytest.fixture(autouse=True)
+def _torch_state_restored():
+    """Each test starts with the process's torch settings: a test that pins threads (the real
+    distributed runs do, for steady timings) or changes the default dtype or grad mode leaves them
+    as it found them, so no test's numbers depend on which tests ran before it in the process."""
+    state = (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled())
+    yield
+    if (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()) != state:
+        torch.set_num_threads(state[0])
+        torch.set_default_dtype(state[1])
+        torch.set_grad_enabled(state[2])
+
+
 @contextlib.contextmanager
 def threads(n: int | None):
     """Run with ``n`` intra-op threads (None: leave as is)."""

@@ -21,9 +21,11 @@ model's own random mask: on the CPU ``F.dropout`` draws one number per weight in
 the kernel, visiting the weights group by group and row by row (or, for weights laid out heads last,
 ``[B, N, N, H]``, a row block's heads together), draws the same numbers from the same stream where the
 weights are laid out in that order (checked at every probe; its backward draws them again from the
-generator's state). Where they are laid out otherwise, the rewritten graph runs the
-fused kernel while the dropout is off (eval mode) and the original nodes while it is on - same numbers
-as the original in both. With ``training=True`` written into the code (dropout on in eval mode too)
+generator's state). Over the edge list (``settings``) the kernel draws the dense weights' numbers the
+same way, a row block at a time, and keeps those at the edges. Where they are laid out otherwise (or
+where this machine's ``bernoulli_`` does not draw in order), the rewritten graph runs the fused
+kernel while the dropout is off (eval mode) and the original nodes while it is on - same numbers as
+the original in both. With ``training=True`` written into the code (dropout on in eval mode too)
 the rule declines.
 
 >>> [f.status for f in find(gm, probes)]                         # doctest: +SKIP
@@ -40,6 +42,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..ops import attention as _kernel
 from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
 from ..ops.edge_attention import edge_attention, kept_edges
 from .. import data_paths
@@ -434,8 +437,9 @@ def _ids_through(parts: dict, env: Mapping, modules: Mapping) -> torch.Tensor | 
 SETTINGS = {"block_bytes": "scratch (bytes) one row block of the fused kernel may use (default 4 MiB)",
             "edge_list": "True: for sparse graphs, run the attention over the adjacency's kept entries (listed once "
                          "per adjacency and call, shared by every head and layer) instead of every pair: time and "
-                         "memory in the number of edges, a dim K of the formulas (default False: row blocks of "
-                         "every pair, memory in N only)"}
+                         "memory in the number of edges, a dim K of the formulas; with dropout on, its numbers are "
+                         "still drawn for every pair, the model's own mask (default False: row blocks of every pair, "
+                         "memory in N only)"}
 FLAGS = frozenset({"edge_list"})
 
 
@@ -537,7 +541,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     if isinstance(layout, str):
         return layout
     p, training, module = drop if drop is not None else (0.0, None, None)
-    in_kernel = drop is not None and p > 0 and training is not False and not edge_list
+    in_kernel = drop is not None and p > 0 and training is not False and _kernel.DRAWS_IN_PIECES
     heads_last = False
     if in_kernel and not all(_draws_in_order(pr.env[softmax], groups_mask + groups_heads + [i, j]) for pr in probes):
         # [B, N, M, H] (PyG's DenseGATConv): the kernel visits a row block's heads together
@@ -726,7 +730,8 @@ def fused_value(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, source: 
         h = h.expand(h.shape[0], s.shape[1], *h.shape[2:])
     if edges is not None:
         out = edge_attention(s, t, h, edges, mask_groups=adj.shape[0], fill=fill, slope=slope,
-                             added=adj if compare == "add" else None)
+                             added=adj if compare == "add" else None, dropout=p, heads_last=heads_last,
+                             block_bytes=block_bytes)
     else:
         out = masked_attention(s, t, h, adj, compare=compare, threshold=threshold, keep=keep, fill=fill, slope=slope,
                                block_bytes=block_bytes, dropout=p, heads_last=heads_last)
@@ -738,11 +743,12 @@ def fused_attention(u: torch.Tensor, v: torch.Tensor, values: torch.Tensor, sour
                     edges: torch.Tensor | None = None, p: float = 0.0, heads_last: bool = False) -> torch.Tensor:
     """What the rewritten graph calls: the fused attention - with dropout ``p`` inside the kernel
     while ``dropout`` is true (train mode), on the CPU - or, where the kernel cannot draw the
-    model's mask (``p`` is 0, or the tensors are on another device), while dropout is on the
+    model's mask (``p`` is 0, the tensors are on another device, or this machine's ``bernoulli_``
+    does not draw in order: :data:`fxmem.ops.attention.DRAWS_IN_PIECES`), while dropout is on the
     original nodes (``original[0]``, a GraphModule of them, on the values in the list ``box``,
     which it empties), which draw the same random mask as the model."""
-    if dropout and original is not None and not (p and u.device.type == "cpu"):
-        return original[0](box)
+    if dropout and original is not None and not (p and u.device.type == "cpu" and _kernel.DRAWS_IN_PIECES):
+        return original[0](box)  # (a module optimized on another machine: this one's dropout draws otherwise)
     if box is not None:
         box.clear()
     return fused_value(u, v, values, source, data, edges, p if dropout else 0.0, heads_last)
@@ -771,18 +777,22 @@ def _describe(plan: AttentionPlan, env: Mapping) -> str:
         text += (f"fused, in row blocks of at most {block_bytes} bytes of scratch, no N x N float tensor built or kept "
                  f"(work in N x N still: on a sparse graph, settings={{'fused-attention': {{'edge_list': True}}}} "
                  f"runs it over the edges)")
+    order = 'mask groups, rows, columns, heads' if plan.heads_last else 'groups, rows, columns'
     if plan.dropout_p > 0 and plan.training is not False and plan.dropout_in_kernel:
         text += (f"; dropout (p={plan.dropout_p:g}) inside the kernel, with the model's own random mask: the kernel "
-                 f"visits the weights in the order dropout draws them "
-                 f"({'mask groups, rows, columns, heads' if plan.heads_last else 'groups, rows, columns'}) and draws "
-                 f"them from the "
-                 f"same stream; its backward draws them again from the generator's state (checked at the probes and "
-                 f"by verification; on CUDA, whose dropout draws by offsets, the original attention runs while "
-                 f"dropout is on)")
+                 f"visits the weights in the order dropout draws them ({order}) and draws them from the same stream; "
+                 f"its backward draws them again from the generator's state (checked at the probes and by "
+                 f"verification; on CUDA, whose dropout draws by offsets, the original attention runs while dropout "
+                 f"is on)")
+        if plan.edge_list:
+            text += ("; over the edge list it draws the dense weights' numbers block by block and keeps those at the "
+                     "edges (N x M random numbers drawn, not kept), and draws again in backward only where a row's "
+                     "masked entries have weight")
     elif plan.dropout_p > 0 and plan.training is not False:
-        why = ("the edge-list kernel draws no dropout" if plan.edge_list else
-               "the weights are not laid out in the order the kernel visits them, so it cannot draw dropout's random "
-               "mask from the same stream")
+        why = ("this machine's bernoulli_ draws each call from a stream of its own (PyTorch with MKL on an Intel "
+               "CPU), so a kernel drawing block by block cannot draw dropout's mask" if not _kernel.DRAWS_IN_PIECES
+               else "the weights are not laid out in the order the kernel visits them, so it cannot draw dropout's "
+                    "random mask from the same stream")
         text += f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: {why}"
     return text
 

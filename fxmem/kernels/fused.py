@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..ops.attention import block_rows, gemm_ready, groups_merge
+from ..ops.edge_attention import noise_rows
 from ..ops.spmm import chunk_rows
 from ..ops import spmm as _spmm_ops  # noqa: F401 - defines the message-passing ops
 from .registry import OUT, Call, Unknown, hidden, require_args
@@ -155,6 +156,70 @@ def _masked_attention_backward(call: Call) -> list:
     block = [scores, *mask, scores, *grad_rows, scores, *noise, row, -row, -scores, *check, *unmask,
              scores, -scores, -scores, row, -row, g * m * es, -g * m * es, *[-b for b in grad_rows], -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
+
+
+_EDGE_DROPOUT = torch.ops.fxmem.edge_dropout
+_EDGE_DROPOUT_BACKWARD = torch.ops.fxmem.edge_dropout_backward
+require_args(_EDGE_DROPOUT.default, "h", "row", "col", "flagged", "n", "m", "dropout", "heads_last", "block_bytes")
+require_args(_EDGE_DROPOUT_BACKWARD.default, "grad", "flagged", "state", "n", "m", "dropout", "heads_last",
+             "block_bytes")
+
+
+def _int_with_a_number(device: str) -> tuple[list, list]:
+    """An int64 op with a Python int (``torch.remainder(row, n)``): on CPU the number wrapped as an
+    int64 0-dim tensor (no cast: it is the operand's dtype already)."""
+    return ([8], [-8]) if device == "cpu" else ([], [])
+
+
+def _edge_noise_sizes(call: Call, x: torch.Tensor) -> tuple:
+    """(Gm, Gh, F, rows per draw, heads per draw, element size) of the edge list's dropout."""
+    n, m, heads_last = call.arg("n"), call.arg("m"), call.arg("heads_last")
+    gh, f, es = x.shape[1], x.shape[2], x.element_size()
+    heads = gh if heads_last else 1
+    return gh, f, noise_rows(n, m, f, heads, es, call.arg("block_bytes")), heads, es
+
+
+@hidden(_EDGE_DROPOUT, device="cpu")
+@hidden(_EDGE_DROPOUT, device="cuda")
+def _edge_dropout(call: Call) -> list:
+    """The edge list's dropout (``ops.edge_attention.edge_dropout_op``): a contiguous copy of h;
+    the outputs; each edge's place in its block (``_local_index``: two int64 [K] and the wrapped
+    numbers); heads first, a [Gh, K] buffer of each head's numbers; the block of numbers, heads last
+    a buffer for one head's, a rows x F product; per block the draw's division by 1 - p and the check
+    for rows whose masked entries have weight (a bool)."""
+    h, row = call.arg("h"), call.arg("row")
+    m = call.arg("m")
+    gh, f, rows, heads, es = _edge_noise_sizes(call, h)
+    k = row.shape[0]
+    copies = _copies(h)
+    before, after = _int_with_a_number(call.device)
+    local = [*before, 8 * k, *after, *before, *after, *before, *after, *before, 8 * k, *after, -8 * k]
+    by_head = [] if call.arg("heads_last") else [gh * k * es]
+    one_head = [rows * m * es] if call.arg("heads_last") else []  # one head's numbers, contiguous
+    block, product = rows * m * heads * es, rows * f * es
+    div_before, div_after = _with_a_number(call.device, h, 0, 0.0)
+    per_block = [*[b for b in div_before if b], *[a for a in div_after if a], 1, -1]
+    frees = [*[-b for b in by_head], -block, *[-b for b in one_head], -product, -8 * k]
+    return _unchecked_on_gpu(call, [*copies, OUT, *local, *by_head, block, *one_head, product, *per_block, *frees,
+                                    *[-c for c in reversed(copies)]])
+
+
+@hidden(_EDGE_DROPOUT_BACKWARD, device="cpu")
+@hidden(_EDGE_DROPOUT_BACKWARD, device="cuda")
+def _edge_dropout_backward(call: Call) -> list:
+    """Its backward: a contiguous copy of the gradient; dh; the block, heads last one head's buffer,
+    an M x F product; whether any row's masked entries have weight (a bool); then the first block's
+    draw (its division by 1 - p) and check (a bool) - every later block's are the same."""
+    grad, m = call.arg("grad"), call.arg("m")
+    gh, f, rows, heads, es = _edge_noise_sizes(call, grad)
+    copies = _copies(grad)
+    one_head = [rows * m * es] if call.arg("heads_last") else []
+    block, product = rows * m * heads * es, m * f * es
+    div_before, div_after = _with_a_number(call.device, grad, 0, 0.0)
+    per_block = [*[b for b in div_before if b], *[a for a in div_after if a], 1, -1]
+    program = [*copies, OUT, block, *one_head, product, 1, -1, *per_block, -block, *[-b for b in one_head], -product,
+               *[-c for c in reversed(copies)]]
+    return _unchecked_on_gpu(call, program)
 
 
 def _is_one(size: Any) -> bool:

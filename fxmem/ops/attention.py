@@ -263,6 +263,26 @@ masked_attention_op.register_autograd(_backward, setup_context=_setup)
 # the model's weights are laid out one of these ways). The backward draws the same noise again
 # from a copy of the generator's state taken before the forward's first draw.
 
+def _draws_in_pieces() -> bool:
+    """Whether this machine's ``bernoulli_`` gives a tensor drawn in pieces the numbers of one draw
+    (the kernels' dropout relies on it). PyTorch's CPU kernel draws one number after another from
+    the generator's stream, except in builds with MKL on Intel CPUs, where each call takes one seed
+    from the generator and draws an MKL stream of its own (ATen's ``bernoulli_scalar_kernel``): a
+    tensor drawn in pieces then gets other numbers than ``F.dropout`` draws for the whole. Checked
+    once, on real tensors with generators of its own (the user's random stream is not touched)."""
+    whole = torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(20261128))
+    pieces = torch.empty(64)
+    generator = torch.Generator().manual_seed(20261128)
+    pieces[:24].bernoulli_(0.5, generator=generator)
+    pieces[24:].bernoulli_(0.5, generator=generator)
+    return bool(torch.equal(whole, pieces))
+
+
+# the fused kernels draw dropout's mask themselves only where this holds (else the rewritten graph
+# runs the model's own attention while dropout is on); made at import, outside any fake mode
+DRAWS_IN_PIECES = _draws_in_pieces()
+
+
 def _noise(p: torch.Tensor, dropout: float, generator: Any, heads_last: bool = False) -> torch.Tensor:
     """What ``F.dropout(p, dropout)`` multiplies ``p`` [G, rows, M] by: Bernoulli(1 - dropout) /
     (1 - dropout), drawn as [rows, M, G] when the model's weights have their heads last."""
@@ -373,7 +393,8 @@ def masked_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: tor
     ``adj`` to the scores instead (an additive mask, whose gradient is computed where it needs one).
     ``dropout``: ``F.dropout(weights, dropout)`` (training) before the product, the same mask as
     dropout over the weights ``[Gm, Gh, N, M]`` laid out contiguously draws (see above), or with
-    ``heads_last`` over weights laid out ``[Gm, N, M, Gh]``.
+    ``heads_last`` over weights laid out ``[Gm, N, M, Gh]`` - where :data:`DRAWS_IN_PIECES` holds;
+    elsewhere a mask drawn as dropout draws, not its numbers.
     """
     if compare not in COMPARE:
         raise ValueError(f"compare={compare!r}: use one of {COMPARE}")

@@ -273,9 +273,9 @@ class _EdgeDropoutOnly(torch.nn.Module):
 
 @pytest.mark.parametrize("heads,block_bytes,heads_last,fill,dtype", [
     (2, 4 * 2**20, False, -9e15, torch.float32),  # one block per head
-    (1, 40000, False, -9e15, torch.float32),      # several blocks, a partial last one
+    pytest.param(1, 40000, False, -9e15, torch.float32, marks=pytest.mark.slow),  # several blocks, partial last
     (2, 4 * 2**20, True, -9e15, torch.float32),   # heads last: a block is every head's rows, laid apart
-    (2, 90000, False, 0.5, torch.float64),        # every row's masked entries weigh: products, backward draws
+    pytest.param(2, 90000, False, 0.5, torch.float64, marks=pytest.mark.slow),  # every row weighs, float64
     (2, 120000, True, 0.5, torch.float32),
 ])
 def test_edge_dropout_rule_matches_real_runs(heads, block_bytes, heads_last, fill, dtype):
@@ -310,7 +310,7 @@ def _batched(n: int, per_row: float, fin: int, seed: int) -> list:
 
 
 @IN_ORDER
-@pytest.mark.parametrize("name", ["pyGAT", "heads-last"])
+@pytest.mark.parametrize("name", ["pyGAT", pytest.param("heads-last", marks=pytest.mark.slow)])
 def test_optimize_draws_dropout_over_the_edge_list(name):
     """pyGAT's model (dropout 0.6 on each head's attention) and PyG DenseGATConv's spelling (heads
     last, a batch of graphs) with the edge-list setting: in train mode the edge list's kernel draws

@@ -83,6 +83,7 @@ class _Memory:
     # why the training step could not be analysed (then ``report`` is the forward's): the decisions
     # compare forward and inference peaks only, and say so
     step_failure: str | None = None
+    _texts: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def paths(self) -> dict:
         """The data dims that choose a path, with the bound (in the dims) up to which the analysis holds."""
@@ -97,10 +98,12 @@ class _Memory:
         return _decide(other, self, self.report.symbols, self.report.hints, None).text
 
     def formulas(self, suffix: str) -> dict[str, str | None]:
-        r = self.report
-        return {f"peak_{suffix}": str(r.peak), f"saved_{suffix}": str(r.saved),
-                f"train_peak_{suffix}": str(r.train_peak) if r.train_peak is not None else None,
-                f"inference_peak_{suffix}": str(self.inference.peak)}
+        if self._texts is None:  # printed once: every site's record of one graph shows the same
+            r = self.report
+            self._texts = {"peak": str(r.peak), "saved": str(r.saved),
+                           "train_peak": str(r.train_peak) if r.train_peak is not None else None,
+                           "inference_peak": str(self.inference.peak)}
+        return {f"{k}_{suffix}": v for k, v in self._texts.items()}
 
 
 @isolated

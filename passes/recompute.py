@@ -196,6 +196,8 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
     margin = 0
     for _ in range(_TRIALS):
         plan = planner.choose(choices, base.peak, limit - margin)
+        if plan is not None:
+            plan = planner.gathered(choices, plan)
         if plan is None or plan in tried:
             break
         tried[plan] = trial = planner.trial(plan)
@@ -339,6 +341,30 @@ class _Planner:
                 break
             need = need + (peak - target) if enough is None else (short + enough) // 2
         return best[1] if best is not None else None
+
+    def gathered(self, choices: Sequence[BlockCost], plan: tuple) -> tuple:
+        """``plan`` with alike blocks (the same costs: a transformer's layers) treated alike in one
+        run each - the ways that are rarer first, or last - where that is estimated no higher: the
+        same FLOPs, and the plan's analysis simulates a run of identical recomputed blocks once
+        for all (:mod:`fxmem.simulation.repeats`) instead of block by block."""
+        how = dict(plan)
+        classes: dict = {}
+        for c in choices:
+            classes.setdefault((c.saved, c.products, tuple(sorted(c.flops.items()))), []).append(c.block.name)
+        best_peak = self.estimate(plan)
+        for rare_first in (True, False):
+            new = dict(how)
+            for names in classes.values():
+                ways = [how.get(n) for n in names]
+                count = {w: ways.count(w) for w in ways}
+                ordered = sorted(ways, key=lambda w: (count[w], str(w)), reverse=not rare_first)
+                new.update(zip(names, ordered))
+            arranged = tuple((c.block.name, new[c.block.name]) for c in choices if new[c.block.name] is not None)
+            if arranged == plan:
+                return plan
+            if self.estimate(arranged) <= best_peak:
+                return arranged
+        return plan
 
     def choices(self) -> list[BlockCost]:
         assert self._base is not None

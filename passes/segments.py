@@ -126,27 +126,66 @@ class Recomputed:
     """Call a block under ``torch.utils.checkpoint`` (non-reentrant): its activations are not kept
     for backward but recomputed there; ``selective`` keeps the matrix products' outputs.
 
-    The graph node passes the model's top-level attributes the block uses (``layers``, ...) before
-    the block's inputs, so the block runs the submodules of the module that runs it (a copy, a fake
-    copy during fxmem's analysis), never those of the model it was cut from."""
+    The graph node passes the module the block's code runs on before the block's inputs: the
+    block's own module where the block calls only its own submodules (``layers.3``; the code names
+    them relative to it, so identical blocks have identical code and equal ``Recomputed``s - a
+    chain fxmem's simulation shortens, :mod:`fxmem.simulation.repeats`), else the model's top-level
+    attributes the block uses (``layers``, ...). Either way the block runs the submodules of the
+    module that runs it (a copy, a fake copy during fxmem's analysis), never those of the model it
+    was cut from."""
 
     __module__ = __name__
 
-    def __init__(self, code: torch.fx.GraphModule, attributes: Sequence[str], selective: bool, name: str):
-        self.code, self.attributes, self.selective = code, tuple(attributes), selective
-        self.__name__ = f"recompute_{'selective' if selective else 'whole'}_{name.replace('.', '_')}"
+    def __init__(self, code: torch.fx.GraphModule, attributes: Sequence[str] | None, selective: bool, name: str):
+        # attributes None: the first argument is the block's own module, the code's ``self``
+        self.code, self.selective = code, selective
+        self.attributes = None if attributes is None else tuple(attributes)
+        # the same name for every block (fxmem's recording names the op by it; alike blocks' records
+        # are alike); the graph's node is named after its block (see _replace)
+        self.__name__ = f"recompute_{'selective' if selective else 'whole'}"
         self.__qualname__ = self.__name__
+        self.block = name
+        self._key = (selective, self.attributes, _code_key(code.graph))
 
     def __call__(self, *args: Any) -> Any:
-        k = len(self.attributes)
-        run = functools.partial(type(self.code).forward, _Root(dict(zip(self.attributes, args[:k]))))
+        if self.attributes is None:
+            root, args = args[0], args[1:]
+        else:
+            k = len(self.attributes)
+            root, args = _Root(dict(zip(self.attributes, args[:k]))), args[k:]
+        run = functools.partial(type(self.code).forward, root)
         kw: dict = {}
         if self.selective:
             kw["context_fn"] = functools.partial(checkpointing.create_selective_checkpoint_contexts, _keep_products)
-        return checkpointing.checkpoint(run, *args[k:], use_reentrant=False, **kw)
+        return checkpointing.checkpoint(run, *args, use_reentrant=False, **kw)
+
+    def __eq__(self, other: object) -> bool:  # the same code on the same kind of root: the same call
+        return isinstance(other, Recomputed) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     def __repr__(self) -> str:
-        return self.__name__
+        return f"{self.__name__}({self.block})"
+
+
+def _code_key(graph: torch.fx.Graph) -> tuple:
+    """What a block's code computes, up to node names (a hashable tuple)."""
+    pos = {n: k for k, n in enumerate(graph.nodes)}
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(norm(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, norm(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", norm(a.start), norm(a.stop), norm(a.step))
+        return ("const", type(a).__name__, repr(a))
+
+    return tuple((n.op, n.target if n.op != "placeholder" else None, norm(n.args), norm(n.kwargs))
+                 for n in graph.nodes)
 
 
 def extract(gm: torch.fx.GraphModule, choices: Sequence[tuple[Block, str]]) -> torch.fx.GraphModule:
@@ -207,12 +246,23 @@ def _replace(gm: torch.fx.GraphModule, graph: torch.fx.Graph, nodes: list, selec
     body_graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     # the block's code only: its submodules are stand-ins, the caller passes the real ones
     targets = sorted({str(n.target) for n in nodes if n.op == "call_module"})
-    code = torch.fx.GraphModule({t: torch.nn.Module() for t in targets}, body_graph, f"{name}_block")
-    tops = sorted({t.split(".")[0] for t in targets})
+    own = name + "."
+    rooted = all(t.startswith(own) for t in targets)  # only its own submodules: they are named relative to it
+    if rooted:
+        for n in body_graph.nodes:
+            if n.op == "call_module":
+                n.target = str(n.target)[len(own):]
+        targets = [t[len(own):] for t in targets]
+    code = torch.fx.GraphModule({t: torch.nn.Module() for t in targets}, body_graph, "block")
+    tops = [name] if rooted else sorted({t.split(".")[0] for t in targets})
     with graph.inserting_before(nodes[0]):
         attrs = [graph.get_attr(t) for t in tops]
+    for a in attrs:  # the block's own module is read inside the block (a repeated block's, as its others)
+        a.meta["nn_module_stack"] = nodes[0].meta.get("nn_module_stack", {}) if rooted else {}
     with graph.inserting_after(nodes[-1]):
-        call = graph.call_function(Recomputed(code, tops, selective, name), tuple(attrs) + tuple(inputs))
+        target = Recomputed(code, None if rooted else tops, selective, name)
+        call = graph.create_node("call_function", target, tuple(attrs) + tuple(inputs),
+                                 name=f"{target.__name__}_{name.replace('.', '_')}")
     call.meta["stack_trace"] = nodes[0].meta.get("stack_trace")
     call.meta["nn_module_stack"] = nodes[0].meta.get("nn_module_stack", {})
     if len(outputs) == 1:

@@ -53,7 +53,7 @@ def _peak(model, specs, dims, optimizer=sgd) -> int:
 
 
 def _recomputed(opt) -> list[str]:
-    return [n.target.__name__ for n in opt.graph.nodes if isinstance(n.target, Recomputed)]
+    return [n.name for n in opt.graph.nodes if isinstance(n.target, Recomputed)]
 
 
 def _measured_step_peak(module, report, dims) -> int:

@@ -213,6 +213,56 @@ class Tied(nn.Module):
         return x
 
 
+class Stem(nn.Module):
+    """A container whose first child differs from the six alike ones after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 16)] + [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(6)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_alike_children_after_one_that_differs_are_a_chain_and_match_real_steps():
+    torch.manual_seed(0)
+    chain = find_chain(trace(Stem()))
+    assert chain is not None and chain.indices == (1, 2, 3, 4, 5, 6)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    assert_same(*both(Stem(), ("B", "L", 8), optimizer=sgd), 6)
+    report = check_training_against_real_run(Stem(), (("B", "L", 8),), [{"B": 3, "L": 5}], sgd)
+    assert any(REPEATED in n for n in report.notes)
+
+
+def _recomputing(model: nn.Module, plan: list) -> torch.fx.GraphModule:
+    """``model`` traced, its blocks recomputed in backward as ``plan`` says (None: kept)."""
+    from fxmem.passes.segments import blocks, extract
+
+    gm = trace(model)
+    return extract(gm, [(b, how) for b, how in zip(blocks(gm), plan) if how])
+
+
+S, W = "selective", "whole"
+
+
+@pytest.mark.parametrize("plan, count", [([S] * 6, 6), ([W] + [S] * 5, 5), pytest.param([S] * 5 + [W], 5,
+                                                                                           marks=pytest.mark.slow)],
+                         ids=["all-selective", "whole-first", "whole-last"])
+def test_blocks_recomputed_in_backward_still_repeat_and_match_real_steps(plan, count):
+    """optimize(budget=)'s plans: each block a torch.utils.checkpoint call of its own module, so
+    alike blocks recomputed alike are one chain (a plan that treats one block otherwise: the rest)."""
+    torch.manual_seed(0)
+    gm = _recomputing(GPT(6).train(), plan)
+    assert find_chain(gm).count == count
+    adam = lambda p: torch.optim.Adam(p)  # noqa: E731
+    assert_same(*both(gm, TOKENS, optimizer=adam), count)
+    makers = {"tokens": lambda shape, sizes: torch.randint(0, 50, shape)}
+    report = check_training_against_real_run(gm, (TOKENS,), [{"B": 3, "L": 12}], adam, makers=makers)
+    assert any(REPEATED in n for n in report.notes)
+
+
 @pytest.mark.parametrize("model", [Dense(), Widening(), Collecting(), Tied()], ids=lambda m: type(m).__name__)
 def test_what_is_not_a_chain_of_identical_blocks_is_simulated_whole(model):
     assert find_chain(trace(model)) is None

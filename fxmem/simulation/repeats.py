@@ -60,12 +60,39 @@ def find_chain(gm: torch.fx.GraphModule) -> Chain | None:
     nodes = list(gm.graph.nodes)
     best: tuple[int, Chain] | None = None
     for prefix, starts in _candidates(nodes).items():
-        chain = _chain(gm, nodes, prefix, starts)
-        if chain is not None:
-            saved = (chain.count - KEPT) * len(chain.segments[0])
-            if best is None or saved > best[0]:
-                best = (saved, chain)
+        for run in [starts, *_runs(nodes, starts)]:
+            chain = _chain(gm, nodes, prefix, run)
+            if chain is not None:
+                saved = (chain.count - KEPT) * len(chain.segments[0])
+                if best is None or saved > best[0]:
+                    best = (saved, chain)
+                break  # the whole container, else its longest run that is a chain
     return best[1] if best else None
+
+
+def _runs(nodes: list, starts: dict[int, int]) -> list[dict[int, int]]:
+    """Runs of consecutive children whose nodes look alike (the same ops on the same kinds of
+    targets), longest first: where a container's children are not all alike - a recomputation
+    plan that treats one layer of 32 otherwise - the others are still a chain."""
+    indices = sorted(starts, key=starts.get)
+    if len(indices) < _MIN_BLOCKS or indices != sorted(indices):
+        return []
+
+    def look(j: int) -> tuple:
+        return tuple((n.op, n.target if n.op not in ("call_module", "get_attr") else None)
+                     for n in nodes[starts[indices[j]]:starts[indices[j + 1]]])
+
+    looks = [look(j) for j in range(len(indices) - 1)]
+    runs, first = [], 0
+    for j in range(1, len(looks) + 1):
+        if j == len(looks) or looks[j] != looks[first]:
+            # blocks first..j-1 alike, and block j perhaps (its nodes are cut off by the next
+            # block's, or not at all): _chain checks each on its own nodes
+            for end in (j + 1, j):
+                if _MIN_BLOCKS <= end - first < len(indices):
+                    runs.append({i: starts[i] for i in indices[first:end]})
+            first = j
+    return sorted(runs, key=len, reverse=True)
 
 
 def shorten(gm: torch.fx.GraphModule, chain: Chain) -> torch.fx.GraphModule:

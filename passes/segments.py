@@ -29,6 +29,7 @@ import torch.fx
 import torch.utils.checkpoint as checkpointing
 
 from ..capture import source_line
+from ..simulation.repeats import code_key
 
 # Ops whose outputs selective recomputation keeps: the products that cost FLOPs. Everything else
 # in a block (pointwise ops, norms, softmax, copies) is recomputed in backward.
@@ -145,7 +146,7 @@ class Recomputed:
         self.__name__ = f"recompute_{'selective' if selective else 'whole'}"
         self.__qualname__ = self.__name__
         self.block = name
-        self._key = (selective, self.attributes, _code_key(code.graph))
+        self._key = (selective, self.attributes, code_key(code.graph))
 
     def __call__(self, *args: Any) -> Any:
         if self.attributes is None:
@@ -167,25 +168,6 @@ class Recomputed:
 
     def __repr__(self) -> str:
         return f"{self.__name__}({self.block})"
-
-
-def _code_key(graph: torch.fx.Graph) -> tuple:
-    """What a block's code computes, up to node names (a hashable tuple)."""
-    pos = {n: k for k, n in enumerate(graph.nodes)}
-
-    def norm(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return ("node", pos[a])
-        if isinstance(a, (tuple, list)):
-            return (type(a).__name__, tuple(norm(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, norm(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", norm(a.start), norm(a.stop), norm(a.step))
-        return ("const", type(a).__name__, repr(a))
-
-    return tuple((n.op, n.target if n.op != "placeholder" else None, norm(n.args), norm(n.kwargs))
-                 for n in graph.nodes)
 
 
 def extract(gm: torch.fx.GraphModule, choices: Sequence[tuple[Block, str]]) -> torch.fx.GraphModule:

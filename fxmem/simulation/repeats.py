@@ -23,7 +23,7 @@ by event, whether the second and third ran the same (:mod:`.unroll`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -341,6 +341,27 @@ class _NotChain(Exception):
     pass
 
 
+def code_key(graph: torch.fx.Graph, where: Callable[[torch.fx.Node], Any] = lambda n: n.target) -> tuple:
+    """What ``graph`` computes, up to node names, as a hashable tuple: per node its op, its target as
+    ``where`` names it (placeholders: none), its arguments with nodes by position. Two graphs with
+    equal keys run the same code."""
+    pos = {n: k for k, n in enumerate(graph.nodes)}
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(norm(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, norm(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", norm(a.start), norm(a.stop), norm(a.step))
+        return ("const", type(a).__name__, repr(a))
+
+    return tuple((n.op, where(n) if n.op != "placeholder" else None, norm(n.args), norm(n.kwargs))
+                 for n in graph.nodes)
+
+
 def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | None:
     """What a rewrite's graphs held by ``gm`` compute (a tuple of GraphModules under a name of
     their own per site: the original attention a fallback runs, a mask built on demand), up to
@@ -349,30 +370,15 @@ def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | No
     held = getattr(gm, name, None)
     if not isinstance(held, tuple) or not held or not all(isinstance(h, torch.fx.GraphModule) for h in held):
         return None
-    out = []
-    for sub in held:
-        pos = {n: k for k, n in enumerate(sub.graph.nodes)}
 
-        def norm(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node):
-                return ("node", pos[a])
-            if isinstance(a, (tuple, list)):
-                return (type(a).__name__, tuple(norm(x) for x in a))
-            if isinstance(a, dict):
-                return ("dict", tuple((k, norm(v)) for k, v in a.items()))
-            if isinstance(a, slice):
-                return ("slice", norm(a.start), norm(a.stop), norm(a.step))
-            return ("const", type(a).__name__, repr(a))
+    def where(n: torch.fx.Node) -> Any:
+        if n.op in ("call_module", "get_attr"):
+            t = str(n.target)
+            return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
+        return n.target
 
-        def where(n: torch.fx.Node) -> Any:
-            if n.op in ("call_module", "get_attr"):
-                t = str(n.target)
-                return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
-            return n.target
-
-        out.append(tuple((n.op, where(n), norm(n.args), norm(n.kwargs)) for n in sub.graph.nodes
-                         if n.op != "placeholder") + tuple(n.name for n in sub.graph.nodes if n.op == "placeholder"))
-    return tuple(out)
+    return tuple(code_key(sub.graph, where) + tuple(n.name for n in sub.graph.nodes if n.op == "placeholder")
+                 for sub in held)
 
 
 def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> bool:

@@ -247,8 +247,10 @@ def _recomputing(model: nn.Module, plan: list) -> torch.fx.GraphModule:
 S, W = "selective", "whole"
 
 
-@pytest.mark.parametrize("plan, count", [([S] * 6, 6), ([W] + [S] * 5, 5), pytest.param([S] * 5 + [W], 5,
-                                                                                           marks=pytest.mark.slow)],
+# a plan that treats one block otherwise (its run of alike blocks: _runs) is also checked, faster, by
+# test_alike_children_after_one_that_differs_are_a_chain_and_match_real_steps: these two run in the slow set
+@pytest.mark.parametrize("plan, count", [([S] * 6, 6), pytest.param([W] + [S] * 5, 5, marks=pytest.mark.slow),
+                                         pytest.param([S] * 5 + [W], 5, marks=pytest.mark.slow)],
                          ids=["all-selective", "whole-first", "whole-last"])
 def test_blocks_recomputed_in_backward_still_repeat_and_match_real_steps(plan, count):
     """optimize(budget=)'s plans: each block a torch.utils.checkpoint call of its own module, so

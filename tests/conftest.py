@@ -60,6 +60,9 @@ def check_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dic
                            makers: Mapping[str, Callable] | None = None, report: fxmem.Report | None = None,
                            **analyze_kw: Any) -> fxmem.Report:
     """Analyse once, then run the traced module for real at each of ``sizes`` and compare bytes."""
+    # the comparison below is the self-check's, at sizes the analysis did not see: the report's own
+    # check at its small size would repeat it (a profiled real run); test_selfcheck.py tests that
+    analyze_kw.setdefault("check", False)
     report = report or fxmem.analyze(model, *specs, grad=grad, **analyze_kw)
     gm = report.graph_module
     for dims in sizes:
@@ -118,6 +121,7 @@ def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes:
     from fxmem.training import default_loss, train_step
 
     loss = analyze_kw.get("loss") or default_loss
+    analyze_kw.setdefault("check", False)  # the real steps below are the check (see check_against_real_run)
     with threads(num_threads):
         report = fxmem.analyze(model, *specs, optimizer=optimizer, **analyze_kw)
         for dims in sizes:

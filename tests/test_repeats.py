@@ -63,8 +63,9 @@ def canonical(rec) -> tuple:
 
 
 def both(model, *specs, **kw):
-    # the two recordings are compared event by event, and the callers run real steps at other sizes:
-    # the reports' own self-checks (a profiled real step each) would repeat that
+    # what is asserted is that the two recordings are equal event by event (real steps, where a caller
+    # runs them, at other sizes); the reports' own self-checks (a profiled real step each) decide
+    # none of that, so they are skipped here
     kw.setdefault("check", False)
     fast = fxmem.analyze(model, *specs, **kw)
     slow = fxmem.analyze(model, *specs, repeats=False, **kw)

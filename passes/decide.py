@@ -64,7 +64,8 @@ class Condition:
 @dataclasses.dataclass
 class Decision:
     """``verdict``: ``"keep"`` (never higher, lower somewhere), ``"decline"`` or ``"switch"`` (never
-    higher where ``condition`` holds); ``text`` the formula comparison it rests on, in words."""
+    higher where ``condition`` holds), or ``"undecided"`` (a condition might make it never higher,
+    not looked for: ``decide(search=False)``); ``text`` the formula comparison it rests on, in words."""
 
     verdict: str
     text: str
@@ -173,9 +174,12 @@ def _bounded(low: sympy.Expr, high: sympy.Expr, region: Region) -> bool:
 
 
 def decide(pairs: Sequence[tuple[str, sympy.Expr, sympy.Expr]], region: Region,
-           symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int], assume: Condition | None = None) -> Decision:
+           symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int], assume: Condition | None = None,
+           search: bool = True) -> Decision:
     """Compare each ``(name, before, after)`` peak formula pair over ``region`` (restricted by
     ``assume``, a condition already taken: then only a stronger one of the same dims can be found).
+    ``search=False``: no condition is looked for (the costly part); where one would be, the verdict
+    is ``"undecided"``.
 
     ``hints`` only order the candidate conditions (one that holds at the hints is tried first);
     every verdict is a proof over the region (or the region restricted by the condition).
@@ -194,6 +198,8 @@ def decide(pairs: Sequence[tuple[str, sympy.Expr, sympy.Expr]], region: Region,
         return Decision("decline", f"the same peak for every size ({where}): {shown}", same=True)
     if higher:
         return Decision("decline", f"never lower for any size where the analysis holds ({where}): {shown}")
+    if not search:
+        return Decision("undecided", f"higher somewhere; conditions not looked for ({where}): {shown}")
     found = _conditions(pairs, region, symbols, hints) if assume is None else _stronger(assume, pairs, region, symbols)
     for cond in found:
         return Decision("switch", f"never higher where {cond} (within {where}), higher elsewhere: {shown}", cond)

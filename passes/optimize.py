@@ -10,6 +10,12 @@ formulas before and after each rewrite.
     another node order (:mod:`.reorder`), and with ``budget=`` what to recompute in backward so
     that the training step fits (:mod:`.recompute`). Each graph is analysed once per call.
 
+Verification is made once where it can be: a trial the formulas keep is verified with the graph
+that follows it (the line's final graph, or the recomputed plan that holds it); one the formulas
+decline is verified at once (its record says it is exact). Where a verification then fails, the
+call starts again and verifies each trial before keeping it, so that the failing rewrite is found,
+dropped and named; nothing of the first pass is returned.
+
 The result is a ``torch.fx.GraphModule`` with the model's call signature that shares the model's
 ``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
 model does (``F.dropout(x, p, training=self.training)`` reads the flag when it runs, not when it
@@ -106,6 +112,12 @@ class _Memory:
         return {f"{k}_{suffix}": v for k, v in self._texts.items()}
 
 
+class _Unverified(Exception):
+    """A verification failed in the optimistic pass while the graph held rewrites kept on their
+    formulas whose own verification was deferred: which rewrite fails is not known, so the call
+    starts again, verifying each trial before it is kept."""
+
+
 @isolated
 def optimize(
     model: torch.nn.Module,
@@ -151,6 +163,36 @@ def optimize(
     >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))    # doctest: +SKIP
     >>> fxmem.analyze(opt, ("B", "N", 6), ("B", "N", "N")).peak          # doctest: +SKIP
     """
+    # First optimistically: a trial the formulas keep is verified with what follows it (the line's
+    # final graph, or the recomputed plan that contains it: one verification where there were two).
+    # Where any verification then fails, nothing of that pass is returned: the call starts again
+    # and verifies each trial before it is kept, so that the failing rewrite is found and dropped.
+    for optimistic in (True, False):
+        dropped: list[str] = []  # the warnings of rewrites dropped, given once the pass stands
+        try:
+            out = _optimize(model, input_specs, options, probe_sizes, settings, budget, dims, option_values,
+                            optimistic, dropped)
+        except _Unverified:
+            continue  # that pass's records and warnings are not the call's
+        except BaseException:
+            _warn(dropped)
+            raise
+        _warn(dropped)
+        return out
+    raise AssertionError("unreachable: the careful pass raises no _Unverified")
+
+
+def _warn(texts: list[str]) -> None:
+    for text in texts:  # at optimize's caller (past this function, optimize and its isolation wrapper)
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+
+def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions | None,
+              probe_sizes: Sequence[Mapping[str, int]] | None, settings: Mapping[str, Mapping[str, Any]] | None,
+              budget: Any, dims: Mapping[str, int] | None, option_values: dict, optimistic: bool,
+              dropped: list) -> torch.fx.GraphModule:
+    """One pass of :func:`optimize` (see there); ``optimistic``: defer the verification of trials the
+    formulas keep (a failure then raises :class:`_Unverified`); ``dropped`` collects the warnings."""
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
                          f"Module whose forward calls it")
@@ -221,7 +263,8 @@ def optimize(
                   f"runs the model's own forward; what to do: checkpoint the model's blocks yourself "
                   f"(torch.utils.checkpoint), dims inside that region, or a larger budget")
     verify_inputs = [random_inputs(specs, sizes, requires_grad=False) for sizes in verify_at]
-    state = _Search(gm, model, input_specs, kw, verify_inputs, symbols, choose_hints(symbols, hints), None)
+    state = _Search(gm, model, input_specs, kw, verify_inputs, symbols, choose_hints(symbols, hints), None,
+                    optimistic, dropped)
     if traced.capture:
         gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
@@ -244,7 +287,7 @@ def optimize(
     switched = None
     if state.switch is not None:  # a rewrite that pays only where a condition holds: a second line
         alt = _Search(gm, model, input_specs, state.switch_kw or kw, verify_inputs, symbols,
-                      state.switch_hints or hint_sizes, state.switch)
+                      state.switch_hints or hint_sizes, state.switch, optimistic, dropped)
         alt.switch_text = state.switch_text
         alt.references = state.references  # the same model, the same inputs
         alt = _search(gm, alt, probes, specs, name, settings, state.switch)
@@ -285,6 +328,8 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
     """Every pass in registry order over the graph the passes before it made; ``state`` decides."""
     for k, rule in enumerate(PASSES):
         if k:  # each pass sees the graph the passes before it made (fused attention needs decomposed scores)
+            if state.accepted:  # verified before later rules build on it: a wrong rewrite is found early
+                state.confirm(state.best)
             if state.rebase():
                 probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
         findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
@@ -346,9 +391,14 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
                 state.analysed if reuse else (lambda g: None), state.verify,
                 lambda g: _share_modules(g, model))
     best = state.best
-    for p in GRAPH_PASSES:
-        best, entry = p.run(best, line)
-        state.log.append(entry)
+    try:
+        for p in GRAPH_PASSES:
+            best, entry = p.run(best, line)
+            state.log.append(entry)
+    except BudgetError:
+        state.confirm(best)  # the error tells peaks of the rewritten graph: verified before they are told
+        raise
+    state.confirm(best)
     return best
 
 
@@ -493,10 +543,15 @@ def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list
             forms.fxmem_forms.force = side
             diff = main.verify(forms)
             if not diff.ok:
+                if alt.unverified:  # the optimistic pass: a rewrite of the other line, kept unverified?
+                    raise _Unverified(f"{diff.where}: max diff {diff.max_abs:.3g}")
                 why = (f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in "
                        f"{diff.where})")
                 break
         forms.fxmem_forms.force = None
+        if why is None:  # each line's graph, verified whole on its side
+            for line in (main, alt):
+                line._verified.append(line.best)
     entry = log_entry("switch", "applied" if why is None else "declined", name, (
                        f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from "
                         f"the inputs' sizes, each verified against the model on its side. Decided by the formulas "
@@ -538,7 +593,8 @@ class _Search:
     it is verified and lowers the memory of everything kept before it."""
 
     def __init__(self, gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, kw: dict,
-                 verify_inputs: list, symbols: Mapping, hints: Mapping[str, int], condition: Condition | None) -> None:
+                 verify_inputs: list, symbols: Mapping, hints: Mapping[str, int], condition: Condition | None,
+                 optimistic: bool = False, dropped: list | None = None) -> None:
         self.gm, self.model, self.input_specs, self.kw, self.verify_inputs = gm, model, input_specs, kw, verify_inputs
         self.symbols, self.hints = symbols, hints
         # the line's assumption (the conditioned form of a switch): decisions hold where it holds
@@ -558,6 +614,11 @@ class _Search:
         self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its _Memory): each analysed once
         self.references: dict = {}  # the model's own verification runs (shared with the other line's search)
         self.graph_checked = False  # whether the graph as captured, no rewrite on it, was verified
+        # the optimistic pass (see optimize): a trial the formulas keep is verified with the graph
+        # that follows it; ``unverified`` while the best graph holds such a rewrite
+        self.optimistic, self.unverified = optimistic, False
+        self._verified: list[torch.nn.Module] = []  # the modules verified (the final one may be one)
+        self.dropped = dropped if dropped is not None else []  # warnings of rewrites dropped
 
     def faithful(self, graph: torch.fx.GraphModule | None = None) -> None:
         """Verify the graph as captured (no rewrite) against the model, once per call; a TraceError if
@@ -590,7 +651,33 @@ class _Search:
                 diff = other
             if not diff.ok:
                 break
+        if diff.ok:
+            self._verified.append(candidate)
+        elif self.unverified:  # this rewrite's fault, or one of those kept unverified? Start again
+            raise _Unverified(f"{diff.where}: max diff {diff.max_abs:.3g}")
         return diff
+
+    def confirm(self, final: torch.nn.Module) -> None:
+        """The optimistic pass: the line's final graph verified, unless a pass verified it already (the
+        recomputed plan); :class:`_Unverified` where it fails."""
+        if self.unverified and not any(m is final for m in self._verified):
+            self.verify(final)
+        self.unverified = False
+
+    def _deferred(self, trial: torch.fx.GraphModule) -> Decision | None:
+        """The optimistic pass: the decision of the formulas on ``trial`` where it keeps it (then its
+        verification waits for the line's final graph); None otherwise, and the trial is verified
+        first, as every rewrite a record calls exact is, or declines is."""
+        if not self.optimistic:
+            return None
+        try:
+            after = self.memory(trial)
+        except Exception:  # noqa: BLE001 - a graph the analysis refuses: verification first says whose fault
+            return None
+        # never higher, plainly: no condition is looked for on a graph not yet verified (the costly
+        # part of a decision, wasted where the verification fails)
+        decision = _decide(self.current, after, self.symbols, self.hints, self.condition, search=False)
+        return decision if decision.verdict == "keep" else None
 
     def memory(self, gm: torch.fx.GraphModule) -> "_Memory":
         """fxmem's analysis of ``gm`` with this line's options, made once per graph module."""
@@ -679,8 +766,9 @@ class _Search:
         for e in entries:
             e.update(self.current.formulas("before"))
         trial = _build(self.gm, self.model, self.accepted + group)
-        diff = self.verify(trial)
-        if not diff.ok:
+        deferred = self._deferred(trial)
+        diff = self.verify(trial) if deferred is None else None
+        if diff is not None and not diff.ok:
             self.faithful()  # the rewrite's fault, or the captured graph's? (a TraceError for the latter)
             if len(group) > 1:  # find the culprit: try each rewrite of the group alone
                 for member in group if culprit else ():
@@ -689,13 +777,14 @@ class _Search:
             _, finding = group[0]
             entries[0]["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the rewrite "
                                     f"does not compute what the original does; dropped")
-            warnings.warn(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
-                          f"{entries[0]['reason']}", RuntimeWarning, stacklevel=3)
+            self.dropped.append(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
+                                f"{entries[0]['reason']}")
             return "failed"
         after = self.memory(trial)
         for e in entries:
             e.update(after.formulas("after"))
-        decision = _decide(self.current, after, self.symbols, self.hints, self.condition)
+        decision = deferred if deferred is not None else _decide(self.current, after, self.symbols, self.hints,
+                                                                 self.condition)
         if decision.verdict == "decline" and self.condition is None:
             decision = self._beyond(trial, after) or decision
         for e in entries:
@@ -727,6 +816,7 @@ class _Search:
         self.accepted += group
         self.kept += len(group)
         self.current, self.best = after, trial
+        self.unverified = deferred is not None  # else verified, with every rewrite kept before it
         return "kept"
 
 
@@ -769,9 +859,9 @@ def _threshold(dim: str, regions: list, symbols: Mapping, at: Mapping[str, int])
 
 
 def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[str, int],
-            assume: Condition | None) -> Decision:
+            assume: Condition | None, search: bool = True) -> Decision:
     """The formula comparison of every peak (forward, training step, inference) over the region
-    where both analyses hold (the higher lower bound of each dim)."""
+    where both analyses hold (the higher lower bound of each dim); ``search``: see :func:`.decide.decide`."""
     # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
     regions = _regions(before) + _regions(after)
     lower: dict = {}
@@ -792,7 +882,7 @@ def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[st
     if after.step_failure and not before.step_failure:  # a step the original has and the rewrite cannot show
         return Decision("decline", f"the training step of the rewrite cannot be analysed by fxmem "
                                    f"({after.step_failure}), where the original's can: nothing proves it not higher")
-    decision = decide(pairs, region, symbols, hints, assume)
+    decision = decide(pairs, region, symbols, hints, assume, search)
     if before.step_failure:  # neither step analysed: said, never silently left out of the comparison
         decision = dataclasses.replace(decision, text=f"{decision.text}; the training step is not compared: fxmem "
                                                       f"cannot analyse the original's ({before.step_failure})")

@@ -46,6 +46,9 @@ def test_a_found_condition_holds_for_the_numbers():
     assert holds and fails
     assert all(evaluate(after, p) <= evaluate(before, p) for p in holds)
     assert any(evaluate(after, p) > evaluate(before, p) for p in fails)
+    # without the search (optimize's look before a trial is verified): undecided, never kept
+    quick = decide([("peak", before, after)], REGION, SYMBOLS, {"E": 97, "N": 98}, search=False)
+    assert quick.verdict == "undecided" and quick.condition is None
 
 
 def test_never_higher_is_kept_and_never_lower_declined():
@@ -55,6 +58,7 @@ def test_never_higher_is_kept_and_never_lower_declined():
     assert all(evaluate(after, p) <= evaluate(before, p) for p in _grid())
     assert decide([("peak", after, before)], REGION, SYMBOLS, {"E": 3, "N": 4}).verdict == "decline"
     assert decide([("peak", after, after)], REGION, SYMBOLS, {"E": 3, "N": 4}).verdict == "decline"
+    assert decide([("peak", before, after)], REGION, SYMBOLS, {"E": 3, "N": 4}, search=False).verdict == "keep"
     # two peaks: each must be never higher for the rewrite to be kept
     mixed = decide([("peak", before, after), ("training-step peak", after, before)], REGION, SYMBOLS, {"E": 3, "N": 4})
     assert mixed.verdict != "keep"

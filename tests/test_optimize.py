@@ -305,6 +305,43 @@ def test_a_rewrite_that_fails_verification_is_dropped(monkeypatch):
     assert_same_function(model, opt, P.Expand.SPECS, {"B": 2, "N": 3})
 
 
+def test_a_wrong_rewrite_kept_on_its_formulas_is_found_by_starting_again(monkeypatch):
+    """A trial the formulas keep is verified with the graph that follows it (here the call's final
+    graph). Where that verification fails, nothing of the pass is returned: optimize starts again
+    and verifies each trial before keeping it, so the wrong rewrite is named and dropped - one
+    warning, one record - and the result computes what the model does."""
+    import importlib
+
+    def wrong_halves(graph, nodes, m, left, right, f):  # swaps a[:F] and a[F:]
+        return linear_maps._split_matmul(graph, nodes, m, right, left, f)
+
+    driver = importlib.import_module("fxmem.passes.optimize")  # the module, not the function it exports
+    passes, inner = [], driver._optimize
+
+    def counted(*a, **k):
+        passes.append(a[-2])  # optimistic?
+        return inner(*a, **k)
+
+    monkeypatch.setattr(driver, "_optimize", counted)
+    monkeypatch.setitem(linear_maps.SPLITS, "matmul", wrong_halves)
+    torch.manual_seed(0)
+    model = P.Expand()
+    with pytest.warns(RuntimeWarning, match="verification failed") as caught:
+        opt = fxmem.optimize(model, *P.Expand.SPECS)
+    assert passes == [True, False]  # kept on its formulas, then found wrong: the careful pass
+    assert len([w for w in caught if "dropped" in str(w.message)]) == 1
+    (entry,) = entries(opt)
+    assert entry["status"] == "declined" and "max diff" in entry["reason"]
+    assert_same_function(model, opt, P.Expand.SPECS, {"B": 2, "N": 3})
+
+    passes.clear()  # the right rewrite: one pass, kept, and the same function
+    monkeypatch.undo()
+    monkeypatch.setattr(driver, "_optimize", counted)
+    opt = fxmem.optimize(model, *P.Expand.SPECS)
+    assert passes == [True] and entries(opt)[0]["status"] == "applied"
+    assert_same_function(model, opt, P.Expand.SPECS, {"B": 2, "N": 3})
+
+
 def test_errors_name_the_argument_and_what_to_do():
     with pytest.raises(fxmem.ModelError, match="torch.nn.Module"):
         fxmem.optimize(lambda x: x, ("B", 4))

@@ -86,6 +86,31 @@ def test_budget_is_met_by_the_real_training_step_and_outputs_and_gradients_are_u
     assert_same_in_every_mode(model, opt, xs)
 
 
+def test_a_rules_rewrite_is_verified_with_the_plan_that_holds_it(monkeypatch):
+    """The attention rewrite the formulas keep is verified together with the recomputed plan made
+    on top of it (one verification of the returned graph, not one each): the result computes what
+    the model does, in every mode, and its budget holds by fxmem's analysis of the result."""
+    import importlib
+
+    driver = importlib.import_module("fxmem.passes.optimize")  # the module, not the function it exports
+    calls, compare = [], driver.compare
+
+    def counted(*a, **k):
+        calls.append(a[1])
+        return compare(*a, **k)
+
+    monkeypatch.setattr(driver, "compare", counted)
+    torch.manual_seed(0)
+    model = Transformer(depth=3, dim=32)
+    budget = int(_peak(model, (IDS,), DIMS) * 0.5)
+    opt = fxmem.optimize(model, IDS, budget=budget, dims=DIMS, optimizer=sgd)
+    applied = [e["rule"] for e in opt.meta["fxmem"] if e["status"] == "applied"]
+    assert "sdpa" in applied and applied[-1] == "recompute", opt.meta["fxmem"]
+    assert calls == [opt]  # the returned graph, which holds both
+    assert _peak(opt, (IDS,), DIMS) <= budget
+    assert_same_in_every_mode(model, opt, [torch.randint(0, 50, (3, 9))])
+
+
 def test_dropout_inside_recomputed_blocks_keeps_outputs_and_gradients():
     torch.manual_seed(0)
     model = DropNet()

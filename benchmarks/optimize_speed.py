@@ -1,7 +1,9 @@
 """What ``fxmem.optimize`` costs, as a multiple of one analysis of the same model.
 
 For each model: one ``fxmem.analyze`` (a training step with the optimizer), ``fxmem.optimize``
-with no budget, and ``fxmem.optimize(budget=, dims=)`` at a fraction of the original step's peak.
+with no budget, and ``fxmem.optimize(budget=, dims=)`` at a fraction of the original step's peak,
+also in optimize's careful pass alone (each rewrite verified before it is kept, as before the
+optimistic pass that verifies a kept rewrite with the recomputed plan made on it).
 Each is timed ``--repeats`` times round-robin in one process (after one warm-up call of each, so
 that oneDNN's first-call work is not counted); medians, and their ratio to the analysis' median.
 The table also counts, per call, the analyses (fake-tensor simulations) and real verification runs.
@@ -12,7 +14,6 @@ Results: benchmarks/results/optimize_speed_cpu.{json,md}
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import statistics
 import sys
@@ -24,8 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import fxmem  # noqa: E402
-from fxmem.measure import machine_name  # noqa: E402
-from recompute import adamw, decoder_arguments, decoder_setup  # noqa: E402
+from recompute import adamw, decoder_arguments, decoder_meta, decoder_setup, save_json  # noqa: E402
 
 
 def counted():
@@ -51,6 +51,25 @@ def counted():
     return counts
 
 
+def careful(fn):
+    """``fn`` with optimize's careful pass only (each trial verified before it is kept: the pass a
+    failed verification falls back to, and every pass before the optimistic one was added)."""
+    driver = importlib.import_module("fxmem.passes.optimize")
+
+    def run():
+        inner = driver._optimize
+
+        def one_pass(*a):
+            return inner(*a[:-2], False, a[-1])  # (..., optimistic, dropped)
+
+        driver._optimize = one_pass
+        try:
+            return fn()
+        finally:
+            driver._optimize = inner
+    return run
+
+
 def main() -> None:
     ap = decoder_arguments(__doc__, "optimize_speed_cpu", 3)
     ap.add_argument("--fraction", type=float, default=0.6, help="budget as a share of the original step's peak")
@@ -62,6 +81,8 @@ def main() -> None:
         "optimize()": lambda: fxmem.optimize(model, spec),
         f"optimize(budget={args.fraction:.0%} of the peak, AdamW)":
             lambda: fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=adamw),
+        "the same, each rewrite verified before it is kept (the careful pass)":
+            careful(lambda: fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=adamw)),
     }
     counts = counted()
     times: dict = {k: [] for k in calls}
@@ -80,13 +101,9 @@ def main() -> None:
     first = statistics.median(times[next(iter(calls))])
     rows = [{"call": k, "median_s": round(statistics.median(v), 2), "times_s": [round(x, 2) for x in v],
              "ratio": round(statistics.median(v) / first, 2), **work[k]} for k, v in times.items()]
-    command = ("python benchmarks/optimize_speed.py " + " ".join(sys.argv[1:])).strip()
-    meta = {"machine": machine_name(), "torch": torch.__version__, "threads": args.threads, "command": command,
-            "model": f"Decoder(layers={args.layers}, dim={args.dim}, heads={args.heads})", "dims": dims,
-            "budget": budget, "repeats": args.repeats}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = decoder_meta("optimize_speed.py", args, dims, budget=budget, repeats=args.repeats)
+    command = meta["command"]
+    save_json(args, {"meta": meta, "rows": rows})
     lines = ["# What fxmem.optimize costs, next to one analysis (cpu)", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}; {args.threads} thread(s); command: `{command}`. "
              f"{meta['model']} (the benchmarks' GPT decoder: causal softmax attention with dropout), tokens "

@@ -137,14 +137,23 @@ def main() -> None:
     write(args, rows, base, dims)
 
 
-def write(args: argparse.Namespace, rows: list, base: int, dims: dict) -> None:
-    command = "python benchmarks/recompute.py " + " ".join(sys.argv[1:])
-    meta = {"machine": machine_name(), "torch": torch.__version__, "threads": args.threads,
-            "command": command.strip(), "model": f"Decoder(layers={args.layers}, dim={args.dim}, heads={args.heads})",
-            "dims": dims, "original_train_peak": base, "optimizer": "AdamW"}
+def decoder_meta(script: str, args: argparse.Namespace, dims: dict, **more) -> dict:
+    """A decoder benchmark's run as its results describe it: the machine, torch, the command, the model."""
+    command = (f"python benchmarks/{script} " + " ".join(sys.argv[1:])).strip()
+    return {"machine": machine_name(), "torch": torch.__version__, "threads": args.threads, "command": command,
+            "model": f"Decoder(layers={args.layers}, dim={args.dim}, heads={args.heads})", "dims": dims, **more}
+
+
+def save_json(args: argparse.Namespace, results: dict) -> None:
+    """``results`` to ``--out``.json."""
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump(results, f, indent=1)
+
+
+def write(args: argparse.Namespace, rows: list, base: int, dims: dict) -> None:
+    meta = decoder_meta("recompute.py", args, dims, original_train_peak=base, optimizer="AdamW")
+    save_json(args, {"meta": meta, "rows": rows})
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     plain = next((r for r in rows if r.get("plan") == "nothing"), None)
     lines = ["# Fitting a budget by recomputation (cpu)", "",

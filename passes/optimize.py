@@ -665,9 +665,9 @@ class _Search:
         self.unverified = False
 
     def _deferred(self, trial: torch.fx.GraphModule) -> Decision | None:
-        """The optimistic pass: the decision of the formulas on ``trial`` where it keeps it (then its
-        verification waits for the line's final graph); None otherwise, and the trial is verified
-        first, as every rewrite a record calls exact is, or declines is."""
+        """The optimistic pass: the formulas' decision on ``trial`` where it keeps the trial outright
+        (its verification then waits for the graph that follows it). None otherwise: the trial is
+        verified first, as in the careful pass (a declined rewrite's record says it is exact)."""
         if not self.optimistic:
             return None
         try:

@@ -19,7 +19,6 @@ No submodule is added to the result, so its ``state_dict`` keys stay the model's
 from __future__ import annotations
 
 import dataclasses
-import re
 import functools
 import operator
 from typing import Any, Sequence
@@ -29,6 +28,7 @@ import torch.fx
 import torch.utils.checkpoint as checkpointing
 
 from ..capture import source_line
+from ..capture.source import stack_path
 from ..simulation.repeats import code_key
 
 # Ops whose outputs selective recomputation keeps: the products that cost FLOPs. Everything else
@@ -48,18 +48,12 @@ class Block:
     refusal: str | None = None  # why it cannot be recomputed (None: it can)
 
 
-def _path(entry: Any) -> str:
-    """A module path of an ``nn_module_stack`` entry, as the model names it: TorchDynamo writes
-    ``L['self'].blocks.0.attn`` for ``blocks.0.attn``."""
-    return re.sub(r"^L\['self'\]\.?", "", str(entry[0] if isinstance(entry, tuple) else entry))
-
-
 def _stack(node: torch.fx.Node) -> list[str]:
     if node.op == "call_module":
         stack = list((node.meta.get("nn_module_stack") or {}).values())
-        paths = [_path(v) for v in stack]
+        paths = [stack_path(v) for v in stack]
         return paths if paths and paths[-1] == node.target else paths + [str(node.target)]
-    return [_path(v) for v in (node.meta.get("nn_module_stack") or {}).values()]
+    return [stack_path(v) for v in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def blocks(gm: torch.fx.GraphModule) -> list[Block]:

@@ -226,6 +226,28 @@ def test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal():
     check_against_real_run(opt.eval(), (full,), [{"B": 3}], makers=tokens)  # the second graph, at L = 48
 
 
+def test_the_blocks_of_a_captured_graph_are_the_models_own():
+    """TorchDynamo names a captured graph's modules after the local the model was called through
+    (``L['module']`` in fxmem's capture, ``L['self']`` elsewhere): recomputation's blocks are the
+    model's own paths, so a plan that checkpoints them builds (a get_attr of ``L['module'].blocks.0``
+    names nothing, and failed the graph's lint). The fast check of the slow test below."""
+    from fxmem.capture.whole_graph import capture
+    from fxmem.capture import forward_parameters
+    from fxmem.passes.segments import blocks, extract
+    from fxmem.specs import parse_specs
+
+    torch.manual_seed(0)
+    model = P.NanoGPT(n_layer=2, block_size=48)
+    ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
+    specs, _ = parse_specs((ids,), forward_parameters(model), None, "NanoGPT")
+    gm = capture(model, specs, ["idx"])
+    found = [b for b in blocks(gm) if b.refusal is None]
+    assert [b.name for b in found] == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+    plan = extract(gm, [(b, "whole" if k % 2 else "selective") for k, b in enumerate(found)])
+    ids_in = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(plan(ids_in), gm(ids_in))
+
+
 @pytest.mark.slow  # four optimize(budget=) calls; test_recompute.py meets budgets in CI
 def test_a_budget_at_the_models_own_size_bound_is_met_or_refused():
     """nanoGPT asserts t <= block_size: a budget inside the region, and at L = block_size (a second

@@ -198,6 +198,19 @@ def module_path(node: torch.fx.Node) -> str:
     return ""
 
 
+def stack_path(entry: Any) -> str:
+    """The module path of an ``nn_module_stack`` entry as the model names it. TorchDynamo writes the
+    root as the local it was called through - ``L['self']``, or ``L['module']`` where fxmem's capture
+    calls the model from a function - and list items as ``[0]`` in some versions:
+    ``L['module'].blocks[0].attn`` is ``blocks.0.attn``, ``L['module']`` the model itself ('').
+
+    >>> stack_path(("L['module'].blocks[0].attn", object)), stack_path("blocks.0")
+    ('blocks.0.attn', 'blocks.0')
+    """
+    path = re.sub(r"^L\['[^']*'\]\.?", "", str(entry[0] if isinstance(entry, tuple) else entry))
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
 @dataclasses.dataclass(frozen=True)
 class Parameters:
     """What ``forward`` accepts: positional parameters (with their defaults), and what it cannot take

@@ -192,10 +192,12 @@ def module_path(node: torch.fx.Node) -> str:
     if node.op == "call_module":
         return str(node.target)
     stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        last: Any = list(stack.values())[-1]
-        return str(last[0] if isinstance(last, tuple) else last)
-    return ""
+    return _stack_text(list(stack.values())[-1]) if stack else ""
+
+
+def _stack_text(entry: Any) -> str:
+    """An ``nn_module_stack`` entry's path as written: ``(path, module type)`` or the path alone."""
+    return str(entry[0] if isinstance(entry, tuple) else entry)
 
 
 def stack_path(entry: Any) -> str:
@@ -207,7 +209,7 @@ def stack_path(entry: Any) -> str:
     >>> stack_path(("L['module'].blocks[0].attn", object)), stack_path("blocks.0")
     ('blocks.0.attn', 'blocks.0')
     """
-    path = re.sub(r"^L\['[^']*'\]\.?", "", str(entry[0] if isinstance(entry, tuple) else entry))
+    path = re.sub(r"^L\['[^']*'\]\.?", "", _stack_text(entry))
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
 

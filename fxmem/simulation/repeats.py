@@ -30,6 +30,7 @@ import torch.fx
 
 from .. import _torch_compat as tc
 from ..capture import module_path, private_copy
+from .sameness import hook_functions, same, tensor_key
 
 # blocks simulated: the two middle ones each see a block on either side, as every inner block does,
 # so the second checks the first event by event (see .unroll)
@@ -169,8 +170,9 @@ def shorten_module(model: torch.nn.Module, chain: Chain) -> torch.nn.Module:
 
 def _alike(blocks: list, indices: list) -> bool:
     """Blocks of the same classes, all the way down, holding tensors of the same shapes, strides,
-    dtypes and trainability, with the same hooks and the same other attributes - but for integers
-    equal to each block's own index (a ``layer_idx``)."""
+    dtypes and trainability, with hooks calling the same functions and the same other attributes
+    (objects that carry behaviour - a kernel bound per layer, a closure - compared by what they run:
+    :mod:`.sameness`) - but for integers equal to each block's own index (a ``layer_idx``)."""
     walks = [list(b.named_modules(remove_duplicate=False)) for b in blocks]
     if any(len(w) != len(walks[0]) for w in walks):
         return False
@@ -178,15 +180,12 @@ def _alike(blocks: list, indices: list) -> bool:
         names, modules = [n for n, _ in row], [m for _, m in row]
         if any(n != names[0] or type(m) is not type(modules[0]) for n, m in zip(names, modules)):
             return False
-        if any(tc.module_hooks(m) != tc.module_hooks(modules[0]) for m in modules) or \
-                any(m.training != modules[0].training for m in modules):
-            return False
         states = [_state(m) for m in modules]
         if any(set(st) != set(states[0]) for st in states):
             return False
         for key in states[0]:
             values = [st[key] for st in states]
-            if all(_same(v, values[0]) for v in values):
+            if all(same(v, values[0]) for v in values):
                 continue
             if not all(type(v) is int and v == i for v, i in zip(values, indices)):  # a layer index
                 return False
@@ -194,29 +193,10 @@ def _alike(blocks: list, indices: list) -> bool:
 
 
 def _state(module: torch.nn.Module) -> dict:
-    """A module's own attributes (hooks aside), tensors as (shape, stride, dtype, requires_grad)."""
-    out = {}
-    for table in ("_parameters", "_buffers"):
-        for k, t in module.__dict__.get(table, {}).items():
-            out[(table, k)] = None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
-    for k, v in module.__dict__.items():
-        if k in ("_parameters", "_buffers", "_modules", "training") or k.endswith("hooks") or "hooks_" in k:
-            continue
-        out[k] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if hasattr(a, "__func__") and hasattr(a, "__self__"):  # bound methods: the same function
-        return a.__func__ is b.__func__
-    try:
-        return bool(a == b)
-    except Exception:  # an object that cannot say
-        return False
+    """A module's own attributes, its hooks as the functions they call; its submodules are walked
+    on their own (:func:`_alike`)."""
+    own = {k: v for k, v in module.__dict__.items() if k != "_modules" and not (k.endswith("hooks") or "hooks_" in k)}
+    return {**own, **hook_functions(module)}
 
 
 def _shares_tensors(model: torch.nn.Module, prefix: str) -> bool:
@@ -384,26 +364,23 @@ def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | No
 def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> bool:
     """Blocks hold parameters, buffers and tensor attributes of the same shapes, strides, dtypes
     and trainability, none shared with another block or the rest of the model, and call leaf
-    modules of the same classes and settings with the same hooks."""
+    modules alike as :func:`_alike` says (classes, settings, hooks)."""
     def tensors(module: torch.nn.Module) -> list:
         named = [*module.named_parameters(), *module.named_buffers(), *tc.tensor_attributes(module)]
-        return [(name, tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
-                for name, t in named]
+        return [(name, tensor_key(t)) for name, t in named]
 
     def leaves(j: int) -> list:
-        out = []
-        for n in segments[j]:
-            if n.op == "call_module":
-                m = gm.get_submodule(str(n.target))
-                out.append((type(m), m.extra_repr(), tuple(sorted(tc.module_hooks(m).items()))))
-        return out
+        return [gm.get_submodule(str(n.target)) for n in segments[j] if n.op == "call_module"]
 
     try:
         blocks = [gm.get_submodule(chain.module(j)) for j in range(chain.count)]
     except AttributeError:
         return False
     reference = tensors(blocks[1])
-    if any(tensors(b) != reference for b in blocks) or any(leaves(j) != leaves(1) for j in range(chain.count)):
+    if any(tensors(b) != reference for b in blocks):
+        return False
+    calls = [leaves(j) for j in range(chain.count)]  # the same number: _same_code compared the nodes
+    if not all(_alike(list(row), list(chain.indices)) for row in zip(*calls)):
         return False
     owner: dict[int, str] = {}  # tensor id -> the block (or "") holding it
     for name, t in gm.named_parameters(remove_duplicate=False):

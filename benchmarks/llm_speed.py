@@ -11,6 +11,11 @@ device, bfloat16, one AdamW training step, tokens ``(B, L)``):
 
 * ``ours-7b``: ``examples/llama.py``'s 7B model (graph mode; its 32 identical blocks simulated as 4);
 * ``hf-7b``: ``transformers.LlamaForCausalLM`` with the Llama-2-7B configuration (eager mode);
+* ``hf-7b-config``: the same model as a user builds it from a checkpoint's ``config.json``
+  (``AutoConfig.from_pretrained`` on a folder holding it, ``AutoModelForCausalLM.from_config``, no
+  ``dtype=``), then ``.to(bfloat16)``;
+* ``hf-7b-no-kernels``: ``hf-7b`` in a subprocess where the ``kernels`` package (which transformers
+  5.25 requires, and which gives every attention module a kernel module of its own) cannot be found;
 * ``maxsize``: on a fresh analysis of ``ours-7b``, ``max_size("B", "80GiB", train=True, L=2048)``
   (L=2048 lies outside the formulas' region L <= 191: one re-analysis) over one analysis' time;
 * ``calibration``: a small ResNet-like CNN's first analysis (training, SGD) in a fresh process (subprocesses), with an empty
@@ -34,7 +39,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CASES = ("ours-7b", "hf-7b", "maxsize", "calibration")
+CASES = ("ours-7b", "hf-7b", "hf-7b-config", "hf-7b-no-kernels", "maxsize", "calibration")
+LLAMA2_7B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
 
 FIRST_ANALYSIS = """
 import logging, time, torch, fxmem
@@ -86,6 +95,53 @@ def hf_7b():
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
+def hf_7b_from_config_json():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(LLAMA2_7B))
+        config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+
+
+# hf-7b where the kernels package cannot be found: transformers asks importlib.util.find_spec
+WITHOUT_KERNELS = """
+import importlib.util, sys, time
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "kernels" else find_spec(name, *a)
+sys.modules["kernels"] = None  # and import kernels fails
+sys.path.insert(0, {here!r})
+from llm_speed import analyse, hf_7b
+import fxmem, torch
+fxmem.analyze(torch.nn.Linear(4, 4), ("B", 4))
+model = hf_7b()
+assert not any("_kernel_funcs" in vars(m) for m in model.modules()), "kernels was found"
+start = time.perf_counter()
+analyse(model)
+print(time.perf_counter() - start)
+"""
+
+
+def without_kernels() -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_KERNELS.format(here=str(HERE))], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"the no-kernels process failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def kernels_installed() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def analyse(model):
     import fxmem
     import torch
@@ -131,7 +187,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {}
     for _ in range(args.reps):
         if "ours-7b" in only or "maxsize" in only:
-            t, report = timed(lambda: analyse(ours_7b()))
+            model = ours_7b()  # built outside the timing (as the HF models are): the analysis is timed
+            t, report = timed(lambda: analyse(model))
             runs.setdefault("ours-7b analysis (s)", []).append(t)
             if "maxsize" in only:
                 t2, answer = timed(lambda: report.max_size("B", "80GiB", train=True, L=2048))
@@ -139,8 +196,15 @@ def main() -> None:
                 runs.setdefault("max_size / analysis", []).append(t2 / t)
                 print(f"max_size = {int(answer)}", flush=True)
         if "hf-7b" in only:
-            t, _ = timed(lambda: analyse(hf_7b()))
+            model = hf_7b()  # built outside the timing, as ours-7b's is not: the analysis is timed
+            t, _ = timed(lambda: analyse(model))
             runs.setdefault("hf-7b analysis (s)", []).append(t)
+        if "hf-7b-config" in only:
+            model = hf_7b_from_config_json()
+            t, _ = timed(lambda: analyse(model))
+            runs.setdefault("hf-7b from config.json analysis (s)", []).append(t)
+        if "hf-7b-no-kernels" in only:
+            runs.setdefault("hf-7b without kernels analysis (s, a subprocess)", []).append(without_kernels())
         if "calibration" in only:
             with tempfile.TemporaryDirectory() as cache:
                 for label in ("empty cache", "cache filled"):
@@ -149,9 +213,15 @@ def main() -> None:
                     runs.setdefault(f"first analysis, {label}: calibrations run", []).append(calibrations)
         print({k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
     medians = {k: round(statistics.median(v), 2) for k, v in runs.items()}
-    if "hf-7b analysis (s)" in medians and "ours-7b analysis (s)" in medians:
-        medians["hf-7b / ours-7b"] = round(medians["hf-7b analysis (s)"] / medians["ours-7b analysis (s)"], 2)
+    for key, label in (("hf-7b analysis (s)", "hf-7b / ours-7b"),
+                       ("hf-7b from config.json analysis (s)", "hf-7b from config.json / ours-7b"),
+                       ("hf-7b without kernels analysis (s, a subprocess)", "hf-7b without kernels / ours-7b")):
+        if key in medians and "ours-7b analysis (s)" in medians:
+            medians[label] = round(medians[key] / medians["ours-7b analysis (s)"], 2)
+    import transformers
+
     meta = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "transformers": transformers.__version__, "kernels": kernels_installed(),
             "threads": torch.get_num_threads(), "command": "python benchmarks/llm_speed.py " + " ".join(sys.argv[1:]),
             "reps": args.reps, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps({"meta": meta, "medians": medians}, indent=1))
@@ -160,7 +230,8 @@ def main() -> None:
     out = HERE / "results"
     (out / "llm_speed.json").write_text(json.dumps({"meta": meta, "medians": medians, "runs": runs}, indent=1) + "\n")
     lines = ["# LLM questions: how long they take", "",
-             f"Machine: {meta['machine']} (shared with other jobs), {meta['threads']} threads; torch {meta['torch']}; "
+             f"Machine: {meta['machine']} (shared with other jobs), {meta['threads']} threads; torch {meta['torch']}, "
+             f"transformers {meta['transformers']}, kernels {meta['kernels']}; "
              f"{meta['date']}. Command: `{meta['command']}`. Median of {args.reps} run(s) each in one process "
              "(the calibration rows: fresh subprocesses).", "", "| measure | median |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in medians.items()]

@@ -4,6 +4,8 @@
 #   FXMEM_VENV   where the venv lives            (default: .venv)
 #   FXMEM_TORCH  the torch requirement to install (default: torch==2.13.0, the CPU build on this
 #                project's machines; elsewhere pip picks the build for your platform)
+#   FXMEM_LATEST 1: the newest versions of every other package PyPI serves; otherwise the versions the
+#                tests were proved with (scripts/pinned.txt, pip constraints)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FXMEM_VENV:-$here/.venv}"
@@ -18,14 +20,21 @@ fi
 py="$venv/bin/python"
 log="$(mktemp)"
 quiet() { "$@" >"$log" 2>&1 || { cat "$log" >&2; return 1; }; }
+if [ "${FXMEM_LATEST:-0}" = 1 ]; then
+  pins=(--upgrade --upgrade-strategy eager)
+  which="the newest versions PyPI serves (FXMEM_LATEST=1)"
+else
+  pins=(-c "$here/scripts/pinned.txt")
+  which="the versions the tests were proved with (scripts/pinned.txt)"
+fi
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   say "installing $torch_req (pip; the largest download, a few minutes) ..."
-  quiet "$py" -m pip install "$torch_req"
+  quiet "$py" -m pip install "$torch_req" "${pins[@]}"
 else
   say "torch $("$py" -c 'import torch; print(torch.__version__)') is installed already"
 fi
-say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz) and the test extras (pytest, transformers, torch-geometric, peft, ...) ..."
-quiet "$py" -m pip install -e "$here[test]"
+say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz) and the test extras (pytest, transformers, torch-geometric, peft, ...), $which ..."
+quiet "$py" -m pip install -e "$here[test]" "$torch_req" "${pins[@]}"
 rm -f "$log"
 say "ready: $py"
 export FXMEM_PY="$py"

@@ -5,9 +5,19 @@
 #      the CUDA build's own refusals and a smoke set (tests/conftest.py: CUDA_PHASE_FILES); the
 #      first phase already proves the rest (FXMEM_CUDA_SIM=0 skips this phase).
 # graphviz's `dot` is installed with apt when missing, so diagram tests really render.
+# Packages are installed at the versions the tests were proved with (scripts/pinned.txt);
+#   bash scripts/test.sh --latest   runs the same tests against the newest versions PyPI serves, in
+#   venvs of their own (.venv-latest, .venv-cuda-latest). Other arguments go to pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
+suffix=""
+if [ "${1:-}" = --latest ]; then
+  shift
+  export FXMEM_LATEST=1
+  suffix="-latest"
+  echo "test: the newest versions of fxmem's dependencies (--latest), in .venv-latest and .venv-cuda-latest"
+fi
 
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
@@ -35,13 +45,13 @@ if [ "${CI:-}" = true ] && [ "${FXMEM_ALL_TESTS:-0}" != 1 ]; then
   echo "CI: leaving out the tests marked slow (FXMEM_ALL_TESTS=1 runs them too)"
 fi
 
-FXMEM_VENV="$here/.venv" FXMEM_TORCH="${FXMEM_TORCH:-torch==2.13.0}" source "$here/scripts/setup.sh"
+FXMEM_VENV="$here/.venv$suffix" FXMEM_TORCH="${FXMEM_TORCH:-torch==2.13.0}" source "$here/scripts/setup.sh"
 echo "== phase 1: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__)'), ${FXMEM_TEST_WORKERS:-2} test processes"
 # one pytest process per core (pytest-xdist): the tests are independent processes' worth of work
 run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider -n "${FXMEM_TEST_WORKERS:-2}" "${selection[@]}" tests "$@"
 
 if [ "${FXMEM_CUDA_SIM:-1}" != 0 ]; then
-  FXMEM_VENV="$here/.venv-cuda" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"
+  FXMEM_VENV="$here/.venv-cuda$suffix" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"
   echo "== phase 2: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.backends.cuda.is_built())')"
   FXMEM_TEST_PHASE=cuda-build run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider "${selection[@]}" tests "$@"
 fi

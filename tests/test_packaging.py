@@ -49,3 +49,25 @@ def test_a_bare_checkout_works_without_any_install(tmp_path):
     fxmem_file, passes_file, _, imported = _run([sys.executable, "-S", "-c", code], tmp_path)
     assert fxmem_file == str(ROOT / "fxmem" / "__init__.py") and passes_file == str(ROOT / "passes" / "__init__.py")
     assert imported.startswith("this folder is the package fxmem.passes")
+
+
+def _pins() -> dict[str, str]:
+    lines = (ROOT / "scripts" / "pinned.txt").read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def test_the_tests_run_on_the_pinned_versions():
+    """scripts/setup.sh installs with scripts/pinned.txt as constraints (``--latest``: without): every
+    package installed here that the file names is at its version, so what CI proved is what runs."""
+    import importlib.metadata
+    import os
+
+    from packaging.utils import canonicalize_name
+
+    pins = {canonicalize_name(k): v for k, v in _pins().items()}
+    assert {"transformers", "kernels", "torch-geometric", "sympy", "networkx", "pytest"} <= set(pins)
+    if os.environ.get("FXMEM_LATEST") == "1":
+        pytest.skip("--latest: the newest versions, not the pins")
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    off = {name: (installed[name], pin) for name, pin in pins.items() if name in installed and installed[name] != pin}
+    assert not off, f"installed (version, pin) differ from scripts/pinned.txt: {off}; run scripts/setup.sh"

@@ -106,6 +106,11 @@ class AnalysisOptions:
             simulation's (``report.checked`` says the outcome; a difference makes the report
             inexact, with a note saying where the two first part). ``False`` skips it. See
             :mod:`fxmem.selfcheck`.
+        timeout: seconds the whole call may take (default None: no limit). Past them fxmem stops
+            the analysis wherever it is - in your forward too (a Python loop, ``time.sleep``) - and
+            raises :class:`fxmem.AnalysisTimeout` naming the phase it was in (capture,
+            simulation, self-check, verification ...); torch's global state is as it was. See
+            :mod:`fxmem.timeout`.
     """
 
     device: str = "cpu"
@@ -127,6 +132,7 @@ class AnalysisOptions:
     step: Callable[..., Any] | None = None
     verbose: bool = False
     check: bool = True
+    timeout: float | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -166,6 +172,10 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
     for name in ("grad", "repeats", "verbose", "check"):
         if not isinstance(getattr(opts, name), bool):
             raise SpecError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    if opts.timeout is not None and (isinstance(opts.timeout, bool) or not isinstance(opts.timeout, (int, float))
+                                     or not 0 < opts.timeout < float("inf")):
+        raise SpecError(f"timeout={opts.timeout!r}: give the seconds the analysis may take, a number > 0 "
+                        f"(e.g. timeout=600), or None for no limit")
     if opts.autocast is not None and opts.autocast not in (torch.bfloat16, torch.float16):
         raise SpecError(f"autocast={opts.autocast!r}: use torch.bfloat16 or torch.float16 (or None)")
     if opts.loss is not None and opts.optimizer is None:

@@ -23,6 +23,7 @@ by event, whether the second and third ran the same (:mod:`.unroll`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,21 @@ class Chain:
     def module(self, j: int) -> str:
         """The dotted path of block ``j`` (0-based position in the chain)."""
         return f"{self.prefix}.{self.indices[j]}" if self.prefix else str(self.indices[j])
+
+    def block_of(self, path: str) -> int | None:
+        """The position of the block whose module holds ``path`` (a module or tensor's dotted
+        path), or None: read off the path, so that asking for every node or parameter of a deep
+        chain stays linear in its depth (asking each block in turn was quadratic)."""
+        if self.prefix:
+            if not path.startswith(self.prefix + "."):
+                return None
+            path = path[len(self.prefix) + 1:]
+        head = path.split(".", 1)[0]
+        return self._positions.get(int(head)) if head.isdigit() else None
+
+    @functools.cached_property
+    def _positions(self) -> dict[int, int]:
+        return {index: j for j, index in enumerate(self.indices)}
 
 
 def find_chain(gm: torch.fx.GraphModule) -> Chain | None:
@@ -238,8 +254,7 @@ def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int,
         if not _within(module_path(seg[0]), chain.module(j)):
             return None
         for n in seg:
-            path = module_path(n)
-            if any(k != j and _within(path, chain.module(k)) for k in range(chain.count)):
+            if chain.block_of(module_path(n)) not in (j, None):
                 return None
     if not _same_code(gm, chain, segments, first[0]) or not _same_modules(gm, chain, segments):
         return None
@@ -384,7 +399,8 @@ def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> boo
         return False
     owner: dict[int, str] = {}  # tensor id -> the block (or "") holding it
     for name, t in gm.named_parameters(remove_duplicate=False):
-        holder = next((chain.module(j) for j in range(chain.count) if _within(name, chain.module(j))), "")
+        block = chain.block_of(name)
+        holder = chain.module(block) if block is not None else ""
         if owner.setdefault(id(t), holder) != holder:
             return False
     return True

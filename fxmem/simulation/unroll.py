@@ -547,8 +547,9 @@ class _Unroller:
             if v is not None and o is None and self.block_of(v.node) == B:
                 inner.append(v)
                 continue
-            saved_by.extend(SavedBy(self._name(u.node, p), u.op) for p in range(1, self.n - 1) for u in inner)
-            inner = []
+            if inner:  # (an empty one still walks every block: quadratic in the depth, storage by storage)
+                saved_by.extend(SavedBy(self._name(u.node, p), u.op) for p in range(1, self.n - 1) for u in inner)
+                inner = []
             if v is not None and not (o is None and self.block_of(v.node) == B2):
                 saved_by.append(SavedBy(self._name(v.node, seen_from), v.op))
         copy_of = None if record.copy_of is None else new_index[key(record.copy_of, where)]

@@ -24,8 +24,9 @@ import warnings
 from typing import Any
 
 from ._layout import ensure_passes
-from .errors import (DeviceError, FxMemError, InternalError, KernelError, ModelError,  # noqa: F401
-                     NothingToTrainError, ShapeError, SpecError, TraceError, UnsupportedOpError)
+from .errors import (AnalysisTimeout, DeviceError, FxMemError, InternalError, KernelError, ModelError,  # noqa: F401
+                     NothingToTrainError, ShapeError, SpecError, TraceError, UnsupportedOpError,
+                     UserCodeError, ProfilerBusyError)
 
 __version__ = "0.1.0"
 
@@ -41,7 +42,8 @@ __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
     "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer", "generation",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
-    "KernelError", "InternalError", "NothingToTrainError",
+    "KernelError", "InternalError", "NothingToTrainError", "UserCodeError", "ProfilerBusyError",
+    "AnalysisTimeout",
 ]
 
 

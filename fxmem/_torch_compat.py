@@ -494,6 +494,42 @@ def fake_module_copy(module: torch.nn.Module, make: Any, memo: dict | None = Non
     return new
 
 
+# the hook tables a call of a module consults (each an OrderedDict handle id -> hook), by kind
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_tables(module: torch.nn.Module) -> list[tuple[str, dict]]:
+    """``(kind, table)`` of ``module``'s own forward and backward hooks (tables present on it)."""
+    return [(k.strip("_"), module.__dict__[k]) for k in _HOOK_TABLES if isinstance(module.__dict__.get(k), dict)]
+
+
+def add_hook(target: torch.nn.Module, source: torch.nn.Module, kind: str, key: int, fn: Any) -> None:
+    """Put hook ``fn`` (handle id ``key`` in ``source``'s table ``kind``) on ``target`` the same way:
+    its flags (keyword arguments, always called, a full backward hook) go with it."""
+    getattr(target, f"_{kind}")[key] = fn
+    for flags in (f"_{kind}_with_kwargs", f"_{kind}_always_called"):
+        if key in getattr(source, flags, {}):
+            getattr(target, flags)[key] = getattr(source, flags)[key]
+    if kind == "backward_hooks":
+        target._is_full_backward_hook = source._is_full_backward_hook
+
+
+def global_hook_tables() -> list[tuple[str, dict]]:
+    """``(kind, table)`` of the hooks registered for every module (``register_module_forward_hook``)."""
+    import torch.nn.modules.module as nn_module
+
+    return [(f"global{k}", getattr(nn_module, f"_global{k}")) for k in _HOOK_TABLES
+            if isinstance(getattr(nn_module, f"_global{k}", None), dict)]
+
+
+def profiler_active() -> bool:
+    """Is a ``torch.profiler`` / autograd profiler session recording in this process?"""
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except AttributeError:  # an older build: the Python flag torch.profiler keeps
+        return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
 def module_hooks(module: torch.nn.Module) -> dict[str, int]:
     """How many forward and backward hooks apply to a call of ``module`` itself (its own and global)."""
     import torch.nn.modules.module as nn_module
@@ -1588,3 +1624,23 @@ def dynamo_cache_entries(code: Any) -> int:
     except ImportError:  # pragma: no cover - older torch
         return 0
     return len(_debug_get_cache_entry_list(code))
+
+
+def forget_compiled(code: Any) -> None:
+    """Drop what TorchDynamo keeps for ``code`` once a capture is done: its compiled frames, and
+    with them the globals Dynamo installed in the frame's module (``__builtins_dict___0``,
+    ``__compiled_fn_...``), removed by cleanup hooks when the compiled code dies. Left until
+    interpreter exit, those hooks run after the module's dict was cleared and print "Exception
+    ignored ... KeyError: '__builtins_dict___0'"; run now, they find their globals."""
+    try:
+        from torch._dynamo.eval_frame import reset_code
+    except ImportError:  # pragma: no cover - older torch
+        return
+    reset_code(code)
+
+
+def is_compiled_function(fn: Any) -> bool:
+    """Whether ``fn`` is what ``torch.compile`` returns: a function wrapped by TorchDynamo (it keeps
+    the original as ``_torchdynamo_orig_callable``), or a compiled module (``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable")

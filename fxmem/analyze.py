@@ -13,23 +13,25 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .isolation import ambient_grad_note, isolated
+from .isolation import ambient_grad_note, hooks_note, isolated
 from .accounting import MemoryPlan
 from .capture import forward_parameters, trace
 from .capture import Capture, fallback
-from .errors import FxMemError, InternalError, ModelError, ShapeError, SpecError, TraceError
+from .errors import FxMemError, InternalError, ModelError, ShapeError, SpecError, TraceError, UserCodeError
 from .hparams import Blueprint, blueprint
 from .report import Report
 from .simulation import check_device, simulate
 from .specs import SPECIALISED_SIZES, check_input_sizes, choose_hints, parse_specs, spec_symbols
 from .options import WORLD_SIZE_AND_PARALLELIZE, AnalysisOptions
 from .progress import progress_to_stderr, showing
+from .timeout import timed
 from .distributed import Parallel, adopt, adopted_parallel, refuse_wrapped
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
 
 @isolated
+@timed("option_values")
 def analyze(
     model: torch.nn.Module | type | Callable[..., torch.nn.Module],
     *input_specs: Any,
@@ -46,7 +48,8 @@ def analyze(
             analysis); keyword options below change it.
         **option_values: the options, by name - ``device``, ``dtype``, ``grad``, ``hints``,
             ``leaf_modules``, ``optimizer``, ``loss``, ``mode``, ``hparams``, ``init``, ``kernels``,
-            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``, ``verbose``: each is
+            ``autocast``, ``repeats``, ``world_size``, ``parallelize``, ``rank``, ``step``, ``verbose``, ``check``,
+            ``timeout``: each is
             documented once, on :class:`fxmem.AnalysisOptions`.
             ``optimizer=lambda p: torch.optim.Adam(p)`` also analyses a steady-state training step;
             ``step=fn`` makes it your own ``fn(model, optimizer, *inputs)``.
@@ -126,17 +129,23 @@ def analyze(
         capture = Capture("graph", capture.how) if capture.mode == "auto" else capture
 
     def run(at: Mapping[str, int]) -> Report:
-        nonlocal capture
+        nonlocal capture, target
         log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
         try:
             rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
                            mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
                            autocast=autocast, repeats=repeats, parallel=parallel)
         except TraceError as exc:  # a model built from hparams is traced inside the simulation
-            if capture.mode != "auto":
-                raise
-            capture = fallback(exc)
-            return run(at)
+            if capture.mode == "auto":
+                capture = fallback(exc)
+                return run(at)
+            if mode == "auto" and capture.mode == "graph" and training is not None and training.step is not None \
+                    and example is not None and not isinstance(example, torch.fx.GraphModule):
+                # the step calls a part of the model the graph has no code for (a GAN's discriminator)
+                target, capture = example, Capture("eager", "the original forward (locals live until it returns)",
+                                                   str(exc).splitlines()[0])
+                return run(at)
+            raise
         # a size the data decides has no example value: any positive one orders the Max's candidates
         # (the formulas hold for every value); evaluate() asks the user for it
         data = {name: int(at.get(name, d.example)) for name, d in rec.data_dims.items()}
@@ -180,9 +189,9 @@ def analyze(
         return report
 
     report = _within_the_domain(at_sizes, chosen, dict(hints or {}))
-    note = ambient_grad_note(grad)
-    if note:
-        report.notes.insert(0, note)
+    for note in (ambient_grad_note(grad), hooks_note()):
+        if note:
+            report.notes.insert(0, note)
     return checked(report)
 
 
@@ -197,7 +206,9 @@ def _within_the_domain(at_sizes: Callable[[dict], Report], chosen: dict, given: 
     A failure at every size tried names the sizes and ``hints=``."""
     try:
         return at_sizes(chosen)
-    except (ShapeError, InternalError) as exc:
+    except (ShapeError, InternalError, UserCodeError) as exc:
+        if isinstance(exc, UserCodeError) and exc.party != "forward":
+            raise  # a loss, optimizer factory or step= that raised itself does so at any sizes
         first = exc
     tried = [chosen]
     free = [k for k in chosen if k not in given]
@@ -207,7 +218,7 @@ def _within_the_domain(at_sizes: Callable[[dict], Report], chosen: dict, given: 
         log.info("the example sizes %s fail; trying %s", _sizes(chosen), _sizes(other))
         try:
             report = at_sizes(other)
-        except (ShapeError, InternalError):
+        except (ShapeError, InternalError, UserCodeError):  # (a forward's own check of its sizes, too)
             tried.append(other)
             continue
         reason = str(first).splitlines()[0]

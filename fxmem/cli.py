@@ -17,15 +17,18 @@ reported on stderr as they start, so stdout stays the result alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .errors import FxMemError, SpecError
+from .progress import phased
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -62,6 +65,7 @@ def parse_assignments(text: str | None, what: str, literal: bool = False, minimu
     return parse(text, what, values="literal" if literal else "int", minimum=minimum)
 
 
+@phased("model loading")
 def load_model(target: str, init: dict[str, Any]) -> Any:
     """``path/to/file.py:Name`` or ``package.module:Name`` -> an nn.Module (a class or factory is
     called with ``init``).
@@ -205,6 +209,22 @@ def _common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--eval", action="store_true", help="put the model in eval mode first (dropout off, ...)")
     a.add_argument("--json", action="store_true", help="print the whole report as JSON on stdout")
     a.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    _timeout_option(a)
+
+
+def _timeout_option(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                   help="stop after this many seconds with an error naming the phase it was in (default: no limit)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 (e.g. 600)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,10 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
                    help="--serve: transformers' KV cache (default dynamic; static: sized for all tokens up front)")
     m.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    _timeout_option(m)
     return p
 
 
 def _llm(args: argparse.Namespace, progress: Any) -> int:
+    if args.gpu is not None:  # before building the model: a bad --gpu fails at once, naming the option
+        _check_gpu(args.gpu)
     progress.say("importing torch")
     import torch
 
@@ -299,6 +322,62 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
                         checkpointing=args.checkpointing, fsdp=args.fsdp)
     print(answer)
     return 0
+
+
+def _check_gpu(text: str) -> None:
+    """Refuse a --gpu that is not a positive amount of memory, naming the option."""
+    from .accounting.budget import parse_bytes
+
+    try:
+        parse_bytes(text)
+    except SpecError:
+        raise SpecError(f"--gpu {text}: give the GPU's memory as a positive number of bytes, with a unit "
+                        f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. --gpu 80GiB") from None
+
+
+# options whose value may start with '-' (argparse reads '--gpu -1GiB' as two options; the value is then
+# refused by the option's own check, with a message naming it)
+_VALUE_OPTIONS = ("--gpu",)
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``["--gpu", "-1GiB"]`` -> ``["--gpu=-1GiB"]``: a value that looks like a negative amount."""
+    out, items = [], list(argv)
+    i = 0
+    while i < len(items):
+        if items[i] in _VALUE_OPTIONS and i + 1 < len(items) and re.match(r"-[\d.]", items[i + 1]):
+            out.append(f"{items[i]}={items[i + 1]}")
+            i += 2
+            continue
+        out.append(items[i])
+        i += 1
+    return out
+
+
+@contextlib.contextmanager
+def _libraries_quiet(quiet: bool) -> Iterator[None]:
+    """Under --quiet, the libraries fxmem loads say nothing either: Python warnings (transformers'
+    deprecations) are ignored and transformers' logging shows errors only, until the command ends."""
+    if not quiet:
+        yield
+        return
+    import warnings
+
+    previous = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers sets up its logging
+    library = logging.getLogger("transformers")  # and if it already has
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        library.setLevel(level)
+        if previous is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = previous
 
 
 def _tolerance(text: str) -> float:
@@ -392,6 +471,9 @@ def _analyze(args: argparse.Namespace, progress: _Progress) -> int:
         _writable(args.snapshot, "--snapshot")
     if args.timeline and not args.dims:
         raise SpecError("--timeline draws bytes at concrete sizes: give them with --dims, e.g. --dims B=4,N=500")
+    if args.snapshot and not args.dims:  # (else it would be of fxmem's example sizes, which no one asked for)
+        raise SpecError("--snapshot writes the predicted run at concrete sizes: give them with --dims, e.g. "
+                        "--dims B=4,N=500")
     dims = parse_assignments(args.dims, "--dims") or None
     model, specs, kw = _prepare(args, progress)
     from .analyze import analyze
@@ -443,7 +525,7 @@ def _validate(args: argparse.Namespace, progress: _Progress) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))
     progress = _Progress(enabled=not args.quiet)
     logger = logging.getLogger("fxmem")
     level = logger.level
@@ -453,13 +535,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         import warnings
 
         with warnings.catch_warnings():
-            # torch says so when numpy is missing; fxmem never converts to numpy
+            # torch says so when numpy is missing, as it is imported; fxmem never converts to numpy
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-            run = {"analyze": _analyze, "validate": _validate, "llm": _llm}[args.command]
-            return run(args, progress)
+            from .isolation import isolation
+            from .timeout import ctrl_c, deadline
+
+            # the model is built here (its initialisation draws from torch's generator): main() called in
+            # the user's process leaves torch's global state as it found it, as every entry point does
+            # --timeout: the whole command, loading the model included (a file may loop as it is imported)
+            with _libraries_quiet(args.quiet), ctrl_c(), isolation(), deadline(args.timeout):
+                run = {"analyze": _analyze, "validate": _validate, "llm": _llm}[args.command]
+                return run(args, progress)
     except FxMemError as exc:
         print(f"fxmem: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the analysis unwound (global state restored); one line, no traceback
+        print("fxmem: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except Exception as exc:  # never a raw traceback; FXMEM_TRACEBACK=1 shows it (for a bug report)
         if os.environ.get("FXMEM_TRACEBACK"):
             raise

@@ -35,6 +35,15 @@ class ModelError(FxMemError, TypeError):
     """The thing given as a model is not something fxmem can analyse."""
 
 
+class UserCodeError(ModelError):
+    """The user's own code raised: their forward, optimizer factory, loss or ``step=`` function
+    (``party`` says which), at the file:line the message names - not fxmem, not PyTorch."""
+
+    def __init__(self, message: str, party: str = "forward"):
+        super().__init__(message)
+        self.party = party
+
+
 class InternalError(FxMemError):
     """A failure inside PyTorch (an internal assert, a fake kernel that rejects what the real kernel
     accepts), a library or fxmem itself while simulating - not a problem of the user's input."""
@@ -43,3 +52,14 @@ class InternalError(FxMemError):
 class KernelError(FxMemError):
     """The model cannot run: a real kernel rejects a call its fake kernel accepted (a dtype or
     layout the kernel does not implement, operands of different dtypes)."""
+
+
+class AnalysisTimeout(FxMemError, TimeoutError):
+    """An analysis ran past its ``timeout=`` (``--timeout``): the message names the phase it was in
+    (capture, simulation, self-check, verification, measurement ...) and what to do. Also a
+    ``TimeoutError``."""
+
+
+class ProfilerBusyError(FxMemError):
+    """fxmem measures the CPU allocator through ``torch.profiler``, one session per process, and the
+    user's own profiler session is recording: a session of fxmem's would end theirs."""

@@ -33,6 +33,7 @@ import torch
 
 from .errors import FxMemError, ModelError, SpecError
 from .records import INEXACT
+from .timeout import timed
 
 CACHES = ("dynamic", "static")
 
@@ -238,6 +239,7 @@ def _token(model: torch.nn.Module) -> int:
     return next(t for t in range(3, max(vocab, 4)) if t not in special)
 
 
+@timed(None)
 def generation(model: torch.nn.Module, dims: tuple = ("B", "P"), new_tokens: int = 16, cache: str = "dynamic",
                options: Any = None, **generate_kwargs: Any) -> Any:
     """The memory of ``model.generate`` on a ``dims`` = (batch, prompt length) prompt for

@@ -62,10 +62,14 @@ def _config(config: Any) -> Any:
     if not isinstance(kind, str):
         raise SpecError("from_config: the config has no 'model_type' (e.g. \"llama\"); it names the architecture")
     values = {k: v for k, v in config.items() if k != "model_type"}
+    if kind not in transformers.CONFIG_MAPPING:
+        raise SpecError(f"from_config: transformers does not know model_type {kind!r}; give the model_type of the "
+                        f"model's config.json (e.g. \"llama\"), or upgrade transformers")
     try:
         return transformers.AutoConfig.for_model(kind, **values)
-    except (ValueError, KeyError) as exc:
-        raise SpecError(f"from_config: transformers does not know model_type {kind!r} ({exc})") from exc
+    except Exception as exc:  # transformers' (and huggingface_hub's strict dataclass) checks of the values
+        why = " ".join(str(exc).split())
+        raise SpecError(f"from_config: the config's values are not valid for model_type {kind!r}: {why}") from None
 
 
 def from_config(config: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -82,17 +86,50 @@ def from_config(config: Any, dtype: torch.dtype | None = None) -> torch.nn.Modul
 
     cfg = _config(config)
     if dtype is None:
-        named = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        # transformers >= 4.56 has dtype, and warns that torch_dtype is deprecated when it is read
+        named = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
         dtype = getattr(torch, named, None) if isinstance(named, str) else named
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise SpecError(f"from_config(dtype={dtype!r}): use a floating dtype, e.g. torch.bfloat16")
+    _check_sizes(cfg)
     with torch.device("meta"):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+        except (RuntimeError, ValueError, ZeroDivisionError, AssertionError) as exc:
+            # a size this check does not know (a layer's own width) can still make a module fail to build
+            raise SpecError(f"from_config: transformers cannot build a {getattr(cfg, 'model_type', '')} model from "
+                            f"this config ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                            f"check the config's sizes (positive, and the hidden size divisible by the heads)") from None
     return model
+
+
+# a config's sizes that are counts or widths of every model that has them: each must be a positive int
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "vocab_size", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+          "n_inner", "d_model", "num_layers", "num_heads", "d_ff", "ffn_dim", "moe_intermediate_size")
+
+
+def _check_sizes(cfg: Any) -> None:
+    """Refuse a config whose sizes are not positive ints before building it (torch would fail with
+    "Trying to create tensor with negative dimension", naming neither the config nor the size)."""
+    aliases = getattr(cfg, "attribute_map", None) or {}  # gpt2's hidden_size is its n_embd
+    for name in _SIZES:
+        value = getattr(cfg, name, None)
+        if value is None:  # not this architecture's (or derived from the others: head_dim, n_inner)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            name = aliases.get(name, name)  # the config's own key, as the user wrote it
+            raise SpecError(f"from_config: the config's {name}={value!r} must be a positive int (it is a count or a "
+                            f"width of the model); give the size the model has, e.g. {name}="
+                            f"{_EXAMPLE_SIZES.get(name, 8)}")
+
+
+_EXAMPLE_SIZES = {"hidden_size": 4096, "intermediate_size": 11008, "vocab_size": 32000, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "n_embd": 768}
 
 
 def _inexact(notes: list[str]) -> list[str]:

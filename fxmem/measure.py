@@ -80,6 +80,14 @@ def cpu_memory_profile() -> Iterator[Any]:
     library's start/stop lines on stderr (anything else it prints still reaches stderr)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from . import _torch_compat as tc
+    from .errors import ProfilerBusyError
+
+    if tc.profiler_active():  # torch keeps one session per process: starting ours would end the user's
+        raise ProfilerBusyError(
+            "your torch.profiler session is recording, and fxmem measures the CPU allocator with a profiler "
+            "session of its own (one per process: starting it would end yours, and your profile would come "
+            "back empty); call this outside your profiler session")
     with _filtered_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield prof
 

@@ -20,6 +20,7 @@ import ast
 import keyword
 import math
 import re
+import unicodedata
 from typing import Any, Mapping
 
 import sympy
@@ -45,8 +46,19 @@ def dim_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
+def dim_name(name: Any) -> Any:
+    """A user's dim name as fxmem keys it: NFKC-normalised, as Python normalises identifiers (a
+    fullwidth ``Ｂ`` in a spec string is parsed as ``B``, so ``evaluate(Ｂ=3)`` must mean ``B``
+    too); anything else unchanged, for the caller's own check."""
+    return unicodedata.normalize("NFKC", name) if isinstance(name, str) else name
+
+
 def check_name(name: Any, where: str) -> str:
-    """A dim name: an identifier that is not a Python keyword."""
+    """A dim name: an identifier that is not a Python keyword, NFKC-normalised (:func:`dim_name`)."""
+    name = dim_name(name)
+    if isinstance(name, str) and keyword.iskeyword(name):
+        raise SpecError(f"{where}: {name!r} is a Python keyword, not a dim name; use another name such as "
+                        f"'{name}_'")
     if (not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name) or len(name) > 64
             or name.startswith("__")):
         raise SpecError(f"{where}: {name!r} is not a dim name; use a name such as 'B' or 'seq_len' "
@@ -68,6 +80,10 @@ def parse_expression(text: Any, symbols: dict[str, sympy.Symbol], where: str = "
         raise SpecError(f"{where}: the expression is empty; write a dim name such as 'B' or an integer")
     if len(text) > MAX_LENGTH:
         raise SpecError(f"{where}: the expression is {len(text)} characters long; at most {MAX_LENGTH} are read")
+    if keyword.iskeyword(dim_name(text)) and dim_name(text) not in ("True", "False", "None"):
+        # ('lambda' alone would only be a syntax error below, which does not say why)
+        raise SpecError(f"{where}: cannot parse {text!r}: it is a Python keyword, not a dim name; use another "
+                        f"name such as '{dim_name(text)}_'")
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
@@ -167,7 +183,7 @@ def parse_assignments(text: Any, what: str, values: str = "int", minimum: int = 
         name = name.strip()
         if not eq or not name:
             raise SpecError(f"{what} {text!r}: expected NAME=VALUE pairs separated by commas, e.g. B=4,N=500")
-        check_name(name, what)
+        name = check_name(name, what)
         if name in out:
             raise SpecError(f"{what} {text!r}: {name} is given twice")
         out[name] = (parse_int(value.strip(), f"{what} {name}", minimum) if values == "int"
@@ -209,8 +225,20 @@ def _split_top_level(text: str, what: str) -> list[str]:
     return parts
 
 
+def normal_names(values: Mapping[Any, Any], what: str) -> dict[Any, Any]:
+    """``values`` keyed by :func:`dim_name` (a name given twice, as ``B`` and ``Ｂ``, refused)."""
+    out: dict[Any, Any] = {}
+    for name, value in values.items():
+        key = dim_name(name)
+        if key in out:
+            raise SpecError(f"{what}: dim {key!r} is given twice ({name!r} is the same name as {key!r})")
+        out[key] = value
+    return out
+
+
 def check_sizes(dims: Mapping[str, Any], symbols: Mapping[str, sympy.Symbol], what: str) -> dict[str, int]:
     """Sizes for every dim of an analysis: each a whole number >= 1 (bools, floats, inf refused)."""
+    dims = normal_names(dims, f"{what}()")
     unknown = sorted(set(dims) - set(symbols))
     if unknown:
         raise SpecError(f"{what}(): unknown dim(s) {unknown}; this analysis has dims {sorted(symbols)}")

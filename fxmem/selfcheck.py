@@ -7,7 +7,8 @@ source line).
 
 What is not checked says why (``report.checked``): a model on the meta device (no weights), a
 simulated device other than this process's CPU, sizes the data decides, a distributed rank, a
-user ``step=``, a run that would need more than :data:`LIMIT` bytes, or a real run that fails on
+user ``step=``, a run that would need more than :data:`LIMIT` bytes, the user's own profiler session
+recording (the check would end it), or a real run that fails on
 random inputs (an index input out of range, say). The run is on fxmem's own copy of the model,
 inside fxmem's state isolation: the user's model, RNG and grad mode are untouched.
 
@@ -22,13 +23,16 @@ from typing import Any
 
 import torch
 
+from . import _torch_compat as tc
 from .isolation import isolated
+from .progress import phased
 from .records import INEXACT
 
 LIMIT = 256 * 2**20  # bytes: a check whose predicted peak is larger is skipped (it would cost a real run that big)
 
 
 @isolated  # also when evaluate() re-analyses: the real run draws from the RNG (dropout), sets modes
+@phased("self-check")
 def self_check(report: Any, model: torch.nn.Module) -> str:
     """Run the check; returns what ``report.checked`` says (and adds a note to ``report`` when the
     real run differs)."""
@@ -156,6 +160,9 @@ def _not_checkable(report: Any, model: torch.nn.Module) -> str | None:
         return "a distributed rank or a user step= (checked by their own real runs in fxmem's tests)"
     if opts.autocast is not None or opts.hparams is not None or opts.init is not None:
         return "autocast, or a model built from hyperparameters"
+    if tc.profiler_active():
+        return ("your torch.profiler session is recording, and the check measures with a profiler session of its "
+                "own (one per process: it would end yours)")
     if any(s.fill is not None for s in report.specs):
         return None
     return None

@@ -21,7 +21,7 @@ import torch
 
 from .capture.source import Parameters
 from .errors import SpecError
-from .parsing import MAX_SIZE, check_name, check_sizes, dim_symbol, parse_expression, parse_int
+from .parsing import MAX_SIZE, check_name, check_sizes, dim_symbol, normal_names, parse_expression, parse_int
 
 # Example sizes the analysis runs at when the user gives none: distinct (so no two dims are
 # confused), not 0/1 (which PyTorch specialises), not powers of two (which collide with model
@@ -86,10 +86,10 @@ def parse_dim(dim: Any, symbols: dict[str, sympy.Symbol], where: str = "dim") ->
             raise SpecError(f"{where}: size {dim} is negative; sizes must be >= 0")
         return sympy.Integer(parse_int(dim, where, minimum=0))
     if isinstance(dim, sympy.Expr):
-        for s in dim.free_symbols:
-            check_name(str(s), where)
-            symbols.setdefault(str(s), dim_symbol(str(s)))
-        expr = dim.xreplace({s: symbols[str(s)] for s in dim.free_symbols})
+        names = {s: check_name(str(s), where) for s in dim.free_symbols}
+        for name in names.values():
+            symbols.setdefault(name, dim_symbol(name))
+        expr = dim.xreplace({s: symbols[name] for s, name in names.items()})
     else:
         expr = parse_expression(dim, symbols, where)
     if expr.is_number:
@@ -195,7 +195,7 @@ def spec_symbols(specs: Sequence[Any], symbols: dict[str, sympy.Symbol]) -> dict
 
 def choose_hints(symbols: Mapping[str, sympy.Symbol], hints: Mapping[str, int] | None) -> dict[str, int]:
     """Example sizes for every dim: the user's where given, else distinct defaults."""
-    hints = dict(hints or {})
+    hints = normal_names(hints or {}, "hints")
     unknown = sorted(set(hints) - set(symbols))
     if unknown:
         raise SpecError(f"hints name unknown dim(s) {unknown}; the input specs use {sorted(symbols)}")

@@ -59,15 +59,40 @@ class Training:
 
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = self.optimizer(params)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise FxMemError(f"optimizer= must return a torch.optim.Optimizer, got {type(opt).__name__}")
-        if isinstance(opt, torch.optim.LBFGS):
-            raise FxMemError("optimizers whose step() needs a closure (LBFGS) are not supported")
-        return opt
+        if isinstance(opt, (tuple, list, dict)):
+            raise SpecError(f"optimizer= returned a {type(opt).__name__}: the default training step uses one "
+                            f"optimizer; for several (a GAN's two, or an optimizer with its LR scheduler) pass "
+                            f"step=fn as well: fn(model, what optimizer= returns, *inputs)")
+        return _checked_optimizer(opt)
+
+    def make_for_step(self, params: list[torch.Tensor]) -> tuple[Any, list[torch.optim.Optimizer]]:
+        """For ``step=``: what the factory returns is what the step is handed - one optimizer, or a
+        tuple, list or dict of optimizers (a GAN's two) and LR schedulers. Returns it and its optimizers."""
+        made = self.optimizer(params)
+        if not isinstance(made, (tuple, list, dict)):
+            return made, [_checked_optimizer(made)]
+        parts = list(made.values()) if isinstance(made, dict) else list(made)
+        schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        odd = [type(p).__name__ for p in parts if not isinstance(p, (torch.optim.Optimizer, *schedulers))]
+        optimizers = [p for p in parts if isinstance(p, torch.optim.Optimizer)]
+        if odd or not optimizers:
+            raise SpecError(f"optimizer= returned a {type(made).__name__} holding "
+                            f"{', '.join(odd) or 'no optimizer'}: it may return one torch.optim.Optimizer, or a "
+                            f"tuple, list or dict of optimizers and LR schedulers (your step= receives it as returned)")
+        return made, [_checked_optimizer(o) for o in optimizers]
 
     @property
     def loss_fn(self) -> Callable[[Any], torch.Tensor]:
         return self.loss or default_loss
+
+
+def _checked_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """``opt`` if fxmem can simulate its ``step()``; else a :class:`FxMemError` saying why."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise FxMemError(f"optimizer= must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    if isinstance(opt, torch.optim.LBFGS):
+        raise FxMemError("optimizers whose step() needs a closure (LBFGS) are not supported")
+    return opt
 
 
 def check_loss(value: Any) -> None:
@@ -143,7 +168,8 @@ def describe(training: Training) -> str:
 
 def user_step(module: Any, inputs: tuple, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
               hooks: StepHooks | None = None) -> None:
-    """One call of the user's own training step ``step(module, optimizer, *inputs)``.
+    """One call of the user's own training step ``step(module, optimizer, *inputs)`` (``optimizer``:
+    what ``optimizer=`` returned - one optimizer, or several with LR schedulers, see :meth:`Training.make_for_step`).
 
     Its steady state is its second call: whatever the first leaves behind (optimizer state, the
     gradients ``zero_grad(set_to_none=False)`` keeps, a ``GradScaler``'s scale) is there when the

@@ -16,14 +16,17 @@ goal is equality after allocator rounding, and every difference is reported in b
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from .isolation import isolated
+from .progress import phased
+from .timeout import timed
 from .accounting import cuda_block_bytes
 from .analyze import analyze
 from .capture import trace
@@ -102,12 +105,14 @@ class Validation:
         return "\n".join(lines)
 
 
+@phased("measurement")
 def _measure(fn: Callable[[], Any], device: str) -> tuple[int, int]:
     m = measure(fn, device=device, warmup=1)
     return m.peak_above_start, m.retained
 
 
 @isolated
+@timed("analyze_kw")
 def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int], device: str = "cuda",
              optimized: torch.nn.Module | None = None, optimizer: Callable | None = None,
              loss: Callable[[Any], torch.Tensor] | None = None, inputs: list | None = None,
@@ -140,17 +145,20 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     report = analyze(model, *input_specs, device=device, optimizer=optimizer, loss=loss, mode=mode,
                      **{"check": False, **analyze_kw})
     predicted = report.evaluate(**dims)
-    real = copy.deepcopy(model).to(device)
-    module = trace(real) if report.mode == "graph" else real  # the code the prediction is of (report.capture)
-    xs = inputs if inputs is not None else random_inputs(report.specs, dims, device=device)
-    xs = [x.to(device) for x in xs]
-    rows = []
-    fwd = _measure(lambda: module(*xs), device)
-    rows += [Row("forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
-             Row("forward: retained", predicted["retained"], fwd[1])]
-    opt = optimizer(real.parameters())
-    train_step(module, xs, opt, loss_fn)  # the optimizer's state now exists: steady state
-    step = _measure(lambda: train_step(module, xs, opt, loss_fn), device)
+    need = max(predicted["peak"], predicted["train_peak"])
+    _check_fits(need, dims, device)
+    with _out_of_memory(need, dims, device):  # a machine short of what it reports (other processes)
+        real = copy.deepcopy(model).to(device)
+        module = trace(real) if report.mode == "graph" else real  # the code the prediction is of (report.capture)
+        xs = inputs if inputs is not None else random_inputs(report.specs, dims, device=device)
+        xs = [x.to(device) for x in xs]
+        rows = []
+        fwd = _measure(lambda: module(*xs), device)
+        rows += [Row("forward: peak above resident", predicted["peak_above_resident"], fwd[0]),
+                 Row("forward: retained", predicted["retained"], fwd[1])]
+        opt = optimizer(real.parameters())
+        train_step(module, xs, opt, loss_fn)  # the optimizer's state now exists: steady state
+        step = _measure(lambda: train_step(module, xs, opt, loss_fn), device)
     state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor) and t.device.type == device)
     rows += [Row("training step: peak above resident", predicted["train_peak"] - predicted["train_resident"], step[0]),
@@ -165,6 +173,48 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
     if optimized is not None:
         _check_optimized(result, model, optimized, input_specs, dims, device, xs, analyze_kw)
     return result
+
+
+def _memory_of(device: str) -> int | None:
+    """The bytes ``device`` has in all (physical memory for 'cpu'); None when unknown."""
+    try:
+        if device == "cuda":
+            return torch.cuda.mem_get_info()[1]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def _too_large(need: int, dims: Mapping[str, int], device: str, has: int | None) -> SpecError:
+    from .report import format_bytes
+    sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
+    than = f"more than this machine's {format_bytes(has)} of {device} memory" if has else \
+        f"more than this machine can allocate on {device}"
+    return SpecError(f"validate(dims=dict({sizes})): these sizes need {need:,} bytes ({format_bytes(need)}, the "
+                     f"predicted peak), {than}; what to do: measure at smaller dims= (the formulas "
+                     f"hold at every size; report.evaluate({sizes}) gives the numbers without running)")
+
+
+def _check_fits(need: int, dims: Mapping[str, int], device: str) -> None:
+    """Refuse, before allocating anything, sizes whose predicted peak exceeds all the device's memory
+    (torch would fail with its allocator's raw error, or the machine would start swapping)."""
+    has = _memory_of(device)
+    if has is not None and need > has:
+        raise _too_large(need, dims, device, has)
+
+
+@contextlib.contextmanager
+def _out_of_memory(need: int, dims: Mapping[str, int], device: str) -> Iterator[None]:
+    """The real run's allocation failures, in words naming ``dims=`` and the bytes they need."""
+    try:
+        yield
+    except MemoryError:
+        raise _too_large(need, dims, device, None) from None
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's "can't allocate memory"
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc) \
+                and "out of memory" not in str(exc).lower():
+            raise
+        raise _too_large(need, dims, device, None) from None
 
 
 def _write_snapshots(folder: str, report: Any, dims: Mapping[str, int], device: str, forward: Callable,

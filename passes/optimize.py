@@ -37,7 +37,8 @@ import sympy
 import torch
 import torch.fx
 
-from ..isolation import isolated
+from ..isolation import carry_hooks, isolated
+from ..timeout import timed
 from .. import _torch_compat as tc
 from ..analyze import analyze
 from ..options import AnalysisOptions
@@ -119,6 +120,7 @@ class _Unverified(Exception):
 
 
 @isolated
+@timed("option_values")
 def optimize(
     model: torch.nn.Module,
     *input_specs: Any,
@@ -178,8 +180,27 @@ def optimize(
             _warn(dropped)
             raise
         _warn(dropped)
-        return out
+        return _with_the_users_hooks(model, out)
     raise AssertionError("unreachable: the careful pass raises no _Unverified")
+
+
+def _with_the_users_hooks(model: torch.nn.Module, out: torch.nn.Module) -> torch.nn.Module:
+    """``out`` with the user's hooks on the modules it calls as ``model`` does: the analyses and
+    verifications ran without them (fxmem.isolation), the user's calls of the rewrite run them.
+    A hook on a module whose code the graph runs inline has no call to run at: refused, not lost."""
+    if out is model:
+        return out
+
+    def called(path: str) -> bool:
+        return isinstance(out, torch.fx.GraphModule) and any(
+            n.op == "call_module" and n.target == path for n in out.graph.nodes)
+
+    missing = carry_hooks(model, out, called)
+    if missing:
+        raise ModelError(f"optimize cannot keep your {'; '.join(missing)}: the rewritten graph runs that module's "
+                         f"code inline, so nothing would call the hook; remove it before optimize and register it "
+                         f"on the result (or make the module a leaf with leaf_modules=)")
+    return out
 
 
 def _warn(texts: list[str]) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .. import _torch_compat as tc
+from ..progress import phased
 
 # (rtol, atol) by the dtype the comparison runs in
 TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5)}
@@ -173,6 +174,7 @@ def _compare_runs(ref: dict, got: dict, dtype: torch.dtype) -> Difference:
     return Difference(True, worst, where, dtype)
 
 
+@phased("verification")
 def compare(reference: torch.nn.Module, candidate: torch.nn.Module, inputs: Sequence[Sequence[Any]],
             seed: int = 0, device: str = "cpu", modes: Sequence[Mode] = MODES,
             references: dict | None = None) -> Difference:

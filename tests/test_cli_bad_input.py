@@ -102,3 +102,45 @@ def test_cli_bad_input_is_one_paragraph_and_exit_code_2(label, args, fragments, 
         assert fragment in err, f"{fragment!r} not in: {err}"
     assert "] simulating" not in err, f"an argument error must stop before the analysis: {err}"
     assert not (tmp_path / "pwned").exists()
+
+
+TINY_LLAMA = ('{"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, '
+              '"intermediate_size": 32, "vocab_size": 32}')
+
+
+@pytest.mark.parametrize("gpu", [["--gpu", "-1GiB"], ["--gpu=-1GiB"], ["--gpu", "-5"], ["--gpu", "lots"]])
+def test_llm_gpu_that_is_not_a_positive_amount_names_the_option(gpu, tmp_path):
+    # '--gpu -1GiB' reaches fxmem's own check (argparse alone reads '-1GiB' as an option)
+    (tmp_path / "config.json").write_text(TINY_LLAMA)
+    out = fxmem_cli("llm", "config.json", "--seq", "4", *gpu, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "--gpu" in out.stderr and "positive number of bytes" in out.stderr, out.stderr
+    assert "expected one argument" not in out.stderr and "importing torch" not in out.stderr
+
+
+def test_snapshot_without_dims_is_refused_before_the_analysis(tmp_path):
+    out = fxmem_cli("analyze", SEED, *GOOD, "--snapshot", "s.pickle", cwd=tmp_path)
+    assert out.returncode == 2 and "--snapshot" in out.stderr and "--dims" in out.stderr, out.stderr[-2000:]
+    assert "] simulating" not in out.stderr and not (tmp_path / "s.pickle").exists()
+
+
+def test_llm_quiet_prints_nothing_on_stderr(tmp_path):
+    (tmp_path / "config.json").write_text(TINY_LLAMA.replace('"vocab_size"', '"torch_dtype": "float32", "vocab_size"'))
+    out = fxmem_cli("llm", "config.json", "--seq", "4", "--quiet", cwd=tmp_path)
+    assert out.returncode == 0 and "training step peak" in out.stdout, out.stderr[-2000:]
+    assert out.stderr == "", out.stderr  # no progress, no library warning or deprecation line
+
+
+def test_quiet_silences_library_warnings_and_logging(capfd):
+    import logging
+    import warnings
+
+    from fxmem.cli import _libraries_quiet
+
+    level, verbosity = logging.getLogger("transformers").level, os.environ.get("TRANSFORMERS_VERBOSITY")
+    with _libraries_quiet(True):
+        warnings.warn("`torch_dtype` is deprecated! Use `dtype` instead!", FutureWarning)
+        logging.getLogger("transformers.configuration_utils").warning("a library's warning")
+    assert capfd.readouterr().err == ""
+    # the command's settings end with it (main() may run inside a longer process)
+    assert logging.getLogger("transformers").level == level and os.environ.get("TRANSFORMERS_VERBOSITY") == verbosity

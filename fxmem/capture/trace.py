@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from ..isolation import isolated
+from ..progress import phased
 from .. import _torch_compat as tc
 from ..errors import TraceError
 from .contexts import ModeWatch
@@ -86,6 +87,7 @@ def check_leaf_modules(leaf_modules: Any) -> tuple[type, ...]:
 
 
 @isolated
+@phased("capture")
 def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
           concrete_args: Mapping[str, Any] | None = None) -> torch.fx.GraphModule:
     """Symbolically trace ``model`` (as it is called, hooks included) into a GraphModule that

@@ -74,21 +74,28 @@ def _compiled(twin: torch.nn.Module, inputs: list, names: dict, order: Sequence[
     and the graph's flat outputs."""
     found: list = []
     returned: list = []
+    held = {id(t) for t in [*twin.parameters(), *twin.buffers()]}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         found.append(from_dynamo(gm, example_inputs, names, twin, order, inline_numbers=True))
 
         def run(*args: Any) -> Any:
+            # the graph runs for real once (its outputs' structure); on copies of the model's
+            # tensors, which a forward may write in place (a counter, running statistics, clipping)
+            args = tuple(a.clone() if id(a) in held else a for a in args)
             returned.append(gm.forward(*args))
             return returned[-1]
         return run
 
+    entry = _fresh_entry(twin)
     try:
         with torch.no_grad():
-            out = torch.compile(_fresh_entry(twin), backend=backend, dynamic=True, fullgraph=True)(*inputs)
+            out = torch.compile(entry, backend=backend, dynamic=True, fullgraph=True)(*inputs)
     except Exception as exc:  # Dynamo's refusal: no graph to rewrite
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(f"TorchDynamo cannot capture {name} as one graph: {type(exc).__name__}: {text}") from exc
+    finally:  # the entry is never called again: Dynamo's state for it goes now, not at interpreter exit
+        tc.forget_compiled(entry.__code__)
     if len(found) != 1 or not returned:
         raise TraceError(f"TorchDynamo captured {len(found)} graphs of {name}, not one")
     return found[0], out, returned[0]

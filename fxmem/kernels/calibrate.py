@@ -38,6 +38,7 @@ import sympy
 import torch
 
 from .. import _torch_compat as tc
+from ..progress import phased
 from ..measure import allocator_events, cpu_memory_profile
 from . import calibration_cache
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
@@ -429,6 +430,7 @@ def _fit_cached(op: Any, frozen_items: tuple, min_shape: tuple, threads: int, re
     return fitted
 
 
+@phased("kernel calibration")
 def _fit(op: Any, frozen_items: tuple, min_shape: tuple) -> list | None:
     adapter = ADAPTERS[op]
     frozen = dict(frozen_items)

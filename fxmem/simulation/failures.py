@@ -4,6 +4,8 @@ Both runners (graph mode's fx nodes, eager mode's source lines) and the training
 report failures through :func:`failure`: a missing fake kernel, a size that depends on tensor
 values, a failure inside PyTorch, a library or fxmem (:func:`internal_cause`: never blamed on the
 user's input), or a shape the model does not accept - each with where it happened and what to do.
+The frame that raised decides the words (:func:`user_blame`): the user's own forward, optimizer
+factory, loss or ``step=`` raising is a UserCodeError naming that party and its file:line.
 Only a shape check (torch's own, or the model's ``assert``) blames the input specs; a fake kernel
 that raises where the real one accepts the call is a limit of fake tensors
 (:class:`~fxmem.kernels.FakeKernelFails`, decided by running the real kernel).
@@ -12,16 +14,18 @@ that raises where the real one accepts the call is a limit of fake tensors
 """
 from __future__ import annotations
 
+import dis
 import os
 import re
 import traceback
+import types
 from typing import Callable, Mapping
 
 import torch
 
 from .. import _torch_compat as tc
 from ..capture.source import is_user_file, short_path
-from ..errors import FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError
+from ..errors import FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError, UserCodeError
 from ..kernels import FakeKernelFails, KernelRefuses
 
 
@@ -62,6 +66,9 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if isinstance(exc, KernelRefuses):
         return KernelError(f"{where}: the model cannot run on these inputs: {text}.\n  what to do: check the "
                            f"dtypes (and layouts) of the input specs and parameters reaching this op")
+    blamed = user_blame(exc, rename)
+    if blamed is not None:  # the user's own code raised: the frame that raised decides the words
+        return blamed
     if isinstance(exc, tc.UNSUPPORTED_OP_ERRORS) or "fake impl" in text or "'Meta' backend" in text \
             or "meta kernel" in text.lower() or "register_fake" in text:
         op = getattr(exc, "func", None) or op
@@ -101,6 +108,119 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"{cause[0]}.\n  what to do: {cause[1]}")
     return ShapeError(f"{where} fails on the given input shapes{detail}: {first_line(text)}\n"
                       f"  what to do: {advice}.")
+
+
+# fxmem's functions that call a user's function (the first fxmem frame outside the user's code)
+# -> the party that function is; any other fxmem frame (the runners, the routed model) calls the forward
+_CALL_SITES = {"make_optimizer": "optimizer factory", "train_step": "loss", "user_step": "step= function",
+               "_warm_user_step": "step= function"}
+_MODULE_CALLS = ("_call_impl", "_wrapped_call_impl")  # torch's nn.Module.__call__
+# how each party is called, for its "what to do"
+_CALLED_AS = {
+    "forward": "check that the input specs are what your forward expects there (it raised this itself), or fix "
+               "the code at that line",
+    "optimizer factory": "optimizer= is called once as optimizer(params), with the list of parameters to train, and "
+                         "must return a torch.optim.Optimizer, e.g. optimizer=lambda p: torch.optim.Adam(p, lr=1e-3)",
+    "loss": "loss= is called as loss(output) with the model's output and must return a scalar tensor, e.g. "
+            "loss=lambda out: out.float().pow(2).mean()",
+    "step= function": "step= is called as step(model, optimizer, *inputs) and runs one whole training step",
+}
+# the exception types torch's kernels raise for a shape they refuse, at the line that called them
+_TORCH_CHECKS = (RuntimeError, ValueError, IndexError, AssertionError)
+_SIGNATURE = re.compile(r"^([\w<>.]+)\(\) (takes|missing|got an unexpected|got multiple)")
+
+
+def user_blame(exc: BaseException, rename: Callable[[str], str] = lambda text: text) -> UserCodeError | None:
+    """A :class:`UserCodeError` when the user's own code raised ``exc`` - their forward, optimizer
+    factory, loss or ``step=`` function, named after the fxmem frame that called it - else None
+    (torch's shape checks, fakes' limits and fxmem's bugs are decided by :func:`failure`).
+
+    The user's code raised when its innermost frame raised itself (a ``raise`` statement, or a
+    plain Python error such as a KeyError on its own line), when an optimizer factory failed at
+    all (it never sees the input sizes), or when fxmem's call of the user's function does not fit
+    its signature. A model's ``assert`` stays a check of its input shapes."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    if not frames:
+        return None
+    user = [i for i, (frame, _) in enumerate(frames) if is_user_file(frame.f_code.co_filename)]
+    if not user:
+        return _signature_blame(exc, frames[-1][0])
+    inner = user[-1]
+    party = _party(frames, inner)
+    if party is None:  # the user's code was called by torch or fxmem as something else (a fake kernel, a hook)
+        return None
+    tb = exc.__traceback__
+    while tb.tb_next is not None:  # the raising frame: its instruction says whether it raised itself
+        tb = tb.tb_next
+    own = inner == len(frames) - 1 and _is_raise(tb.tb_frame.f_code, tb.tb_lasti)
+    raised_here = own or inner == len(frames) - 1 and not isinstance(exc, _TORCH_CHECKS)
+    if isinstance(exc, AssertionError) and party == "forward":
+        return None  # the model's own check of its input: failure() blames the specs, as torch's checks do
+    if not (raised_here or party == "optimizer factory"):
+        return None
+    frame, line = frames[inner]
+    where = f"{short_path(frame.f_code.co_filename)}:{line}"
+    # a Python error of a line that ran torch (not a raise statement) may come from a value fakes lack
+    values = ("" if own or party == "optimizer factory" else
+              "; if the line runs outside fxmem, it may read a tensor's values, which fxmem's fake tensors do not "
+              "have: state them with TensorSpec(..., fill=...)")
+    return UserCodeError(f"your {party} raised {type(exc).__name__} at {where}: {first_line(rename(str(exc)))}\n"
+                         f"  this is your code's own error, not fxmem's or PyTorch's.\n"
+                         f"  what to do: {_CALLED_AS[party]}{values}", party)
+
+
+def _party(frames: list, inner: int) -> str | None:
+    """The party whose code ``frames[inner]`` is: named by the innermost fxmem frame outside it. A
+    call site of :data:`_CALL_SITES` must call the user's code directly (a user's autograd Function
+    reached through ``backward()`` in ``train_step`` is not the loss); a runner calls the forward
+    (through ``nn.Module.__call__``, or a leaf function directly). None: neither."""
+    for i in range(inner - 1, -1, -1):
+        frame = frames[i][0]
+        if frame.f_code.co_name in _MODULE_CALLS and _in_torch(frame.f_code.co_filename):
+            return "forward"  # a module's forward, even one a user's step calls
+        if not frame.f_code.co_filename.startswith(_FXMEM_DIR):
+            continue
+        if frame.f_code.co_name in _CALL_SITES:
+            direct = is_user_file(frames[i + 1][0].f_code.co_filename)
+            return _CALL_SITES[frame.f_code.co_name] if direct else None
+        calls_model = _runner(frame.f_code.co_filename) or os.path.basename(frame.f_code.co_filename) in (
+            "user_step.py", "training.py")  # (a user's step calls the model through the router)
+        return "forward" if calls_model else None
+    return None
+
+
+def _is_raise(code: types.CodeType, lasti: int) -> bool:
+    """Whether the instruction at ``lasti`` of ``code`` is a ``raise`` (not a call that raised)."""
+    for ins in dis.get_instructions(code):
+        if ins.offset == lasti:
+            return ins.opname in ("RAISE_VARARGS", "RERAISE")
+    return False
+
+
+def _signature_blame(exc: BaseException, raising: types.FrameType) -> UserCodeError | None:
+    """The UserCodeError for fxmem's call of a user's function that does not fit its signature (the
+    TypeError is raised at fxmem's call site, so no user frame is in the traceback)."""
+    party = _CALL_SITES.get(raising.f_code.co_name)
+    named = _SIGNATURE.match(str(exc)) if isinstance(exc, TypeError) else None
+    if party is None or named is None:
+        return None
+    fn = _CALLED_FUNCTION[raising.f_code.co_name](raising.f_locals)
+    if getattr(fn, "__name__", None) != named.group(1).rsplit(".", 1)[-1]:
+        return None  # a TypeError of another call on that line
+    code = getattr(fn, "__code__", None)
+    at = f" ({short_path(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
+    return UserCodeError(f"your {party} {getattr(fn, '__qualname__', named.group(1))}{at} does not take the arguments "
+                         f"fxmem calls it with: TypeError: {first_line(str(exc))}\n  what to do: {_CALLED_AS[party]}",
+                         party)
+
+
+# the user's function each call site calls, read off the call site's locals
+_CALLED_FUNCTION = {
+    "make_optimizer": lambda f: getattr(f.get("self"), "optimizer", None),
+    "train_step": lambda f: f.get("loss"),
+    "user_step": lambda f: f.get("step"),
+    "_warm_user_step": lambda f: getattr(f.get("training"), "step", None),
+}
 
 
 # autograd's refusals of a model's ops, whatever the shapes: (pattern of torch's message, (why, what to do))

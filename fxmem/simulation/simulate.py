@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from ..isolation import isolated
+from ..progress import phased
 from .. import _torch_compat as tc
 from ..capture import model_files, private_copy, trace
 from ..errors import DeviceError, FxMemError, ModelError, NothingToTrainError, SpecError, UnsupportedOpError
@@ -42,7 +43,7 @@ from .recorder import Recorder
 from .repeats import find_chain, find_module_chain, shorten, shorten_module
 from .unroll import unroll
 from .storages import StorageTable
-from .user_step import Router, objects_kept, register_leftovers
+from .user_step import Router, objects_kept, register_leftovers, step_guards, values_read
 from .outside import outside_dispatch
 from .values import tracing_checks
 
@@ -154,6 +155,7 @@ class _Run(StepHooks):
 
 
 @isolated
+@phased("simulation")
 def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], symbols: dict, hints: dict,
              device: str = "cpu", grad: bool = True, training: Training | None = None, mode: str = "graph",
              repeats: bool = True, **options: Any) -> Recording:
@@ -321,7 +323,7 @@ def simulate_once(
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             elif training.step is not None:
-                with objects_kept(training.step):
+                with objects_kept(training.step), step_guards(training.step, fake_model):
                     optimizer = _warm_user_step(training, fake_model, named_params, specs, recorder, fake_mode,
                                                 symint, device, log)
                     user_step(fake_model, tuple(inputs), optimizer, training.step, hooks)
@@ -396,30 +398,31 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
 
 
 def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_params: list, specs: Sequence[InputSpec],
-                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog) -> torch.optim.Optimizer:
-    """Build the optimizer and call the user's step once, quietly, on inputs of its own: the
-    recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`)."""
+                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog) -> Any:
+    """Build the optimizer(s) and call the user's step once, quietly, on inputs of its own: the
+    recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`).
+    Returns what the step is handed (what ``optimizer=`` returned: one optimizer, or several)."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise NothingToTrainError("no parameter requires grad, so there is nothing to train")
     with recorder.quiet(), failures("your step= function (its first, warm-up call)", recorder.rename):
-        optimizer = training.make_optimizer(params)
+        handed, optimizers = training.make_for_step(params)  # several: a GAN's, or with LR schedulers
         warm = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                             requires_grad=spec.requires_grad) for spec in specs]
         for i, spec in enumerate(specs):
             if spec.fill is not None:
                 recorder.values.set(warm[i], spec.fill)
-        with optimizer_errors(optimizer):
-            result = training.step(fake_model, optimizer, *warm)
+        with optimizer_errors(optimizers[0]), values_read(training.step):
+            result = training.step(fake_model, handed, *warm)
         del warm  # the next call's inputs are fresh
     if result is not None and not isinstance(result, (torch.Tensor, float, int)) and hasattr(result, "__next__"):
         raise SpecError("step= is a generator function: it must run the step when called (no yield)")
     del result
-    kept = register_leftovers(recorder.table, named_params, optimizer, fake_mode)
+    kept = register_leftovers(recorder.table, named_params, optimizers, fake_mode)
     if kept:
         log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "
                  f"(resident in the steady state, counted in train_resident)")
-    return optimizer
+    return handed
 
 
 def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder: Recorder) -> torch.optim.Optimizer:

@@ -5,12 +5,17 @@ calls is routed, for the call's duration, so the recording knows where it is:
 
 * ``model(...)`` - the recorded forward (graph or eager mode, as analysed), phase ``forward``;
 * ``tensor.backward(...)`` - phase ``backward`` (with the engine watched, as the default step does);
-* ``optimizer.step()`` (also from ``GradScaler.step``) - phase ``optimizer.step``;
+* any optimizer's ``step()`` (also from ``GradScaler.step``, or through an LR scheduler's wrapper;
+  those ``optimizer=`` returned and those the step builds itself) - phase ``optimizer.step``;
 * ``optimizer.zero_grad()`` / ``model.zero_grad()`` - phase ``zero_grad``;
-* everything else the step does (losses, clipping, scaling, slicing micro-batches) - phase
-  ``loss``, "the step's own code".
+* everything else the step does (losses, clipping, scaling, slicing micro-batches, schedulers'
+  ``step()``) - phase ``loss``, "the step's own code".
 
 The routing is undone when the step returns (under fxmem's lock, so no other analysis sees it).
+``optimizer=`` may return several optimizers and LR schedulers (a tuple, list or dict): the step
+receives them as returned. What would make the simulated step differ from the real one is
+refused (:func:`step_guards`): ``torch.compile``, and in graph mode a call of a submodule the
+forward does not run (``mode="auto"`` then analyses in eager mode).
 
 >>> def step(model, opt, x):                       # doctest: +SKIP
 ...     for xb in x.chunk(2):
@@ -20,13 +25,18 @@ The routing is undone when the step returns (under fxmem's lock, so no other ana
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import _torch_compat as tc
-from ..errors import SpecError
+from ..errors import SpecError, TraceError, UnsupportedOpError
 from ..records import Phase, Role
 
 
@@ -62,7 +72,10 @@ class Router:
             self._open_code()
 
     @contextlib.contextmanager
-    def routing(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Module]:
+    def routing(self, module: torch.nn.Module, optimizer: Any = None) -> Iterator[torch.nn.Module]:
+        """Route, while the step runs, the calls of ``module`` (the model handed to the step) and of
+        every optimizer's ``step()`` / ``zero_grad()``. ``optimizer``: what the step is handed (not
+        needed: the routing covers each optimizer, those the step builds itself included)."""
         router, hooks = self, self.hooks
         cls = type(module)
         original_call, original_zero = cls.__call__, cls.zero_grad
@@ -80,12 +93,6 @@ class Router:
             with router.call() as routed, (hooks.phase(Phase.ZERO_GRAD) if routed else contextlib.nullcontext()):
                 return original_zero(model, *args, **kwargs)
 
-        def wrap(phase: Phase, fn: Callable) -> Callable:
-            def routed_call(*args: Any, **kwargs: Any) -> Any:
-                with router.call() as routed, (hooks.phase(phase) if routed else contextlib.nullcontext()):
-                    return fn(*args, **kwargs)
-            return routed_call
-
         original_backward = torch.Tensor.backward
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -100,20 +107,155 @@ class Router:
         routed_cls = type(cls.__name__, (cls,), {"__call__": model_call, "zero_grad": model_zero_grad,
                                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         module.__class__ = routed_cls
-        optimizer.step = wrap(Phase.STEP, optimizer.step)  # instance attributes: GradScaler.step calls these
-        optimizer.zero_grad = wrap(Phase.ZERO_GRAD, optimizer.zero_grad)
         torch.Tensor.backward = backward
         self._open_code()
         try:
-            yield module
+            with self._optimizers_routed():
+                yield module
         finally:
             self._close_code()
             torch.Tensor.backward = original_backward
-            del optimizer.step, optimizer.zero_grad
             module.__class__ = cls
 
+    @contextlib.contextmanager
+    def _optimizers_routed(self) -> Iterator[None]:
+        """Every optimizer's ``step()`` (also from ``GradScaler.step``) as phase ``optimizer.step`` and
+        ``zero_grad()`` as phase ``zero_grad``, by torch's global optimizer-step hooks and on the
+        ``Optimizer`` class: never an attribute of the optimizer itself, which an LR scheduler wraps
+        (``StepLR(opt)`` reads ``opt.step.__func__``) and which must stay the scheduler's."""
+        router, owner, opened = self, threading.get_ident(), []
 
-def register_leftovers(table: Any, named_params: list, optimizer: torch.optim.Optimizer,
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            if threading.get_ident() != owner:  # another thread's optimizer: not this step's
+                return
+            stack = contextlib.ExitStack()
+            if stack.enter_context(router.call()):
+                stack.enter_context(router.hooks.phase(Phase.STEP))
+            opened.append(stack)
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            if threading.get_ident() == owner and opened:
+                opened.pop().close()
+
+        base = torch.optim.Optimizer
+        original_zero = base.__dict__["zero_grad"]
+
+        def zero_grad(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != owner:
+                return original_zero(opt, *args, **kwargs)
+            with router.call() as routed, (router.hooks.phase(Phase.ZERO_GRAD) if routed
+                                           else contextlib.nullcontext()):
+                return original_zero(opt, *args, **kwargs)
+
+        handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        base.zero_grad = zero_grad
+        try:
+            yield
+        finally:
+            base.zero_grad = original_zero
+            for handle in handles:
+                handle.remove()
+            while opened:  # a step() that raised: its phase ends with the error (which names it)
+                opened.pop().__exit__(*sys.exc_info())
+
+
+@contextlib.contextmanager
+def step_guards(step: Callable, module: torch.nn.Module) -> Iterator[None]:
+    """Around both calls of the user's step (warm-up and recorded): refuse what would make the
+    simulated step not the step the user runs - ``torch.compile`` (Inductor's fused kernels free
+    and save other tensors than the eager ops fxmem runs) - and, in graph mode, calls of the
+    parts of the model the traced graph has no code for (see :func:`_placeholders_refused`)."""
+    fn = step
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if tc.is_compiled_function(fn):
+        raise SpecError(f"step= is a torch.compile'd function ({_name(step)}): fxmem runs the step op by op "
+                        f"on fake tensors, and a compiled step frees and saves other tensors (Inductor fuses "
+                        f"kernels), so its numbers would not be the compiled step's; pass the function "
+                        f"without torch.compile (the numbers are then of the eager step)")
+    with _compile_refused(step), _placeholders_refused(module):
+        yield
+
+
+@contextlib.contextmanager
+def values_read(step: Callable) -> Iterator[None]:
+    """Name a value read by the step's own code (``loss.item()`` to log it, ``float(loss)``, a
+    ``ReduceLROnPlateau.step(loss)``) as such: fake tensors have no values. One raised inside an
+    optimizer's ``step()`` is left to the optimizer's own error (see ``optimizer_failure``)."""
+    try:
+        yield
+    except tc.DATA_DEPENDENT_ERRORS as exc:
+        if _raised_in_optimizer_step(exc):
+            raise
+        raise UnsupportedOpError(
+            f"step= ({_name(step)}) reads the value of a tensor (loss.item(), float(loss), print(loss), a "
+            f"ReduceLROnPlateau's step(loss), an early-stopping test): fxmem runs the step on fake tensors, which "
+            f"have sizes but no values. What to do: pass fxmem a step without the value reads (logging and "
+            f"schedulers that read the loss allocate no tensor memory), unless the step's tensors depend on them") \
+            from None
+
+
+def _raised_in_optimizer_step(exc: BaseException) -> bool:
+    """Whether ``exc`` came from inside an ``Optimizer.step`` (torch/optim/optimizer.py's wrapper is
+    on its traceback), rather than from the step's own code or an LR scheduler."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/optim/optimizer.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _name(step: Any) -> str:
+    return getattr(step, "__qualname__", type(step).__name__)
+
+
+@contextlib.contextmanager
+def _compile_refused(step: Callable) -> Iterator[None]:
+    """``torch.compile`` / ``Module.compile`` called by the step raise a :class:`SpecError` (the
+    compiled model's memory is not the eager one fxmem simulates; see :func:`step_guards`)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise SpecError(f"step= ({_name(step)}) calls torch.compile (or model.compile()): fxmem simulates "
+                        f"the step op by op on fake tensors and cannot predict what Inductor's fused kernels "
+                        f"allocate, so it refuses rather than give the eager numbers; analyse a step without "
+                        f"torch.compile (the numbers are then of the eager step), or measure the compiled "
+                        f"step with fxmem.measure")
+    original_compile, original_method = torch.compile, torch.nn.Module.__dict__["compile"]
+    torch.compile, torch.nn.Module.compile = refuse, refuse
+    try:
+        yield
+    finally:
+        torch.compile, torch.nn.Module.compile = original_compile, original_method
+
+
+@contextlib.contextmanager
+def _placeholders_refused(module: torch.nn.Module) -> Iterator[None]:
+    """In graph mode, the submodules of the traced model that hold tensors but no code (fx keeps
+    only the code the forward runs; the rest of the model's tensors sit on plain ``nn.Module``
+    placeholders): calling one from the step - a GAN's discriminator - raises a :class:`TraceError`,
+    which ``mode="auto"`` answers by analysing in eager mode (the model's own modules)."""
+    found = []
+    if isinstance(module, torch.fx.GraphModule):
+        for qual, m in module.named_modules():
+            if qual and type(m) is torch.nn.Module and "forward" not in vars(m):
+                object.__setattr__(m, "forward", _no_code(qual))
+                found.append(m)
+    try:
+        yield
+    finally:
+        for m in found:
+            del m.forward
+
+
+def _no_code(qual: str) -> Callable:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise TraceError(f"your step= calls model.{qual}, a submodule the model's forward does not run, so the "
+                         f"fx graph of the forward has no code for it\n"
+                         f"  what to do: analyse with mode='eager' (mode='auto', the default, does so itself)")
+    return forward
+
+
+def register_leftovers(table: Any, named_params: list, optimizers: list[torch.optim.Optimizer],
                        fake_mode: Any) -> list[str]:
     """After the quiet first call of the user's step: what it left behind is resident in the
     steady state - kept gradients (``zero_grad(set_to_none=False)``, accumulation) as gradients,
@@ -125,7 +267,7 @@ def register_leftovers(table: Any, named_params: list, optimizer: torch.optim.Op
             table.add(p.grad, Role.GRADIENT, f"{qual}.grad")
             found.append(f"{qual}.grad")
     name_of = {id(p): qual for qual, p in named_params}
-    for p, state in optimizer.state.items():
+    for p, state in [item for optimizer in optimizers for item in optimizer.state.items()]:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and table.lookup(value) is None:
                 table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")

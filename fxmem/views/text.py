@@ -53,7 +53,8 @@ def format_bytes(n: int) -> str:
 def formula_text(expr: Any) -> str:
     """A formula as compact text: ``2052*B*N**2 + 4096`` -> ``'2052·B·N² + 4096'``."""
     if isinstance(expr, str):  # names are dims, never sympy's own functions (N, S, E ...)
-        names = {name: dim_symbol(name) for name in re.findall(r"[A-Za-z_]\w*", expr) if name not in ("Max", "Min")}
+        # (a name followed by "(" is a function of the formula: Max, Min, floor, ceiling)
+        names = {name: dim_symbol(name) for name in re.findall(r"[A-Za-z_]\w*\b(?!\s*\()", expr)}
         expr = sympy.sympify(expr, locals=names)
     return FormulaPrinter().doprint(sympy.sympify(expr))
 

@@ -18,23 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from llm_speed import cpu_model  # noqa: E402 - lscpu's model name, as every benchmark prints it
 DEPTHS = (500, 1000, 2000, 4000, 5000)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def seconds(depth: int) -> float:

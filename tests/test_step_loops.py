@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import fxmem
 from fxmem.measure import measure
+from test_user_step import keep_grads
 
 HINT = {"B": 16}  # the example size of every analysis here; the real runs use other sizes
 SIZES = (5, 23)
@@ -267,18 +268,12 @@ def plain_step(model, opt, x):
     opt.zero_grad()
 
 
-def keep_grads_step(model, opt, x):
-    model(x).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-
-
 @pytest.mark.parametrize("factory", [
     lambda p: torch.optim.Adam(p, lr=1e-3),
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False),
 ], ids=["Adam", "SGD momentum", "AdamW for-loop"])
-@pytest.mark.parametrize("step", [plain_step, keep_grads_step])
+@pytest.mark.parametrize("step", [plain_step, keep_grads])
 def test_unused_parameters_get_no_state_as_in_the_real_loop(factory, step):
     report = check_real(WithUnused, factory, step)
     used = sum(p.numel() for p in WithUnused().body.parameters())

@@ -514,6 +514,15 @@ def add_hook(target: torch.nn.Module, source: torch.nn.Module, kind: str, key: i
         target._is_full_backward_hook = source._is_full_backward_hook
 
 
+def tensor_hooks(t: torch.Tensor) -> list[tuple[str, Any]]:
+    """``(kind, hook)`` of a tensor's own gradient hooks (``register_hook``, post-accumulate-grad)."""
+    found = []
+    for kind, attr in (("gradient", "_backward_hooks"), ("post-accumulate-grad", "_post_accumulate_grad_hooks")):
+        table = getattr(t, attr, None)
+        found += [(kind, fn) for fn in (table.values() if isinstance(table, dict) else ())]
+    return found
+
+
 def global_hook_tables() -> list[tuple[str, dict]]:
     """``(kind, table)`` of the hooks registered for every module (``register_module_forward_hook``)."""
     import torch.nn.modules.module as nn_module

@@ -158,6 +158,17 @@ class _UserModules:
                 self.left_out.append(f"{_label(kind)} hook {_name(fn)} on {where}")
                 if path is not None:
                     self.taken.append((path, kind, k, fn))
+        # a parameter's own gradient hooks stay on it: fxmem's runs are on copies and fake tensors,
+        # which do not carry them - what they would allocate is left out all the same, and said
+        seen: set[int] = set()
+        for path, m in self.modules:
+            for name, t in m.__dict__.get("_parameters", {}).items():
+                if not isinstance(t, torch.Tensor) or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                for kind, fn in tc.tensor_hooks(t):
+                    if not _torch_owned(fn):
+                        self.left_out.append(f"{kind} hook {_name(fn)} on {f'{path}.{name}' if path else name}")
 
     def restore(self) -> list[str]:
         """Put everything back; returns the tensors that changed and could not be put back."""

@@ -56,6 +56,7 @@ class Watched:
         model.register_forward_hook(lambda m, args, out: self.seen.append(("forward", type(out).__name__)))
         linears[0].register_forward_pre_hook(lambda m, args: self.seen.append(("pre", type(args[0]).__name__)))
         linears[-1].register_full_backward_hook(lambda m, gin, gout: self.seen.append(("backward", len(gout))))
+        linears[0].weight.register_hook(lambda g: self.seen.append(("gradient", type(g).__name__)))
         mine = set(map(id, model.modules()))
         self.handle = register_module_forward_hook(
             lambda m, args, out: self.seen.append(("global", type(m).__name__)) if id(m) in mine else None)
@@ -168,6 +169,7 @@ def test_a_report_says_which_hooks_were_left_out_and_the_analysis_is_the_models_
     b = fxmem.analyze(hooked, ("B", 6), optimizer=SGD)
     note = next(n for n in b.notes if "hooks were left out" in n)
     assert "forward_hooks" not in note and "forward hook" in note and "on lin" in note and "backward" in note
+    assert "gradient hook Watched.__init__.<locals>.<lambda> on lin.weight" in note
     assert not any("hooks were left out" in n for n in a.notes)
     assert a.formulas() == b.formulas()
     assert b.checked.endswith("equal"), b.checked  # a real run of the model without them agrees

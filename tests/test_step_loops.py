@@ -13,19 +13,10 @@ import torch.nn.functional as F
 
 import fxmem
 from fxmem.measure import measure
-from test_user_step import keep_grads
+from test_user_step import MLP, keep_grads
 
 HINT = {"B": 16}  # the example size of every analysis here; the real runs use other sizes
 SIZES = (5, 23)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 48), torch.nn.Linear(48, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
 
 
 class GAN(torch.nn.Module):
@@ -322,10 +313,7 @@ def plateau_step(model, handed, x):
 
 
 def test_a_value_read_in_the_step_is_named_not_blamed_on_the_optimizer():
-    def factory(params):
-        opt = sgd(params)
-        return opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
-
+    factory = with_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau)
     with pytest.raises(fxmem.UnsupportedOpError, match=r"reads the value of a tensor \(loss\.item\(\)") as info:
         fxmem.analyze(MLP(), ("B", 8), optimizer=factory, step=plateau_step, check=False)
     assert "torch.optim.SGD" not in str(info.value)

@@ -147,28 +147,6 @@ def test_keyboard_interrupt_in_the_forward_propagates(mode):
     assert done and done[0].peak is not None
 
 
-CTRL_C = textwrap.dedent("""
-    import _thread, threading
-    import torch, fxmem
-
-    class Loops(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            while True:
-                pass
-
-    threading.Timer(1.5, _thread.interrupt_main).start()
-    try:
-        fxmem.analyze(Loops(), ("B", 4), mode="eager")
-    except KeyboardInterrupt:
-        print("interrupted")
-    print(fxmem.analyze(torch.nn.Linear(4, 4), ("B", 4), check=False).peak is not None)
-""")
-
-
 def test_ctrl_c_from_outside_propagates():
     """_thread.interrupt_main from a timer: Python's own Ctrl-C, in the middle of a looping forward;
     the next analysis works. In a process of its own: a Ctrl-C in a pytest-xdist worker ends it."""
@@ -189,6 +167,19 @@ LOOPING_FILE = textwrap.dedent("""
         def forward(self, x):
             while True:
                 pass
+""")
+
+# the looping model, interrupted from outside by Python's own Ctrl-C; then another analysis
+CTRL_C = LOOPING_FILE + textwrap.dedent("""
+    import _thread, threading
+    import fxmem
+
+    threading.Timer(1.5, _thread.interrupt_main).start()
+    try:
+        fxmem.analyze(Loop(), ("B", 4), mode="eager")
+    except KeyboardInterrupt:
+        print("interrupted")
+    print(fxmem.analyze(torch.nn.Linear(4, 4), ("B", 4), check=False).peak is not None)
 """)
 
 

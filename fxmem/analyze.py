@@ -150,10 +150,12 @@ def analyze(
         # (the formulas hold for every value); evaluate() asks the user for it
         data = {name: int(at.get(name, d.example)) for name, d in rec.data_dims.items()}
         plan = MemoryPlan(rec, {**dict(at), **data})
-        return Report(plan, model_name=name, specs=specs, options=opts, input_specs=input_specs,
-                      model=model if isinstance(model, torch.nn.Module) else None,
-                      hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
-                      reanalyze=rerun, capture=capture)
+        report = Report(plan, model_name=name, specs=specs, options=opts, input_specs=input_specs,
+                        model=model if isinstance(model, torch.nn.Module) else None,
+                        hints={**dict(at), **data}, graph_module=rec.graph_module, mode=capture.run_mode,
+                        reanalyze=rerun, capture=capture)
+        report._check = checked  # each other piece of this simulation is checked as this one is
+        return report
 
     def checked(report: Report) -> Report:
         """``report`` with its self-check made (or said to be off)."""

@@ -91,6 +91,13 @@ class Report:
         self.graph_module = graph_module
         self._reanalyze = reanalyze
         self._regions: dict[tuple, Report] = {}
+        # the pieces of this one simulation (a kernel's regimes, fxmem.kernels.regimes): branch
+        # choices -> their report, shared by every piece; each made once, from the same recording
+        self._pieces: dict[tuple, Report] = {}
+        if plan.piecewise:
+            self._pieces[plan.piece_of(plan.hint_values)] = self
+        # set by analyze: the self-check each new piece gets (fxmem.selfcheck), as the first one did
+        self._check: Callable[["Report"], "Report"] | None = None
         self._evaluations: dict[tuple, Evaluation] = {}
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
         f = plan.formulas()
@@ -164,7 +171,7 @@ class Report:
             later = {k: given.pop(k) for k in list(given) if k not in self.symbols and _data_dim_name(k)}
             if later:  # K1 of a path this analysis does not take (a switch's other form): the analysis there has it
                 known = {**check_dims(given, {k: s for k, s in self.symbols.items() if k not in counts}), **counts}
-                if not self._plan.region.violations({self.symbols[k]: v for k, v in known.items()}):
+                if self._plan.region.holds({self.symbols[k]: v for k, v in known.items()}):
                     raise SpecError(f"evaluate(): unknown dim(s) {sorted(later)}; this analysis has dims "
                                     f"{sorted(self.symbols)}")
                 return self._reanalysed(known)._at({**known, **later}, check=True)
@@ -188,7 +195,7 @@ class Report:
                 values = {k: v for k, v in values.items() if k not in self.data_paths}
                 path_key = ("beyond", tuple(beyond))
                 report = self._reanalysed(values, path_key)
-            elif self._plan.region.violations({self.symbols[k]: v for k, v in values.items()}):
+            elif not self._plan.region.holds({self.symbols[k]: v for k, v in values.items()}):
                 report = self._reanalysed(values)
         here = environment(self.device)
         if any(self.facts.get(k) != v for k, v in here.items()):
@@ -205,10 +212,15 @@ class Report:
         ``environment_key`` starts with ``("beyond", dims)`` where the data dims take the model's
         other path (:func:`fxmem.data_paths.beyond`)."""
         key = (environment_key, tuple(sorted(values.items())))
+        if not environment_key and key not in self._regions and self._other_piece_holds(values):
+            self._regions[key] = self._piece_at(values)  # another piece of the same simulation
         if key not in self._regions:
-            for (env_key, _), report in self._regions.items():
+            for (env_key, _), report in list(self._regions.items()):
                 if env_key == environment_key and report._holds_at(values):
                     self._regions[key] = report
+                    break
+                if env_key == environment_key and report._other_piece_holds(values):
+                    self._regions[key] = report._piece_at(values)  # another piece of that simulation
                     break
             else:
                 with progress_to_stderr() if getattr(self.options, "verbose", False) and not showing() \
@@ -219,10 +231,55 @@ class Report:
                         self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
+    def _other_piece_holds(self, values: Mapping[str, int]) -> bool:
+        """Whether a piece of this simulation (a kernel's other regime) holds at ``values``."""
+        return bool(self._plan.piecewise) and set(values) == set(self.symbols) and self._plan.base_region.holds(
+            {self.symbols[k]: v for k, v in values.items()})
+
+    def _piece_at(self, values: dict) -> "Report":
+        """The piece of this simulation that holds at ``values`` (where a kernel takes another
+        regime than at the hints): its formulas from the same recording, no new simulation; made
+        once per piece and checked against a real run like the first."""
+        plan = self._plan
+        key = plan.piece_of({self.symbols[k]: v for k, v in values.items()})
+        if key not in self._pieces:
+            _log.info("the formulas of another piece (%s)", ", ".join(f"{k}={v}" for k, v in sorted(values.items())))
+            piece = Report(MemoryPlan(plan.rec, values), model_name=self.model_name, specs=self.specs,
+                           options=self.options, input_specs=self.input_specs, model=self.model, hints=values,
+                           graph_module=self.graph_module, mode=self.mode, reanalyze=self._reanalyze,
+                           capture=self.capture)
+            piece._pieces, piece._regions, piece._check = self._pieces, self._regions, self._check
+            self._pieces[key] = piece
+            if self._check is not None:
+                self._check(piece)
+        return self._pieces[key]
+
     def _holds_at(self, values: Mapping[str, int]) -> bool:
         """Whether this analysis' formulas hold at ``values`` (the dims lie in its region)."""
-        return set(values) == set(self.symbols) and not self._plan.region.violations(
+        return set(values) == set(self.symbols) and self._plan.region.holds(
             {self.symbols[k]: v for k, v in values.items()})
+
+    def pieces(self) -> list[tuple[list[str], "Report"]]:
+        """The formulas for every size, as ``(conditions, report)`` pieces: where a kernel changes
+        regime with size (ATen's CPU flash attention at L = 32, 192, 512, 768; a reduction's
+        two-pass buffer from 32,768 elements), one simulation gives each side its own formulas.
+        Each piece is checked against a real run at its smallest point (as the first one). Sizes
+        that are not in any of them - a dim at 1, which PyTorch treats specially - are analysed
+        when asked (``evaluate``): see :meth:`regions` for every analysis made so far.
+
+        >>> for conditions, piece in fxmem.analyze(llama, ("B", "L"), dtype=torch.int64).pieces():   # doctest: +SKIP
+        ...     print(", ".join(conditions), piece.peak)
+        """
+        plan = self._plan
+        if not plan.piecewise:
+            return [(self.region, self)]
+        out: list = []
+        for point in plan.piece_points():
+            values = {str(s): v for s, v in point.items()}
+            piece = self if plan.piece_of(point) == plan.piece_of(plan.hint_values) else self._piece_at(values)
+            if all(piece is not p for _, p in out):
+                out.append((piece.region, piece))
+        return out
 
     def regions(self) -> list[tuple[list[str], "Report"]]:
         """Every analysis made so far, as ``(region, report)``: this one first, then one per region

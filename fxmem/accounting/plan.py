@@ -15,6 +15,7 @@ an :class:`Evaluation`: the headline numbers and, node by node, the live bytes t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import re
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
 from ..specs import dim_symbol
 from . import cuda_blocks
 from .cuda_blocks import AllocatorConfig, block_slack
+from .compiled import compile_conditions, compile_terms
 from .replay import Liveness, liveness, walk
 from .symbolic import Evaluator, Region, add_terms, build_max, evaluate, max_of, terms, to_expr
 
@@ -58,7 +60,9 @@ class Evaluation(Mapping):
     retained: int
     saved: int
     output: int
-    liveness: Liveness
+    # the node-by-node numbers (a Liveness), or a function that computes them on first use: the
+    # headline numbers come from compiled formulas, the walk behind ``liveness`` only when read
+    _live: Any
     train_resident: int | None = None
     train_peak: int | None = None
     train_peak_above_resident: int | None = None
@@ -70,8 +74,14 @@ class Evaluation(Mapping):
     allocator_slack: int | None = None
     train_allocator_slack: int | None = None
 
+    @property
+    def liveness(self) -> Liveness:
+        if callable(self._live):
+            object.__setattr__(self, "_live", self._live())
+        return self._live
+
     def _keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if f.name != "liveness" and getattr(self, f.name) is not None]
+        return [f.name for f in dataclasses.fields(self) if f.name != "_live" and getattr(self, f.name) is not None]
 
     def __getitem__(self, key: str) -> int:
         if key not in self._keys():
@@ -86,6 +96,85 @@ class Evaluation(Mapping):
 
     def __repr__(self) -> str:
         return repr(dict(self))
+
+
+def branch_index(pairs: Any, values: Mapping[sympy.Symbol, int]) -> int:
+    """The index of the first ``(expr, condition)`` of a Piecewise whose condition holds at ``values``."""
+    for k, (_, cond) in enumerate(pairs):
+        if cond is sympy.true or bool(cond.xreplace({s: sympy.Integer(v) for s, v in values.items()})):
+            return k
+    raise ValueError(f"no branch of {sympy.Piecewise(*pairs)} holds at {dict(values)}")
+
+
+def _threshold_sides(c: Any, s: sympy.Symbol, fixed: Mapping[sympy.Symbol, int]) -> set[int]:
+    """The whole sizes of ``s`` on both sides of where ``c`` flips (other dims at ``fixed``)."""
+    try:
+        roots = sympy.solve(sympy.Eq(c.lhs, c.rhs).xreplace(fixed), s)
+    except (NotImplementedError, TypeError, ValueError):
+        return set()
+    out = set()
+    for r in roots:
+        if r.is_real and r.is_number:
+            k = int(sympy.floor(r))
+            out |= {k - 1, k, k + 1, k + 2}
+    return {v for v in out if v >= 1}
+
+
+def _whole(c: Any) -> Any:
+    """``B*L >= 16384/25`` as ``B*L >= 656``: a relation of a whole-number side to a fraction."""
+    if not isinstance(c, sympy.core.relational.Relational) or c.rel_op not in (">=", ">", "<=", "<"):
+        return c
+    k = c.rhs
+    if not (k.is_Rational and not k.is_Integer and c.lhs.is_integer):
+        return c
+    if c.rel_op in (">=", ">"):
+        return sympy.Ge(c.lhs, sympy.ceiling(k))
+    return sympy.Le(c.lhs, sympy.floor(k))
+
+
+def piece_region(region: Region, conditions: list) -> Region:
+    """``region`` narrowed by a piece's ``conditions``: a bound on one dim (``L >= 192``, ``L < 768``)
+    tightens its lower or upper bound, as the ShapeEnv does with a guard (the Max pruning proves
+    over the bounds); any other condition is a guard."""
+    lower, upper, guards = dict(region.lower), dict(region.upper), list(region.guards)
+    for c in conditions:
+        bound = _one_dim_bound(c)
+        if bound is None or bound[0] in region.pinned:
+            if c not in guards:
+                guards.append(c)
+            continue
+        sym, low, high = bound
+        if low is not None:
+            lower[sym] = max(lower.get(sym, low), low)
+        if high is not None:
+            upper[sym] = min(upper.get(sym, high), high)
+    if not conditions:
+        return region
+    return Region(lower, guards, region.pinned, upper)
+
+
+def _one_dim_bound(c: Any) -> tuple | None:
+    """``(dim, lowest, highest)`` (either None) where ``c`` is ``dim >= k``-like, else None."""
+    if not isinstance(c, sympy.core.relational.Relational) or c.rel_op not in (">=", ">", "<=", "<"):
+        return None
+    diff = sympy.expand(c.lhs - c.rhs)  # c: diff (op) 0
+    syms = diff.free_symbols
+    if len(syms) != 1:
+        return None
+    sym = next(iter(syms))
+    poly = sympy.Poly(diff, sym) if diff.is_polynomial(sym) else None
+    if poly is None or poly.degree() != 1:
+        return None
+    a, b = poly.all_coeffs()  # a*sym + b (op) 0
+    k = -b / a
+    op = c.rel_op if a > 0 else {">=": "<=", ">": "<", "<=": ">=", "<": ">"}[c.rel_op]
+    if op == ">=":
+        return sym, int(sympy.ceiling(k)), None
+    if op == ">":
+        return sym, int(sympy.floor(k)) + 1, None
+    if op == "<=":
+        return sym, None, int(sympy.floor(k))
+    return sym, None, int(sympy.ceiling(k)) - 1
 
 
 class MemoryPlan:
@@ -103,6 +192,10 @@ class MemoryPlan:
         self.user = rec.user_map()  # env symbol -> user symbol
         self.symbols = {name: dim_symbol(name) for name in rec.env_symbols}
         self.hint_values = {self.symbols[k]: v for k, v in hints.items() if k in self.symbols}
+        # a kernel's size regimes (fxmem.kernels.regimes): each Piecewise met, in the user's dims; this
+        # plan takes the branch that holds at ``hints``, and its region says so (``piece``)
+        self.piecewise: list[sympy.Piecewise] = []
+        self.piece: list[sympy.Basic] = []
         self.sizes = [self.to_user(s.bytes) for s in rec.storages]
         self._terms = [terms(e) for e in self.sizes]
         self.region = self._region()
@@ -118,6 +211,12 @@ class MemoryPlan:
         self.retained_terms = w.at_mark
         self.saved_terms = add_terms(*[self._terms[i] for i in self.alive if storages[i].saved_by])
         self.output_terms = add_terms(*[self._terms[i] for i in self.alive if storages[i].is_output])
+        # where this piece holds: the analysis' region and the branches taken (every Piecewise was met
+        # by now: the storages' sizes and every hidden program were walked), before any Max is pruned
+        self.base_region = self.region
+        self.region = piece_region(self.region, self.piece)
+        self.final_terms = w.final
+        self._fast: Any = None  # the headline formulas, compiled on first evaluate (see _numbers)
         self.peak_candidates = [c for _, c in w.candidates[:w.forward_candidates]] or [{}]
         self.peak_kept = max_of(self.peak_candidates, self.region, self.hint_values)
         if self.training:
@@ -185,8 +284,91 @@ class MemoryPlan:
         hit = self._user_cache.get(expr)
         if hit is None:
             user = tc.plain_sympy(tc.simplify(self.rec.env, expr).xreplace(self.user))
+            if user.has(sympy.Piecewise):
+                user = user.replace(sympy.Piecewise, self._branch)
             hit = self._user_cache[expr] = sympy.expand(user)
         return hit
+
+    def _branch(self, *pairs: Any) -> sympy.Expr:
+        """The branch of a kernel's regime (a Piecewise, innermost first) that holds at this plan's
+        hints; its conditions join the piece (``self.piece``)."""
+        whole = sympy.Piecewise(*pairs)
+        if whole not in self.piecewise:
+            self.piecewise.append(whole)
+        k = branch_index(pairs, self.hint_values)
+        for j, (_, cond) in enumerate(pairs[:k + 1]):
+            c = _whole(cond if j == k else sympy.Not(cond))
+            if c is not sympy.true and c != sympy.true and c not in self.piece:
+                self.piece.append(c)
+        return pairs[k][0]
+
+    def piece_points(self, limit: int = 4096) -> list[dict[sympy.Symbol, int]]:
+        """One point in each piece of this recording that sizes near the regimes' thresholds reach
+        (the smallest such point of each piece): per dim its lower bound, the hint, and both sides
+        of every threshold of every regime solved for it (the other dims at their lower bound or
+        hint), tried in every combination (at most ``limit``)."""
+        base = self.base_region
+        dims = sorted({s for p in self.piecewise for _, c in p.args for s in c.free_symbols}, key=str)
+        if not dims:
+            return [dict(self.hint_values)]
+        anchors = {s: {base.lower.get(s, 1), self.hint_values.get(s, base.lower.get(s, 1))} for s in dims}
+        values = {s: set(v) for s, v in anchors.items()}
+        for p in self.piecewise:
+            for _, c in p.args:
+                if not isinstance(c, sympy.core.relational.Relational):
+                    continue
+                for s in c.free_symbols & set(dims):
+                    for others in itertools.product(*[sorted(anchors[o]) for o in sorted(c.free_symbols - {s}, key=str)]):
+                        fixed = dict(zip(sorted(c.free_symbols - {s}, key=str), others))
+                        values[s] |= _threshold_sides(c, s, fixed)
+        for s in dims:
+            low, high = base.lower.get(s, 1), base.upper.get(s)
+            values[s] = {v for v in values[s] if v >= low and (high is None or v <= high)}
+        grid = [sorted(values[s]) for s in dims]
+        total = 1
+        for g in grid:
+            total *= len(g)
+        if total > limit:  # too many combinations: the thresholds of each dim, others at their hints
+            points = [{**self.hint_values, s: v} for s, g in zip(dims, grid) for v in g]
+        else:
+            points = [{**self.hint_values, **dict(zip(dims, combo))} for combo in itertools.product(*grid)]
+        found: dict[tuple, dict] = {}
+        for point in sorted(points, key=lambda q: sum(q[s] for s in dims)):
+            if base.holds(point):
+                found.setdefault(self.piece_of(point), point)
+        return list(found.values())
+
+    def piece_conditions(self, point: Mapping[sympy.Symbol, int]) -> list[str]:
+        """The conditions, as text, that set the piece holding at ``point`` apart from the others
+        (the analysis' own region left out)."""
+        conds = []
+        for p in self.piecewise:
+            k = branch_index(p.args, point)
+            for j, (_, cond) in enumerate(p.args[:k + 1]):
+                c = _whole(cond if j == k else sympy.Not(cond))
+                if c is not sympy.true and c != sympy.true and c not in conds:
+                    conds.append(c)
+        common = set(self.base_region.conditions())
+        return [c for c in piece_region(self.base_region, conds).conditions() if c not in common]
+
+    def piece_of(self, values: Mapping[sympy.Symbol, int]) -> tuple[int, ...]:
+        """Which branch of each of the plan's regimes holds at ``values``: equal tuples, one piece."""
+        if getattr(self, "_piece_fast", None) is None:
+            conds = [c for p in self.piecewise for _, c in p.args]
+            symbols = sorted({s for c in conds for s in c.free_symbols}, key=str)
+            try:
+                self._piece_fast = (compile_conditions(conds, symbols), symbols)
+            except (NotImplementedError, TypeError, ValueError, AttributeError):
+                self._piece_fast = False
+        fast = self._piece_fast
+        if not fast or any(s not in values for s in fast[1]):
+            return tuple(branch_index(p.args, values) for p in self.piecewise)
+        held, out, k = fast[0](values), [], 0
+        for p in self.piecewise:
+            n = len(p.args)
+            out.append(held[k:k + n].index(True))
+            k += n
+        return tuple(out)
 
     def _pins(self) -> dict[sympy.Symbol, sympy.Expr]:
         """User dims the analysis no longer treats as free: ``{dim: value or expression}``."""
@@ -302,8 +484,51 @@ class MemoryPlan:
             out["train_allocator_slack"] = resident + state + max([c for _, c in w.candidates] + [0]) - train_peak
         return out
 
+    def _numbers(self, values: Mapping[sympy.Symbol, int]) -> dict | None:
+        """The headline numbers at ``values`` from the compiled formulas (microseconds), or None
+        where they cannot be compiled (then the walk gives them). Exact: within the region the
+        kept candidates of each Max decide it (the dropped ones are dominated everywhere there)."""
+        if self._fast is None:
+            forms = [self.resident_terms, self.retained_terms, self.saved_terms, self.output_terms]
+            forms += [self.peak_candidates[i] for i in self.peak_kept]
+            if self.training:
+                forms += [self.state_terms, self.grad_terms, self.final_terms]
+                forms += [self.train_candidates[i] for i in self.train_kept]
+            symbols = sorted({s for t in forms for m in t for s in sympy.sympify(m).free_symbols}, key=str)
+            try:
+                self._fast = (compile_terms(forms, symbols), symbols)
+            except (NotImplementedError, TypeError, ValueError):
+                self._fast = False
+        if not self._fast:
+            return None
+        fn, symbols = self._fast
+        if any(s not in values for s in symbols):
+            return None
+        v = fn(values)
+        resident, retained, saved, output = v[:4]
+        k = len(self.peak_kept)
+        live = max(max(v[4:4 + k]), 0)
+        out = dict(resident=resident, peak=resident + live, peak_above_resident=live, retained=retained,
+                   saved=saved, output=output)
+        if self.training:
+            state, grads, final = v[4 + k:7 + k]
+            train_live = max(max(v[7 + k:]), 0)
+            out.update(train_resident=resident + state, train_peak=resident + state + train_live,
+                       train_peak_above_resident=train_live, grads=grads, optimizer_state=state,
+                       train_retained=final)
+        return out
+
     def evaluate(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
-        """Exact bytes at ``values`` (which must lie in ``self.region``): one numeric walk."""
+        """Exact bytes at ``values`` (which must lie in ``self.region``): the compiled formulas for
+        the headline numbers, one numeric walk (when ``liveness`` is read) for the node-by-node ones."""
+        cuda = self.device == "cuda"
+        numbers = None if cuda else self._numbers(values)
+        if numbers is not None:
+            return Evaluation(**numbers, _live=lambda: self._walk_at(values).liveness)
+        return self._walk_at(values)
+
+    def _walk_at(self, values: Mapping[sympy.Symbol, int]) -> Evaluation:
+        """The numeric walk at ``values``: every number, node by node."""
         cuda = self.device == "cuda"
         block = self.bytes_at(values)
         w = walk(self.rec, lambda i: block[i], self._delta(values), 0,
@@ -325,4 +550,4 @@ class MemoryPlan:
             train.update(self._allocator_slack(values, block, live.peak, train.get("train_peak")))
         return Evaluation(resident=resident, peak=live.peak, peak_above_resident=live.peak_above_resident,
                           retained=w.at_mark, saved=sum(block[i] for i in self.alive if storages[i].saved_by),
-                          output=sum(block[i] for i in self.alive if storages[i].is_output), liveness=live, **train)
+                          output=sum(block[i] for i in self.alive if storages[i].is_output), _live=live, **train)

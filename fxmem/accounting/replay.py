@@ -79,6 +79,8 @@ def walk(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any]
                     hear("alloc", p.storage, size(p.storage), i)
                 else:
                     d = delta(p)
+                    if not d:  # a regime's buffer this piece does not have (fxmem.kernels.regimes)
+                        continue
                     cur = add(cur, d)
                     if positive(d):
                         candidates.append((i, cur))

@@ -16,6 +16,7 @@ import torch
 from .. import _torch_compat as tc
 from .. import data_paths
 from .registry import ANY, OUT, Call, Kind, Unknown, hidden, require_args, rule
+from .regimes import sized, when
 
 aten = torch.ops.aten
 
@@ -34,13 +35,14 @@ require_args(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 
 
 
 def _flash_splits(q: torch.Tensor, k: torch.Tensor) -> tuple[Any, Any, int]:
-    """ATen's CPU flash-attention block sizes for this query/key length (comparisons become guards)."""
+    """ATen's CPU flash-attention block sizes for this query/key length (cpu/FlashAttentionKernel.cpp:
+    q_split 256 from L = 768 on, 64 from 192, else 32, capped at L; kv_split 512 capped at S), as
+    formulas over the lengths (:mod:`~fxmem.kernels.regimes`): every length is one analysis' piece."""
     L, S = q.shape[-2], k.shape[-2]
-    q_split = 256 if L >= 768 else (64 if L >= 192 else 32)
-    qs = L if L < q_split else q_split
-    kvs = S if S < 512 else 512
+    qs = when(L >= 768, 256, when(L >= 192, 64, when(L >= 32, 32, L)))
+    kvs = when(S >= 512, 512, S)
     acc = 4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else q.element_size()
-    return qs, kvs, acc
+    return sized(qs), sized(kvs), acc
 
 
 @hidden(_FLASH, device="cpu")
@@ -50,7 +52,7 @@ def _sdpa_flash_cpu(call: Call) -> list:
     q, k = call.arg("query"), call.arg("key")
     qs, kvs, acc = _flash_splits(q, k)
     threads = torch.get_num_threads()
-    buf = threads * (qs * kvs + 2 * qs + qs * q.shape[-1]) * acc
+    buf = threads * (qs * kvs + 2 * qs + qs * tc.raw_expr(q.shape[-1])) * acc
     reduced = threads * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
     return [OUT, buf, reduced, -reduced, -buf] if reduced else [OUT, buf, -buf]
 
@@ -67,7 +69,7 @@ def _sdpa_flash_cpu_backward(call: Call) -> list:
     buf = threads * 2 * qs * kvs * acc
     reduced = threads * 2 * qs * kvs * q.element_size() if q.dtype in (torch.float16, torch.bfloat16) else 0
     work = q.shape[0] * q.shape[1]
-    workers = work if work < threads else threads
+    workers = sized(when(work < threads, work, threads))
     dsum = workers * qs * acc
     return [OUT, copy, buf, reduced, dsum, -dsum, -reduced, -buf, -copy]
 
@@ -476,14 +478,13 @@ def reduction_scratch(call: Call) -> tuple[Any, Any, list]:
     buffer, flags = 0, []
     threads = torch.get_num_threads()
     if packet in _TWO_PASS_REDUCTIONS and threads > 1 and data_paths.one_element(out.numel()):
-        try:
-            large = bool(x.numel() >= GRAIN_SIZE)
-        except Exception:  # noqa: BLE001 - a size the data decides (x[mask], nonzero): no example value
-            large = False
+        numel = x.numel()
+        if isinstance(numel, torch.SymInt) and tc.unbacked_symbols(tc.raw_expr(numel)):
+            # a size the data decides (x[mask], nonzero): no example value to pick a side with
             flags = [Unknown(call.op, f"its ({threads},)-element two-pass buffer exists only over >= {GRAIN_SIZE} "
                                       f"elements, and how many there are here is decided by the data")]
-        if large:
-            buffer = threads * out.element_size()
+        else:  # a piece on each side of GRAIN_SIZE (see fxmem.kernels.regimes)
+            buffer = when(numel >= GRAIN_SIZE, threads * out.element_size(), 0)
     return cast, buffer, flags
 
 

@@ -211,11 +211,22 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None, dims: Mapp
     lines = [head, f"inputs: {inputs}"]
     if report.capture.reason:  # not the mode asked for: say which code the numbers are of, and why
         lines.append(f"capture: {report.capture.text}")
-    if asked_of is not None and asked_of is not report:
+    if asked_of is not None and asked_of is not report and asked_of._plan.rec is report._plan.rec:
+        lines.append(f"at {', '.join(f'{k}={v}' for k, v in dims.items())} a kernel works in another regime than at the "
+                     f"example sizes: the formulas below are that piece's (the same simulation)")
+    elif asked_of is not None and asked_of is not report:
         lines.append(f"re-analysed at {', '.join(f'{k}={v}' for k, v in dims.items())}: outside the region of the "
                      f"analysis asked ({', '.join(asked_of.region)}); the formulas below are the re-analysis'")
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
+    plan = report._plan
+    if plan.piecewise:  # a kernel's size regimes: the same simulation has formulas for each side
+        here = plan.piece_of(plan.hint_values)
+        others = ["; ".join([", ".join(plan.piece_conditions(p))]) for p in plan.piece_points()
+                  if plan.piece_of(p) != here]
+        if others:
+            lines.append(f"other pieces ({len(others)}, kernels change regime there; report.pieces() has their "
+                         f"formulas): " + " | ".join(others))
     if report.training:
         from ..training import Training, describe
 

@@ -1,0 +1,123 @@
+"""Formulas for every size: where a kernel changes regime with size, one simulation gives each side
+its own formulas (a piece), each exact against real runs, and evaluating any size costs microseconds.
+
+ATen's CPU flash attention picks its block sizes by length (32 / 64 / 256 query rows from L = 32,
+192, 768; 512 keys from S = 512), and a reduction to one element keeps a per-thread buffer from
+32,768 inputs on: before pieces, an HF Llama's analysis held for 32 <= L <= 191 only and every
+other length cost a new simulation.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import random
+
+import pytest
+import sympy
+import torch
+
+import fxmem
+from fxmem.accounting.compiled import compile_conditions, compile_terms
+from fxmem.measure import measure
+from fxmem.specs import dim_symbol
+from fxmem.training import default_loss, train_step
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def real_numbers(model: torch.nn.Module, B: int, L: int) -> dict:
+    """A real forward and a steady-state AdamW step of a copy of ``model`` at (B, L): the allocator's
+    bytes above the start (peak, retained) of each."""
+    module = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (B, L))
+    fwd = measure(lambda: module(ids))
+    opt = adamw(module.parameters())
+    train_step(module, [ids], opt, default_loss)  # the optimizer's state exists from here on
+    step = measure(lambda: train_step(module, [ids], opt, default_loss), warmup=0)
+    return {"peak": fwd.peak_above_start, "retained": fwd.retained, "train_peak": step.peak_above_start,
+            "train_retained": step.retained}
+
+
+def predicted(ev) -> dict:
+    return {"peak": ev["peak_above_resident"], "retained": ev["retained"],
+            "train_peak": ev["train_peak"] - ev["train_resident"], "train_retained": ev["train_retained"]}
+
+
+# every regime of the flash-attention blocks and the reduction buffer, both sides of each threshold
+SIZES = [(2, 7), (3, 31), (2, 32), (3, 150), (2, 191), (2, 192), (3, 300), (2, 511), (2, 512), (2, 767), (2, 800)]
+
+
+def test_one_simulation_is_exact_at_every_length(monkeypatch):
+    analyze_module = importlib.import_module("fxmem.analyze")
+    runs = []
+    simulate = analyze_module.simulate
+
+    def counted(*a, **k):
+        runs.append(1)
+        return simulate(*a, **k)
+
+    monkeypatch.setattr(analyze_module, "simulate", counted)
+    model = tiny_llama()
+    report = fxmem.analyze(model, ("B", "L"), dtype=torch.int64, optimizer=adamw, check=False)
+    assert len(runs) == 1
+    for B, L in SIZES:
+        assert (B, L) != (report.hints["B"], report.hints["L"])
+        assert predicted(report.evaluate(B=B, L=L)) == real_numbers(model, B, L), (B, L)
+    assert len(runs) == 1, "a size in another regime must not be simulated again"
+    regions = {tuple(r) for r, _ in report.pieces()}
+    assert len(regions) >= 5  # L <= 31, 32..191, 192..511, 512..767, >= 768 (and B*L around 256)
+    # size 1 is PyTorch's special case: analysed when asked, once
+    assert predicted(report.evaluate(B=1, L=40)) == real_numbers(model, 1, 40)
+    assert predicted(report.evaluate(B=1, L=250)) == real_numbers(model, 1, 250)
+    assert len(runs) == 2
+
+
+def test_each_piece_is_checked_and_named():
+    report = fxmem.analyze(tiny_llama(), ("B", "L"), dtype=torch.int64)
+    pieces = report.pieces()
+    for conditions, piece in pieces:
+        assert piece.checked.endswith("equal"), (conditions, piece.checked)
+        assert piece._plan.rec is report._plan.rec  # the same simulation
+    text = report.summary()
+    assert "other pieces" in text and "L >= 768" in text
+    assert "another regime" in report.summary(dict(B=2, L=1000))
+
+
+def test_compiled_numbers_equal_the_walk_everywhere():
+    """The headline numbers come from compiled formulas; the node-by-node walk is the other way to
+    the same numbers: equal at random sizes in every piece (and the walk is what the views draw)."""
+    report = fxmem.analyze(tiny_llama(), ("B", "L"), dtype=torch.int64, optimizer=adamw, check=False)
+    rng = random.Random(0)
+    for _ in range(150):
+        dims = {"B": rng.randint(2, 9), "L": rng.choice([rng.randint(2, 40), rng.randint(150, 900)])}
+        piece, fast = report._at(dims, check=True)
+        walked = piece._plan._walk_at({piece.symbols[k]: v for k, v in dims.items()})
+        assert dict(fast) == dict(walked), dims
+        assert fast.liveness.peak == fast["peak"]
+
+
+def test_compiled_formulas_are_exact_integers():
+    B, H = dim_symbol("B"), dim_symbol("H")
+    exprs = [4 * B * H + sympy.floor(H / 2 - sympy.Rational(1, 2)) * 12 * B,
+             sympy.Mod(H, 7) * B + sympy.ceiling(sympy.Rational(10**17 + 1, 3) * B),
+             sympy.Rational(1, 3) * B * 3 + H ** 3]
+    from fxmem.accounting.symbolic import terms
+
+    fn = compile_terms([terms(e) for e in exprs], [B, H])
+    rng = random.Random(1)
+    for _ in range(200):
+        at = {B: rng.randint(1, 10**6), H: rng.randint(1, 10**6)}
+        assert fn(at) == [int(e.xreplace(at)) for e in exprs]
+    cond = compile_conditions([sympy.Ge(B * H, sympy.Rational(16384, 25)), sympy.Lt(H, 192)], [B, H])
+    assert cond({B: 2, H: 328}) == [True, False] and cond({B: 2, H: 327}) == [False, False]

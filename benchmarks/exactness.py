@@ -8,6 +8,8 @@ step, next to what the CPU allocator measured on real runs at held-out sizes (in
     python benchmarks/exactness.py                       # corpus + fuzzer seeds 0:300
     python benchmarks/exactness.py --fuzz-seeds 0:1000   # a longer fuzz run
     python benchmarks/exactness.py --no-corpus           # the fuzzer only
+    python benchmarks/exactness.py --between 20           # between the points: the corpus at 20 random
+                                                         # sizes per model (exactness_between.{json,md})
     python benchmarks/exactness.py --no-corpus --extended --fuzz-seeds 0:600
                                                          # the newer op families too (sort, cumulative,
                                                          # flip/roll, one_hot, gather/scatter, pooling,
@@ -77,6 +79,95 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
     return rows, skipped
 
 
+def between_sizes(entry, count: int, seed: int) -> list[dict]:
+    """``count`` random sizes between and around the entry's held-out ones: each dim drawn from 1 to
+    twice its largest held-out size (at least 8), so the sweep lands in every piece and region the
+    analysis has, not only at the sizes the tests chose."""
+    import random
+
+    rng = random.Random(seed)
+    dims = sorted({k for s in entry.sizes for k in s})
+    top = {k: max(8, 2 * max(s.get(k, 1) for s in entry.sizes)) for k in dims}
+    return [{k: rng.randint(1, top[k]) for k in dims} for _ in range(count)]
+
+
+def between_rows(count: int, models: str | None, budget: float) -> tuple[list[dict], list[dict]]:
+    """The corpus at ``count`` random sizes per model (see :func:`between_sizes`): rows as
+    :func:`corpus_rows` gives them, and per model its seconds and the analyses it took (``budget``:
+    seconds for the whole sweep; models past it are listed as not run)."""
+    import importlib
+
+    from corpus.harness import compare
+    from corpus.models import CORPUS
+
+    analyze_module = importlib.import_module("fxmem.analyze")
+    simulate = analyze_module.simulate
+    runs: list = []
+
+    def counted(*a, **k):
+        runs.append(1)
+        return simulate(*a, **k)
+
+    analyze_module.simulate = counted
+    rows, per_model = [], []
+    start = time.perf_counter()
+    for k, (name, entry) in enumerate(CORPUS.items()):
+        if models and name not in models.split(","):
+            continue
+        if not entry.available():
+            continue
+        if time.perf_counter() - start > budget:
+            per_model.append({"model": name, "seconds": None, "simulations": None, "status": "not run (time budget)"})
+            continue
+        sizes = between_sizes(entry, count, seed=k)
+        runs.clear()
+        t = time.perf_counter()
+        try:
+            found = compare(name, entry.build, entry.specs, sizes, mode=entry.mode, makers=entry.makers, data=entry.data)
+        except Exception as exc:  # noqa: BLE001 - a refusal is a result
+            per_model.append({"model": name, "seconds": round(time.perf_counter() - t, 1), "simulations": len(runs),
+                              "status": f"refused: {str(exc).splitlines()[0][:200]}"})
+            continue
+        statuses = collections.Counter()
+        for r in found:
+            status = "exact" if r.exact else "flagged" if r.says_inexact else "MISMATCH"
+            statuses[status] += 1
+            rows.append({"model": name, "mode": r.mode, "what": r.what, "sizes": r.sizes, "predicted": list(r.predicted),
+                         "measured": list(r.measured), "status": status})
+        per_model.append({"model": name, "seconds": round(time.perf_counter() - t, 1), "simulations": len(runs),
+                          "status": ", ".join(f"{v} {k}" for k, v in sorted(statuses.items()))})
+        print(f"{name}: {per_model[-1]}", file=sys.stderr, flush=True)
+    analyze_module.simulate = simulate
+    return rows, per_model
+
+
+def write_between(rows: list[dict], per_model: list[dict], meta: dict, count: int) -> None:
+    out = os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "exactness_between.json"), "w") as f:
+        json.dump({"meta": meta, "models": per_model, "rows": rows}, f, indent=0)
+    counts = collections.Counter(r["status"] for r in rows)
+    lines = ["# Between the points: the corpus at random sizes", "",
+             f"Machine: {meta['machine']}; torch {meta['torch']}; threads {meta['threads']}; command: "
+             f"`{meta['command']}` ({meta['seconds']} s).", "",
+             f"Each corpus model analysed once (forward, and an AdamW step), then evaluated at {count} random sizes "
+             f"(each dim 1 .. twice its largest held-out size) and run for real there: (peak above start, retained) "
+             f"against the CPU allocator. `simulations` counts the analyses that took (the first of each kind, and "
+             f"one per region a size fell outside of).", "",
+             f"Rows: {counts.get('exact', 0)} exact, {counts.get('flagged', 0)} flagged by their report, "
+             f"**{counts.get('MISMATCH', 0)} silent mismatches**.", "",
+             "| model | seconds | simulations | rows |", "|---|---|---|---|"]
+    lines += [f"| {m['model']} | {m['seconds']} | {m['simulations']} | {m['status']} |" for m in per_model]
+    bad = [r for r in rows if r["status"] != "exact"]
+    if bad:
+        lines += ["", "| model | step | sizes | predicted | measured | status |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['what']} | {r['sizes']} | {r['predicted']} | {r['measured']} | {r['status']} |"
+                  for r in bad]
+    with open(os.path.join(out, "exactness_between.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def fuzz_row(seed: int, extended: bool = False, threads: int | None = None) -> dict:
     """One fuzzer seed checked against real runs (a worker process's job with ``--jobs``)."""
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -115,9 +206,22 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="fuzzer worker processes (one thread each)")
     parser.add_argument("--name", help="the results' file name (default exactness or exactness_extended): "
                                        "a run on another CPU kept next to the first")
+    parser.add_argument("--between", type=int, default=0,
+                        help="instead: the corpus at this many random sizes per model (exactness_between.{json,md})")
+    parser.add_argument("--models", help="with --between: these corpus models only (comma-separated)")
+    parser.add_argument("--budget", type=float, default=3600.0, help="with --between: seconds for the sweep")
     args = parser.parse_args()
     start, stop = (int(v) for v in args.fuzz_seeds.split(":"))
     t0 = time.perf_counter()
+    if args.between:
+        from fxmem.measure import machine_name
+
+        rows, per_model = between_rows(args.between, args.models, args.budget)
+        meta = {"machine": machine_name("cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "command": "python benchmarks/exactness.py " + " ".join(sys.argv[1:]),
+                "seconds": round(time.perf_counter() - t0, 1)}
+        write_between(rows, per_model, meta, args.between)
+        return
     corpus, skipped = ([], []) if args.no_corpus else corpus_rows()
     fuzz = fuzz_rows(range(start, stop), args.extended, args.jobs)
     stem = args.name or ("exactness_extended" if args.extended else "exactness")

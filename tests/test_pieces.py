@@ -121,3 +121,37 @@ def test_compiled_formulas_are_exact_integers():
         assert fn(at) == [int(e.xreplace(at)) for e in exprs]
     cond = compile_conditions([sympy.Ge(B * H, sympy.Rational(16384, 25)), sympy.Lt(H, 192)], [B, H])
     assert cond({B: 2, H: 328}) == [True, False] and cond({B: 2, H: 327}) == [False, False]
+
+
+class Upsampler(torch.nn.Module):
+    """A conv and a 2x nearest upsampling: ATen takes its channels-last kernel (copies, no index
+    tensors) for outputs with H + W <= 128 and the generic one (index and weight tensors per
+    dim) above: two pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.interpolate(self.conv(x), scale_factor=2, mode="nearest") * 2
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_upsampling_kernels_are_pieces(monkeypatch, mode):
+    analyze_module = importlib.import_module("fxmem.analyze")
+    runs = []
+    simulate = analyze_module.simulate
+    monkeypatch.setattr(analyze_module, "simulate", lambda *a, **k: runs.append(1) or simulate(*a, **k))
+    torch.manual_seed(0)
+    model = Upsampler()
+    # hints B=5: ATen picks the convolution's backend on both sides of B = 16 (torch's own fake
+    # kernel asks, a guard), so the sizes asked stay on the hints' side of it
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), grad=False, mode=mode, check=False, hints={"B": 5})
+    for B, H, W in [(2, 20, 30), (3, 31, 33), (2, 32, 33), (4, 50, 61), (2, 9, 70)]:
+        ev = report.evaluate(B=B, H=H, W=W)
+        x = torch.randn(B, 3, H, W)
+        with torch.no_grad():
+            real = measure(lambda: model(x))
+        assert (ev["peak_above_resident"], ev["retained"]) == (real.peak_above_start, real.retained), (B, H, W)
+    assert len(runs) == 1
+    assert len(report.pieces()) >= 2

@@ -16,7 +16,7 @@ import torch
 from .. import _torch_compat as tc
 from .. import data_paths
 from .registry import ANY, OUT, Call, Kind, Unknown, hidden, require_args, rule
-from .regimes import sized, when
+from .regimes import either, sized, when
 
 aten = torch.ops.aten
 
@@ -126,10 +126,10 @@ def transpose_buffer(src: Any) -> Any:
     if not isinstance(src, torch.Tensor) or src.dim() != 2 or src.is_complex() or src.dtype.itemsize == 0:
         return 0
     rows = src.shape[0]
-    if not (src.stride()[0] == 1 and src.stride()[1] == rows and src.numel() >= 60 * 60):
+    if not (src.stride()[0] == 1 and src.stride()[1] == rows):
         return 0
     block = 120 if src.dtype == torch.uint8 else 60
-    return block * block * src.element_size()
+    return when(src.numel() >= 60 * 60, block * block * src.element_size(), 0)  # a piece on each side
 
 
 def contiguous_copy(t: Any) -> list:
@@ -577,16 +577,17 @@ def _upsample_cpu(call: Call) -> list:
     x, out = call.arg("self"), call.outputs[0]
     pairs, two_d, three_d = _UPSAMPLE[tc.op_packet(call.func)]
     fmt = torch.channels_last if two_d else torch.channels_last_3d
-    vectorized = ((two_d or three_d) and x.is_contiguous(memory_format=fmt) and x.shape[1] > 3
-                  or two_d and out.shape[-2] + out.shape[-1] <= 128)
-    if vectorized:
-        copy = 0 if x.is_contiguous(memory_format=fmt) else x.numel() * x.element_size()
-        buf = 0 if out.is_contiguous(memory_format=fmt) else out.numel() * out.element_size()
-        return [OUT, *[b for b in (copy, buf) if b], *[-b for b in (buf, copy) if b]]
+    copy = 0 if x.is_contiguous(memory_format=fmt) else x.numel() * x.element_size()
+    buf = 0 if out.is_contiguous(memory_format=fmt) else out.numel() * out.element_size()
+    vectorized = [OUT, *[b for b in (copy, buf) if b], *[-b for b in (buf, copy) if b]]
+    if (two_d or three_d) and x.is_contiguous(memory_format=fmt) and x.shape[1] > 3:
+        return vectorized
     made = []
     for length in out.shape[2:]:
         made += [8 * length, x.element_size() * length] * pairs
-    return [OUT, *made, *[-m for m in made]]
+    generic = [OUT, *made, *[-m for m in made]]
+    # small 2-d outputs take the channels-last kernel too: a piece on each side (fxmem.kernels.regimes)
+    return either(out.shape[-2] + out.shape[-1] <= 128, vectorized, generic) if two_d else generic
 
 
 _UPSAMPLE_BACKWARD = tuple(getattr(aten, f"{op.__name__.split('.')[-1]}_backward") for op in _UPSAMPLE

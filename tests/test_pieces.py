@@ -155,3 +155,32 @@ def test_upsampling_kernels_are_pieces(monkeypatch, mode):
         assert (ev["peak_above_resident"], ev["retained"]) == (real.peak_above_start, real.retained), (B, H, W)
     assert len(runs) == 1
     assert len(report.pieces()) >= 2
+
+
+class Resize(torch.nn.Module):
+    """F.interpolate(antialias=True) to another input's size: the separable kernel's index and
+    weight tensors per pass, whose window grows with the scale when it shrinks (a piece on each side
+    of in == out per dim), and the intermediate buffer of two passes."""
+
+    def __init__(self, mode: str, align_corners: bool):
+        super().__init__()
+        self.mode, self.align_corners = mode, align_corners
+
+    def forward(self, x, y):
+        out = torch.nn.functional.interpolate(x, size=y.shape[-2:], mode=self.mode, antialias=True,
+                                              align_corners=self.align_corners)
+        return out * 2
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_antialiased_resizing_is_exact_both_ways(mode, align_corners):
+    model = Resize(mode, align_corners)
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), ("B", 1, "P", "Q"), grad=False, check=False)
+    for d in [dict(B=2, H=9, W=13, P=18, Q=26), dict(B=3, H=20, W=30, P=7, Q=11), dict(B=2, H=16, W=16, P=40, Q=5),
+              dict(B=2, H=33, W=8, P=11, Q=9), dict(B=1, H=10, W=10, P=3, Q=4)]:
+        ev = report.evaluate(**d)
+        x, y = torch.randn(d["B"], 3, d["H"], d["W"]), torch.randn(d["B"], 1, d["P"], d["Q"])
+        with torch.no_grad():
+            real = measure(lambda: model(x, y))
+        assert (ev["peak_above_resident"], ev["retained"]) == (real.peak_above_start, real.retained), d

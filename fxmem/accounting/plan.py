@@ -121,7 +121,10 @@ def _threshold_sides(c: Any, s: sympy.Symbol, fixed: Mapping[sympy.Symbol, int])
 
 
 def _whole(c: Any) -> Any:
-    """``B*L >= 16384/25`` as ``B*L >= 656``: a relation of a whole-number side to a fraction."""
+    """``B*L >= 16384/25`` as ``B*L >= 656``: a relation of a whole-number side to a fraction; a
+    negated ``And`` as the ``Or`` of the negations."""
+    if isinstance(c, sympy.Not):
+        c = sympy.to_nnf(c)
     if not isinstance(c, sympy.core.relational.Relational) or c.rel_op not in (">=", ">", "<=", "<"):
         return c
     k = c.rhs

@@ -9,8 +9,10 @@ a schema change fails loudly here, not silently in a user's numbers).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import sympy
 import torch
 
 from .. import _torch_compat as tc
@@ -588,6 +590,54 @@ def _upsample_cpu(call: Call) -> list:
     generic = [OUT, *made, *[-m for m in made]]
     # small 2-d outputs take the channels-last kernel too: a piece on each side (fxmem.kernels.regimes)
     return either(out.shape[-2] + out.shape[-1] <= 128, vectorized, generic) if two_d else generic
+
+
+# Antialiased resampling (F.interpolate(antialias=True); UpSampleKernel.cpp, the separable AA kernel):
+# one pass per spatial dim whose size changes, width first; two passes go through an intermediate
+# (N, C, H_in, W_out) buffer. Each pass computes, for its output length n, three int64 index tensors,
+# the weights (n x window, the input's dtype) and a fourth int64 tensor, all freed after the pass.
+# window = 2 * ceil(support) + 1, support = interp_size / 2, times the scale when it is >= 1.
+_AA = {op: size for name, size in (("_upsample_bilinear2d_aa", 2), ("_upsample_bicubic2d_aa", 4))
+       if hasattr(aten, name) for op in (getattr(aten, name),)}
+for _op in _AA:
+    require_args(_op.default, "self", "output_size", "align_corners", "scales_h", "scales_w")
+
+
+def _aa_window(n_in: Any, n_out: Any, align_corners: bool, scale: float | None, interp: int) -> Any:
+    """Weights per output position of one antialiased pass (area_pixel_compute_scale, then the
+    support), as a formula of the sizes where the scale is ``n_in / n_out`` (or, aligning corners,
+    ``(n_in - 1) / (n_out - 1)``): a piece on each side of ``n_in == n_out``."""
+    if scale is not None and scale > 0 and not align_corners:
+        ratio = 1.0 / scale  # the caller's scale factor, as ATen takes it
+        return 2 * math.ceil(interp / 2 * ratio if ratio >= 1.0 else interp / 2) + 1
+    a, b = sized(n_in), sized(n_out)
+    if align_corners:
+        down = sympy.And(sympy.Gt(b, 1), sympy.Ge(a, b))
+        ratio = (a - 1) / sympy.Max(b - 1, 1)
+    else:
+        down, ratio = sympy.Ge(a, b), a / b
+    return 2 * sympy.ceiling(when(down, sympy.Rational(interp, 2) * ratio, sympy.Rational(interp, 2))) + 1
+
+
+@hidden(*_AA, device="cpu")
+def _upsample_aa_cpu(call: Call) -> list:
+    """The separable antialiased kernel's per-pass index and weight tensors and, with two passes,
+    its intermediate buffer (see the table above; read off real runs)."""
+    x, out = call.arg("self"), call.outputs[0]
+    esize, interp = x.element_size(), _AA[tc.op_packet(call.func)]
+    scales = {3: call.arg("scales_w"), 2: call.arg("scales_h")}
+    passes = []
+    for dim in (3, 2):  # width first, then height
+        n_in, n_out = x.shape[dim], out.shape[dim]
+        if not bool(n_in != n_out):
+            continue
+        index = 8 * sized(n_out)
+        weights = sized(n_out) * _aa_window(n_in, n_out, call.arg("align_corners"), scales[dim], interp) * esize
+        passes.append([index, index, index, weights, index, -index, -index, -index, -weights, -index])
+    if len(passes) < 2:
+        return [OUT, *(passes[0] if passes else [])]
+    temp = sized(x.shape[0]) * sized(x.shape[1]) * sized(x.shape[2]) * sized(out.shape[3]) * esize
+    return [OUT, temp, *passes[0], *passes[1], -temp]
 
 
 _UPSAMPLE_BACKWARD = tuple(getattr(aten, f"{op.__name__.split('.')[-1]}_backward") for op in _UPSAMPLE

@@ -231,9 +231,18 @@ class Report:
                         self._regions[key] = self._reanalyze(values)
         return self._regions[key]
 
+    def _pieces_usable(self) -> bool:
+        """Whether this simulation's other pieces (a kernel's other regimes) are read off its recording:
+        not where it holds fitted kernel programs (oneDNN convolutions, batch norm), whose fits are
+        checked at some sizes only (see fxmem.kernels.calibrate.FITTED_RULES): there each region
+        is simulated, as before pieces."""
+        from .kernels.calibrate import FITTED_RULES
+
+        return bool(self._plan.piecewise) and not FITTED_RULES & set(self.facts.get("kernel_rules", ()))
+
     def _other_piece_holds(self, values: Mapping[str, int]) -> bool:
         """Whether a piece of this simulation (a kernel's other regime) holds at ``values``."""
-        return bool(self._plan.piecewise) and set(values) == set(self.symbols) and self._plan.base_region.holds(
+        return self._pieces_usable() and set(values) == set(self.symbols) and self._plan.base_region.holds(
             {self.symbols[k]: v for k, v in values.items()})
 
     def _piece_at(self, values: dict) -> "Report":
@@ -265,13 +274,15 @@ class Report:
         two-pass buffer from 32,768 elements), one simulation gives each side its own formulas.
         Each piece is checked against a real run at its smallest point (as the first one). Sizes
         that are not in any of them - a dim at 1, which PyTorch treats specially - are analysed
-        when asked (``evaluate``): see :meth:`regions` for every analysis made so far.
+        when asked (``evaluate``): see :meth:`regions` for every analysis made so far. A recording
+        with fitted oneDNN or batch-norm programs has one piece: its fits are checked at some sizes
+        only, so other regimes are simulated again.
 
         >>> for conditions, piece in fxmem.analyze(llama, ("B", "L"), dtype=torch.int64).pieces():   # doctest: +SKIP
         ...     print(", ".join(conditions), piece.peak)
         """
         plan = self._plan
-        if not plan.piecewise:
+        if not self._pieces_usable():
             return [(self.region, self)]
         out: list = []
         for point in plan.piece_points():

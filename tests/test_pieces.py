@@ -124,16 +124,17 @@ def test_compiled_formulas_are_exact_integers():
 
 
 class Upsampler(torch.nn.Module):
-    """A conv and a 2x nearest upsampling: ATen takes its channels-last kernel (copies, no index
-    tensors) for outputs with H + W <= 128 and the generic one (index and weight tensors per
-    dim) above: two pieces."""
+    """A per-channel scale and a 2x nearest upsampling: ATen takes its channels-last kernel (copies,
+    no index tensors) for outputs with H + W <= 128 and the generic one (index and weight tensors
+    per dim) above: two pieces. (No convolution: a recording with fitted oneDNN programs simulates
+    each regime, see test_fitted_kernels_keep_one_piece.)"""
 
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+        self.scale = torch.nn.Parameter(torch.rand(1, 3, 1, 1))
 
     def forward(self, x):
-        return torch.nn.functional.interpolate(self.conv(x), scale_factor=2, mode="nearest") * 2
+        return torch.nn.functional.interpolate(x * self.scale, scale_factor=2, mode="nearest") * 2
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
@@ -144,9 +145,7 @@ def test_upsampling_kernels_are_pieces(monkeypatch, mode):
     monkeypatch.setattr(analyze_module, "simulate", lambda *a, **k: runs.append(1) or simulate(*a, **k))
     torch.manual_seed(0)
     model = Upsampler()
-    # hints B=5: ATen picks the convolution's backend on both sides of B = 16 (torch's own fake
-    # kernel asks, a guard), so the sizes asked stay on the hints' side of it
-    report = fxmem.analyze(model, ("B", 3, "H", "W"), grad=False, mode=mode, check=False, hints={"B": 5})
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), grad=False, mode=mode, check=False)
     for B, H, W in [(2, 20, 30), (3, 31, 33), (2, 32, 33), (4, 50, 61), (2, 9, 70)]:
         ev = report.evaluate(B=B, H=H, W=W)
         x = torch.randn(B, 3, H, W)
@@ -184,3 +183,27 @@ def test_antialiased_resizing_is_exact_both_ways(mode, align_corners):
         with torch.no_grad():
             real = measure(lambda: model(x, y))
         assert (ev["peak_above_resident"], ev["retained"]) == (real.peak_above_start, real.retained), d
+
+
+def test_fitted_kernels_keep_one_piece(monkeypatch):
+    """A recording with a fitted oneDNN program (the corpus' PVT-like attention: strided convs,
+    then SDPA) is not read at sizes on the other side of a kernel regime: its fit was checked at some
+    sizes only, and at B=2, S=40 a fit from B=97, S=101 is 1,120 B off. Those sizes are simulated."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from corpus.models import SpatialReductionAttention
+
+    torch.manual_seed(0)
+    model = SpatialReductionAttention().train()
+    report = fxmem.analyze(model, ("B", 3, "S", "S"), optimizer=adamw, check=False)
+    assert len(report.pieces()) == 1 and "other pieces" not in report.summary()
+    module = copy.deepcopy(model)
+    img = torch.randn(2, 3, 40, 40)
+    opt = adamw(module.parameters())
+    train_step(module, [img], opt, default_loss)
+    real = measure(lambda: train_step(module, [img], opt, default_loss), warmup=0)
+    ev = report.evaluate(B=2, S=40)
+    assert ev["train_peak"] - ev["train_resident"] == real.peak_above_start
+    assert report._at({"B": 2, "S": 40})[0]._plan.rec is not report._plan.rec

@@ -460,6 +460,11 @@ def program_for_call(call: Call) -> list | Unknown | None:
         if name not in (adapter.driver, adapter.grad) and _has_symbolic_tensor(f):
             return None
     x = call.arg(adapter.driver)
+    if any(isinstance(d, torch.SymInt) and tc.unbacked_symbols(tc.raw_expr(d)) for d in x.shape):
+        # a fit is chosen and checked at the example sizes, and guarded where it holds: a size the data
+        # decides (x[mask], nonzero: K1) has neither an example nor guards
+        return Unknown(call.op, "its workspace is fitted to its input's sizes, and this input's size is decided "
+                                "by the data (a K dim, see report.data_dims)")
     min_shape = tuple(adapter.minimum(frozen, tuple(x.shape)))
     # the thread count is part of the key: oneDNN picks its path (and its buffers) by it
     key = (call.func, tuple(frozen.items()), min_shape, torch.get_num_threads())
@@ -649,6 +654,14 @@ def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tup
 
 def _measure_at(op: Any, frozen_items: tuple, shape: tuple) -> tuple:
     return _real_sample(op, frozen_items, shape, "calibrating %s on a real run at the example sizes").program
+
+
+# the kernel rules whose programs are fitted on samples (their names as reports list them): a fit is
+# checked at small sizes and toward the example sizes only, and oneDNN has been seen to keep other
+# buffers between those points (a strided conv's backward, 1,120 B at B=2, S=40 after a fit checked
+# from 97x101 down): sizes on the other side of a kernel regime are simulated again, not read off the
+# same recording (fxmem.report.Report.pieces)
+FITTED_RULES = frozenset(str(op.overloadpacket) for op in ADAPTERS)
 
 
 @hidden(*ADAPTERS, device="cpu")

@@ -220,7 +220,7 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None, dims: Mapp
     if report.region:
         lines.append("formulas hold for: " + ", ".join(report.region))
     plan = report._plan
-    if plan.piecewise:  # a kernel's size regimes: the same simulation has formulas for each side
+    if report._pieces_usable():  # a kernel's size regimes: the same simulation has formulas for each side
         here = plan.piece_of(plan.hint_values)
         others = ["; ".join([", ".join(plan.piece_conditions(p))]) for p in plan.piece_points()
                   if plan.piece_of(p) != here]

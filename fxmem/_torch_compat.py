@@ -137,14 +137,17 @@ class _FakeMode(FakeTensorMode):
         try:
             out = super().dispatch(func, types, args, kwargs)
         except RuntimeError as exc:
-            # a C++ meta kernel that takes int[] where the op's schema says SymInt[] (upsampling's
-            # backward, given an input size with a symbol and an output size Python already made a
-            # number): fix those sizes at their example values, as an int-only kernel would (the
-            # report names every dim that fixes), and run it again
-            if "Expected IntList but got GenericList" not in str(exc):
+            if _CONCRETE_ONLY in str(exc):
+                out = self._symbolic_inner_calls(func, types, args, kwargs)
+            elif "Expected IntList but got GenericList" in str(exc):
+                # a C++ meta kernel that takes int[] where the op's schema says SymInt[] (upsampling's
+                # backward, given an input size with a symbol and an output size Python already made a
+                # number): fix those sizes at their example values, as an int-only kernel would (the
+                # report names every dim that fixes), and run it again
+                args, kwargs = _int_lists(args), _int_lists(kwargs or {})
+                out = super().dispatch(func, types, args, kwargs)
+            else:
                 raise
-            args, kwargs = _int_lists(args), _int_lists(kwargs or {})
-            out = super().dispatch(func, types, args, kwargs)
         if view:
             return out
         # ATen's strides at size-1 dims (and empty_like's preserved layout), which kernels read to
@@ -154,6 +157,18 @@ class _FakeMode(FakeTensorMode):
         if isinstance(out, tuple) and out and all(isinstance(o, FakeTensor) for o in out):
             return tuple(_with_aten_strides(func, args, kwargs or {}, o) for o in out)
         return out
+
+    def _symbolic_inner_calls(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """The fake kernel again, its inner calls through PyTorch's Python dispatcher. A Python meta
+        kernel or decomposition that calls another op with symbolic sizes (``baddbmm``'s meta
+        broadcasting ``self`` with ``expand``, linear upsampling's decomposition indexing with
+        broadcast indices) reaches that op's C++ composite, which takes sizes as numbers and raises
+        (torch 2.13); the Python dispatcher runs the symbolic implementation of the same op, as
+        torch.compile's tracing does, so the output (shape, strides) is the meta kernel's own."""
+        from torch._dispatch.python import enable_python_dispatcher
+
+        with enable_python_dispatcher():
+            return super().dispatch(func, types, args, kwargs)
 
     def _reshape(self, func: Any, types: Any, args: Any) -> Any:
         """``view`` / ``_unsafe_view``: their fake kernel works the new strides out in Python over
@@ -177,6 +192,10 @@ class _FakeMode(FakeTensorMode):
                 and out.untyped_storage()._cdata == a.untyped_storage()._cdata):
             self._views[key] = (out.size(), out.stride(), out.storage_offset())
         return out
+
+
+# what a C++ wrapper that takes sizes as numbers says when handed a symbolic size
+_CONCRETE_ONLY = "SymIntArrayRef expected to contain only concrete integers"
 
 
 def _int_lists(values: Any) -> Any:
@@ -689,6 +708,25 @@ def matmul_decomposition() -> Any:
     return getattr(decompositions, "matmul", None)
 
 
+def in_python_backward() -> bool:
+    """Whether autograd is running a backward written in Python now (a custom ``autograd.Function``'s):
+    its ``x * 0.5`` wraps the number afresh, where a C++ formula passes the wrapped number it saved."""
+    node = torch._C._current_autograd_node()
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+def upsample_bindings() -> dict:
+    """The Python bindings ``F.interpolate`` calls (``torch._C._nn.upsample_bilinear2d`` ...), each with
+    its op packet: a binding takes the packet's ``.vec`` overload (an output size or scale factors),
+    whose C++ composite reads a given output size as numbers and so refuses symbolic sizes."""
+    found = {}
+    for name in dir(torch._C._nn):
+        packet = getattr(torch.ops.aten, name, None) if "upsample" in name else None
+        if packet is not None and "vec" in packet.overloads() and "default" in packet.overloads():
+            found[getattr(torch._C._nn, name)] = packet
+    return found
+
+
 def fake_cuda_is_safe() -> tuple[bool, str]:
     """Whether fake ``cuda`` tensors can be made here without aborting the interpreter.
 
@@ -878,6 +916,13 @@ def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (autograd's view metadata)."""
     return bool(t._is_view())
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """How many C++ owners ``t``'s TensorImpl has (the engine's ``use_count()``; a Python object
+    counts once however many Python names it has). Only differences between two tensors passed
+    the same way mean something: the dispatcher's own references are in it."""
+    return int(t._use_count())
 
 
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -56,7 +56,7 @@ def bound(size: Any, upper: Any, beyond_text: str, counts: str) -> None:
                             f"but {size} is not one of the sizes it named; please report this")
     for d in found:
         d.path_upper, d.beyond, d.counts = tc.size_expr(dims.env, upper), beyond_text, counts
-        d.example = max(1, min(d.example, tc.size_hint(upper) // 2))
+        d.example = max(1, min(d.example, dims.example_of(upper) // 2))  # upper may count earlier data dims
 
 
 def one_element(size: Any) -> bool:

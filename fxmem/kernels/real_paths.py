@@ -152,6 +152,107 @@ def _matmul(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
         return decomposition(*args)
 
 
+# --- F.interpolate at symbolic sizes --------------------------------------------------------------
+# ``F.interpolate(x, size=y.shape[-2:])`` (DeepLabV3's head, FPN necks) and ``scale_factor=`` call an
+# upsampling op's ``.vec`` overload, a C++ composite that reads the sizes as numbers - it refuses a
+# symbolic output size and fixes the user's dims for good from a scale - and then calls the op's
+# default overload with the output size and per-dim scales. fxmem calls that default overload
+# itself with the sizes kept symbolic, so the same kernel runs with the same allocations.
+_UPSAMPLE_BINDINGS = tc.upsample_bindings()
+
+
+def _upsample_to_size(func: Callable, ctx: Context | None, *args: Any, **kwargs: Any) -> Any:
+    """An upsampling binding (``torch._C._nn.upsample_bilinear2d`` ...): the op's default overload with
+    the output size the ``.vec`` composite computes (given, or ``int(size * scale)`` per spatial dim)
+    and its scales, as the composite calls it."""
+    packet = _UPSAMPLE_BINDINGS[func]
+    bound = tc.bind_arguments(packet.vec, args, kwargs)
+    x, size, scales = bound["input"], bound.get("output_size"), bound.get("scale_factors")
+    if (size is None) == (scales is None):
+        return NotImplemented  # the composite refuses it: its own error
+    if size is None:
+        size = _scaled_size(x, scales)
+        if size is None:
+            return NotImplemented  # a scale whose product a float rounds: left to the composite
+    corners = [bound["align_corners"]] if "align_corners" in bound else []
+    per_dim = list(scales) if scales is not None else [None] * len(size)
+    return packet.default(x, list(size), *corners, *per_dim)
+
+
+def _scaled_size(x: torch.Tensor, scales: Any) -> list | None:
+    """ATen's output size for scale factors, ``int64(double(size) * scale)`` per spatial dim, as exact
+    integer arithmetic: ``size * p // q`` for a scale ``p / q`` (a double's ratio: ``q`` a power of
+    two) with ``p, q < 2**12`` (2, 0.5, 1.5: the double product is then exact at every size below
+    2**40). None for other scales (0.1, 1/3), whose double product rounds and may land on the next
+    integer: there the composite computes it, fixing the dims at their example sizes."""
+    out = []
+    for dim, scale in zip(x.shape[2:], scales):
+        p, q = float(scale).as_integer_ratio()
+        if p <= 0 or p >= 2 ** 12 or q >= 2 ** 12:
+            return None
+        out.append(dim * p // q)
+    return out
+
+
+# CPU only: the fake kernels of the linear modes refuse symbolic sizes, and fxmem computes them on CPU
+# (fxmem.kernels.symbolic's upsampling rules, layouts measured on CPU runs)
+rule(Kind.REAL_PATH, *_UPSAMPLE_BINDINGS, device="cpu")(_upsample_to_size)
+
+
+# F.interpolate's upsampling binding by (mode, spatial dims, antialias), as its body picks it; the
+# modes it computes otherwise ("area": adaptive average pooling) are left to it.
+_INTERPOLATE_OPS = {
+    **{("nearest", d, False): f"upsample_nearest{d}d" for d in (1, 2, 3)},
+    **{("nearest-exact", d, False): f"_upsample_nearest_exact{d}d" for d in (1, 2, 3)},
+    ("linear", 1, False): "upsample_linear1d", ("bilinear", 2, False): "upsample_bilinear2d",
+    ("trilinear", 3, False): "upsample_trilinear3d", ("bicubic", 2, False): "upsample_bicubic2d",
+    ("bilinear", 2, True): "_upsample_bilinear2d_aa", ("bicubic", 2, True): "_upsample_bicubic2d_aa",
+}
+_BINDING_BY_NAME = {getattr(f, "__name__", ""): f for f in _UPSAMPLE_BINDINGS}
+_INTERPOLATE_ARGS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+
+
+@rule(Kind.REAL_PATH, F.interpolate, device="cpu")
+def _interpolate(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
+    """F.interpolate on CPU to a symbolic ``size=`` or by a ``scale_factor=``: its upsampling op's
+    ``.vec`` composite reads the sizes as numbers; the default overload it then calls is called
+    directly (the same kernel, the same allocations), as :func:`_upsample_to_size` says. A call
+    F.interpolate refuses is left to it, so that its own error is raised."""
+    bound = {**dict(zip(_INTERPOLATE_ARGS, args)), **kwargs}
+    x, mode, corners = bound["input"], bound.get("mode", "nearest"), bound.get("align_corners")
+    name = _INTERPOLATE_OPS.get((mode, x.dim() - 2, bool(bound.get("antialias"))))
+    if name not in _BINDING_BY_NAME or (corners is not None and mode.startswith("nearest")):
+        return NotImplemented
+    size, scale = bound.get("size"), bound.get("scale_factor")
+    if (size is None) == (scale is None):
+        return NotImplemented  # F.interpolate refuses it: its own error
+    if size is not None or bound.get("recompute_scale_factor"):
+        size, scales = _interpolated_size(x, size, scale, bound.get("recompute_scale_factor")), None
+    else:
+        size, scales = None, list(scale) if isinstance(scale, (list, tuple)) else [scale] * (x.dim() - 2)
+    if size is None and (scales is None or len(scales) != x.dim() - 2):
+        return NotImplemented
+    extra = () if mode.startswith("nearest") else (bool(corners),)
+    return _upsample_to_size(_BINDING_BY_NAME[name], ctx, x, size, *extra, scales)
+
+
+def _interpolated_size(x: torch.Tensor, size: Any, scale: Any, recompute: Any) -> list | None:
+    """The output size F.interpolate passes on (spatial dims only); None where it passes scales, or
+    where it refuses the arguments (it then raises its own error)."""
+    spatial = x.dim() - 2
+    if (size is None) == (scale is None):
+        return None
+    if size is not None:
+        sizes = list(size) if isinstance(size, (list, tuple)) else [size] * spatial
+        ok = not recompute and len(sizes) == spatial and all(isinstance(s, (int, torch.SymInt)) for s in sizes)
+        return sizes if ok else None
+    scales = list(scale) if isinstance(scale, (list, tuple)) else [scale] * spatial
+    if not recompute or len(scales) != spatial:
+        return None
+    # F.interpolate's own sym_int(size * scale), as exact integers where the scale allows
+    return _scaled_size(x, scales) or [torch.sym_int(x.shape[i + 2] * s) for i, s in enumerate(scales)]
+
+
 def _gpu_choice(why: str) -> Callable:
     def note(func: Callable, ctx: Context, *args: Any, **kwargs: Any) -> Any:
         if not ctx.gpu:

@@ -87,11 +87,13 @@ def wrapped_numbers(call: Call) -> list:
     # x * 0.5 with x requiring grad: MulBackward0 keeps the wrapped 0.5 until backward
     saved = (call.grad_enabled and packet in _SAVES_OTHER and bool(in_tensor_slot)
              and any(t.requires_grad for t in inputs))
+    # a custom autograd.Function's backward is Python: its numbers are wrapped afresh, call by call
+    python_backward = call.phase == Phase.BACKWARD and bool(in_tensor_slot) and tc.in_python_backward()
     before: list = []
     after: list = []
     for k, n in enumerate(numbers):
         wrapped = _WRAPPED_DTYPE[type(n)]
-        if call.phase == Phase.BACKWARD and k < len(in_tensor_slot):
+        if call.phase == Phase.BACKWARD and k < len(in_tensor_slot) and not python_backward:
             continue  # a backward formula's number in a Tensor slot is the wrapped tensor it saved
         if saved and k == 0:
             before.append(Keep(wrapped.itemsize, wrapped, f"{packet} saves the wrapped number {n!r} for backward"))

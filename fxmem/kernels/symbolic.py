@@ -135,3 +135,53 @@ def _layer_norm_mixed(*args: Any, **kwargs: Any) -> Any:
     x, weight = (kwargs.get("input", args[0] if args else None), kwargs.get("weight", args[2] if len(args) > 2
                                                                              else None))
     return _float_stats(aten.native_layer_norm.default(*args, **kwargs), x, weight)
+
+
+# --- upsampling with symbolic sizes -----------------------------------------------------------------
+# The fake kernels of the linear and cubic modes run ATen's Python decomposition (its index
+# broadcast calls ``expand`` with a C++ int list) and most backward meta kernels take ``int[]``: with
+# symbolic sizes both raise, or with the sizes made numbers they fix the user's dims. The real
+# kernels allocate one output (the scratch is fxmem.kernels.cpu's upsampling rules): forward in the
+# input's suggested memory format, backward a zero-filled grad_input in grad_output's - contiguous
+# for the kernels that have no channels-last backward (measured on real CPU runs).
+_UPSAMPLE_FORWARD = [getattr(aten, n).default for n in ("upsample_linear1d", "upsample_bilinear2d",
+                                                         "upsample_trilinear3d", "upsample_bicubic2d")
+                     if hasattr(aten, n)]
+_UPSAMPLE_BACKWARD_LAYOUT = {  # backward op -> whether grad_input follows grad_output's memory format
+    "upsample_nearest1d_backward": True, "upsample_nearest3d_backward": False,
+    "_upsample_nearest_exact1d_backward": True, "_upsample_nearest_exact3d_backward": False,
+    "upsample_linear1d_backward": True, "upsample_bilinear2d_backward": True,
+    "upsample_trilinear3d_backward": True, "upsample_bicubic2d_backward": False,
+    "_upsample_bicubic2d_aa_backward": False,
+}
+_UPSAMPLE_BACKWARD = {getattr(aten, n).default: follows for n, follows in _UPSAMPLE_BACKWARD_LAYOUT.items()
+                      if hasattr(aten, n)}
+for _op in _UPSAMPLE_FORWARD:
+    require_args(_op, "self", "output_size")
+for _op in _UPSAMPLE_BACKWARD:
+    require_args(_op, "grad_output", "output_size", "input_size")
+
+
+@rule(Kind.SYMBOLIC, *_UPSAMPLE_FORWARD, device="cpu")
+def _upsample(x: torch.Tensor, output_size: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Linear and cubic upsampling: one output (N, C, *output_size) in the input's suggested memory
+    format; the fake kernel's decomposition refuses symbolic sizes (torch 2.13)."""
+    shape = (*x.shape[:2], *output_size)
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=tc.suggest_memory_format(x))
+
+
+def _upsample_backward_rule(follows: bool) -> Any:
+    """The SYMBOLIC rule of one upsampling backward: grad_input laid out after grad_output or not."""
+
+    def backward(g: torch.Tensor, output_size: Any, input_size: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Upsampling's backward: a zero-filled grad_input of ``input_size``, in grad_output's suggested
+        memory format or contiguous (kernels without a channels-last backward); the meta kernels take
+        ``int[]`` and refuse symbolic sizes (torch 2.13)."""
+        fmt = tc.suggest_memory_format(g) if follows else torch.contiguous_format
+        return torch.empty(tuple(input_size), dtype=g.dtype, device=g.device, memory_format=fmt).zero_()
+
+    return backward
+
+
+for _op, _follows in _UPSAMPLE_BACKWARD.items():
+    rule(Kind.SYMBOLIC, _op, device="cpu")(_upsample_backward_rule(_follows))

@@ -110,9 +110,24 @@ class DataDims:
         masks = [a for a in inputs if a.dtype == torch.bool]
         counted = masks[0] if masks else (inputs[0] if inputs and "nonzero" in tc.op_name(func) else None)
         upper = tc.size_expr(env, counted.numel()) if counted is not None else None
-        example = max(1, tc.size_hint(counted.numel()) // 2) if counted is not None else 101
+        example = max(1, self.example_of(counted.numel()) // 2) if counted is not None else 101
         for s in new:
             self.dims[s] = DataDim(self._next_name(), s, tc.op_name(func), where(), upper, example)
+
+    def example_of(self, size: Any) -> int:
+        """A size's value at the example sizes, the data dims it counts taken at their examples: a mask
+        over what an earlier filter kept (``torch.where(area[keep] > 0)``) has ``K1`` elements, a size
+        PyTorch has no example value for."""
+        if not isinstance(size, torch.SymInt):
+            return tc.size_hint(size)
+        expr = tc.size_expr(self.env, size)
+        unbacked = tc.unbacked_symbols(expr)
+        if not unbacked:
+            return tc.size_hint(size)
+        values = {**tc.symbol_hints(self.env), **{d.symbol: d.example for d in self.dims.values()}}
+        if not unbacked <= set(values):
+            return 101  # a size no named dim accounts for: any positive example orders candidates
+        return int(expr.xreplace({k: sympy.Integer(v) for k, v in values.items()}))
 
     def knows(self, symbols: set) -> bool:
         return all(s in self.dims for s in symbols)

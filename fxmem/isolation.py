@@ -24,6 +24,10 @@ Two promises, kept in one place:
   function is not torch's own: FSDP's and the like stay) are taken off for the call: they would be
   called with fx Proxies and fake tensors, and a hook that keeps what it sees would keep fxmem's
   tensors. The analysis is of the model without them; the report says which were left out.
+* **The caches of the model's code.** ``functools.lru_cache`` functions reachable from the model's
+  classes (transformers' BEiT keeps its relative position index in one) are process-wide: for the
+  call they are replaced by private ones, so nothing fxmem computes (a fake tensor, a Proxy) is ever
+  returned to the user's next call (see :mod:`fxmem.caches`).
 
 The ambient grad mode is *not* inherited: ``analyze(grad=True)`` inside ``torch.no_grad()`` or
 ``torch.inference_mode()`` still models a training forward (autograd records), as ``grad=`` says,
@@ -254,7 +258,9 @@ def isolation(modules: tuple = ()) -> Iterator[None]:
                 _DEPTH.ambient = (state.grad, torch.is_inference_mode_enabled())
                 users.leave_out_hooks()
                 _DEPTH.left_out, _DEPTH.users = users.left_out, users
-                with torch.inference_mode(False), torch.enable_grad():
+                from .caches import private_caches  # the model code's lru caches: see fxmem.caches
+
+                with torch.inference_mode(False), torch.enable_grad(), private_caches(m for _, m in users.modules):
                     yield
             else:
                 yield

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
+from ..caches import private_caches
 from ..isolation import isolated
 from ..progress import phased
 from .. import _torch_compat as tc
@@ -106,12 +107,19 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
     twin = private_copy(model)
     tracer = _Tracer(leaf_modules, called=bool(hooks.get("forward")))
     try:
-        graph = tracer.trace(twin, concrete_args=dict(concrete_args) if concrete_args else None)
+        with private_caches([twin]) as caches:  # (fx's Proxies never reach the model code's caches)
+            graph = tracer.trace(twin, concrete_args=dict(concrete_args) if concrete_args else None)
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
     _check_state(model, twin)
+    cached = [c.where for c in caches if c.entries]
+    if cached:  # a graph would build on every call what the model builds on its first only
+        raise TraceError(f"cannot trace {type(model).__name__} faithfully: its forward calls functools.lru_cache "
+                         f"functions ({', '.join(cached)}), whose results a graph would compute again on every call "
+                         f"(the model builds them on its first call only); analyse the original forward with "
+                         f"mode='eager' (mode='auto' does so by itself)")
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     _keep_unread_tensors(gm, tracer.root)
     return gm

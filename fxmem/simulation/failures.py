@@ -66,6 +66,15 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if isinstance(exc, KernelRefuses):
         return KernelError(f"{where}: the model cannot run on these inputs: {text}.\n  what to do: check the "
                            f"dtypes (and layouts) of the input specs and parameters reaching this op")
+    if isinstance(exc, TypeError) and "unhashable type: non-nested SymInt" in text:
+        # a cache keyed by sizes (a dict, a set) in the user's code: torch's SymInt cannot be hashed
+        # (its TypeError is load-bearing for einops), and a process-wide dict would keep fxmem's sizes
+        return UnsupportedOpError(
+            f"{where}: the code uses a size as a key of a dict or set (a cache keyed by sizes: "
+            f"{first_line(text)}); Python cannot hash the symbolic sizes fxmem analyses in, so the steady state "
+            f"of such a cache (built on a first call, read afterwards) is not simulated. What to do: analyse with "
+            f"concrete inputs (real tensors as specs) for numbers at one size, or keep the cache in "
+            f"functools.lru_cache (fxmem simulates those, see fxmem.caches)")
     blamed = user_blame(exc, rename)
     if blamed is not None:  # the user's own code raised: the frame that raised decides the words
         return blamed

@@ -25,7 +25,9 @@ import torch.fx
 from ..isolation import isolated
 from ..progress import phased
 from .. import _torch_compat as tc
+from ..caches import cached_tensors, private_caches
 from ..capture import model_files, private_copy, trace
+from ..capture.source import raised_at
 from ..errors import DeviceError, FxMemError, ModelError, NothingToTrainError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, environment
@@ -34,6 +36,7 @@ from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step, user_step
 from .autograd import Autograd
 from .data_dims import DataDims
+from . import first_calls
 from .events import EventLog
 from .failures import SPARSE_GRADS, failure, first_line, optimizer_failure, renamer
 from .graph_runner import GraphRunner
@@ -222,11 +225,18 @@ def simulate_once(
     concrete_args: dict | None = None,
     autocast: torch.dtype | None = None,
     parallel: Any = None,
-) -> Recording:
+    steady: bool = False,
+) -> Recording | None:
     """One simulation of all of ``model`` (see :func:`simulate`).
 
     ``parallel``: a :class:`fxmem.distributed.Parallel` - the fake copy is parallelised by the
-    user's function in torch's fake process group, and one rank's step is recorded (eager mode)."""
+    user's function in torch's fake process group, and one rank's step is recorded (eager mode).
+
+    A forward that stores tensors on its modules is simulated again with ``steady``: a quiet first
+    call, then the recorded one. Where the second call keeps what the first stored (a cache, see
+    :mod:`.first_calls`), that is the analysis; where it replaces it (None returned then), the
+    first call's stands, with a note."""
+    given = model  # (a Blueprint is built below: the steady run builds its own)
     check_device(device, backward=training is not None)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")
@@ -268,6 +278,9 @@ def simulate_once(
         if training is not None:
             _refuse_sparse_grads(model)
         source = model if isinstance(model, torch.fx.GraphModule) else private_copy(model)  # its state is ours
+        # the lru caches of the model's code are fxmem's own while it runs: fake tensors never reach
+        # the user's (see fxmem.caches)
+        caches = wrapped.enter_context(private_caches([source])) if mode == "eager" else []
         # parameters keep the user's requires_grad also for grad=False: a forward under no_grad sees
         # them so, and kernels decide by it (matmul folds a batched input into one mm when the
         # weight requires grad: nn.GRU's input projection, 2.8 MB of bmm at B=97, T=101 otherwise)
@@ -318,6 +331,19 @@ def simulate_once(
             sharded.enter_context(tc.on_storage_resize(recorder.resized))
         with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
                 sharded, recorder:
+            # first-call caches (see fxmem.caches, .first_calls); a user's step warms them up itself
+            eager = mode == "eager" and (training is None or training.step is None)
+            stored = first_calls.attribute_tensors(fake_model) if eager else {}
+            warm_filled = None
+            if eager and (caches or steady):
+                with recorder.quiet():  # the first call's inputs are not the recorded call's
+                    again = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                                         requires_grad=spec.requires_grad and grad) for spec in specs]
+                for spec, t in zip(specs, again):
+                    if spec.fill is not None:
+                        recorder.values.set(t, spec.fill)
+                stored, warm_filled = _warm_caches(fake_model, again, caches, recorder, log, warmed=warm is not None)
+                del again
             if training is None:
                 out = hooks.forward(fake_model, tuple(inputs))
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
@@ -334,6 +360,12 @@ def simulate_once(
                 else:
                     optimizer = _steady_state_optimizer(training, named_params, recorder, hooks)
                 train_step(fake_model, tuple(inputs), optimizer, training.loss_fn, hooks)
+            now = first_calls.attribute_tensors(fake_model) if eager else {}
+            # a first call that stored tensors (analysed again, steady); or what a steady run's second
+            # call replaced or stored anew (then not a cache: each call stores its own)
+            per_call = [*first_calls.replaced(warm_filled, now), *first_calls.filled(stored, now)] \
+                if warm_filled is not None else []
+            first_stored = first_calls.filled(stored, now) if warm_filled is None else {}
         del inputs, fake_model, warm
     recorder.autograd.close()
     if parallel is not None:
@@ -346,6 +378,22 @@ def simulate_once(
     data = {d.name: d for d in table.data_dims.dims.values()}
     for d in data.values():
         log.note(d.describe(recorder.rename))
+    if steady and per_call:
+        return None
+    if first_stored and not steady:
+        try:
+            again = simulate_once(given, specs, symbols, hints, device, grad, training, mode, leaf_modules, kernels,
+                                  concrete_args, autocast, parallel, steady=True)
+        except FxMemError as exc:  # the first call's analysis stands, and says why it is a first call's
+            log.note(f"the forward stores {first_calls.names(first_stored)} on its modules, and a second call could "
+                     f"not be simulated ({type(exc).__name__}: {first_line(str(exc))}): analysed is a first call")
+            again, first_stored = None, {}
+        if again is not None:
+            return again
+        per_call = list(first_stored)
+    if per_call:
+        log.note(f"the forward stores {first_calls.names(dict.fromkeys(per_call))} anew on every call: analysed is a "
+                 f"first call (a later one starts with the previous value held and frees it when it stores the new)")
     return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env,
                      {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
@@ -423,6 +471,42 @@ def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_param
         log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "
                  f"(resident in the steady state, counted in train_resident)")
     return handed
+
+
+def _warm_caches(model: torch.nn.Module, inputs: list, caches: list, recorder: Recorder, log: EventLog,
+                 warmed: bool) -> tuple[dict, dict]:
+    """The steady state of a model that caches tensors - in ``functools.lru_cache`` functions (see
+    :mod:`fxmem.caches`) or on its modules (see :mod:`.first_calls`): one forward on ``inputs`` (of
+    its own: the recorded call's are fresh, as a loop's are), quietly (``warmed``: a warm-up step
+    ran already), so the recorded call finds the caches filled as every real call after the first
+    does. What they hold is resident (bytes held between calls, counted in ``resident``), and a
+    note says so. Returns the modules' attribute tensors after it, and those it filled."""
+    before = first_calls.attribute_tensors(model)
+    if not warmed:
+        with recorder.quiet():
+            try:
+                out = model(*inputs)
+            except FxMemError:
+                raise
+            except Exception as exc:  # named after the model's line that raised, as the recorded call's errors
+                where = raised_at(exc, model_files(model)) or "a first (warm-up) forward, inside torch"
+                raise failure(exc, where, advice="check the input specs against what this line expects",
+                              rename=recorder.rename) from exc
+            del out
+    after = first_calls.attribute_tensors(model)
+    filled = first_calls.filled(before, after)
+    table, kept = recorder.table, {}
+    held = [(f"cached by {where}", where, t) for where, t in cached_tensors(caches)]
+    held += [(name, first_calls.names([key]), t) for key in filled for name, t in first_calls.tensors_of(model, [key])]
+    for name, where, t in held:
+        if table.counts(t) and table.lookup(t) is None:
+            table.add(t, Role.CONSTANT, name)
+            kept[where] = kept.get(where, 0) + 1
+    if kept:
+        what = "; ".join(f"{where} ({n} tensor{'s' if n > 1 else ''})" for where, n in kept.items())
+        log.note(f"the model caches tensors between calls ({what}): analysed is a call after the first, as a "
+                 f"loop repeats it; the first call also builds them, and what the caches hold is counted as resident")
+    return after, filled
 
 
 def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder: Recorder) -> torch.optim.Optimizer:

@@ -96,8 +96,9 @@ class AnalysisOptions:
         step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
             gradient accumulation, clipping, a GradScaler, ``zero_grad(set_to_none=False)``, several
             losses ...), with ``optimizer=``: the training formulas are of that function's steady
-            state (its second call), not of the default step (forward, ``loss(output).backward()``,
-            ``optimizer.step()``, ``zero_grad(set_to_none=True)``). See :mod:`fxmem.training`.
+            state (its second call), not of the default step (``out = model(*inputs)``, ``loss =
+            loss_fn(out)``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad(set_to_none=True)``,
+            with ``out`` and ``loss`` held until it returns). See :mod:`fxmem.training`.
         verbose: ``True`` prints progress to stderr as the analysis goes (tracing, simulating,
             calibrating kernels, re-analysing outside the region) - the ``fxmem`` logger's INFO
             records, which any ``logging`` handler can also receive.

@@ -144,7 +144,8 @@ def test_the_default_step_is_stated_and_a_written_out_default_gives_the_same_for
 
     plain = fxmem.analyze(model, ("B", 8), optimizer=adam)
     mine = fxmem.analyze(model, ("B", 8), optimizer=adam, step=default)
-    assert "training step: the default step: forward, loss(output).backward()" in plain.summary()
+    assert "training step: the default step: out = model(*inputs); loss = loss_fn(out); loss.backward()" in \
+        plain.summary() and "out and loss held until the step returns" in plain.summary()
     for key in ("train_resident", "train_peak", "grads", "optimizer_state"):
         assert plain.formulas()[key] == mine.formulas()[key], key
 

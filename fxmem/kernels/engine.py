@@ -45,9 +45,21 @@ def _accumulates_in_place(call: Call, table: Any, between_nodes: bool, node: str
         # its storage's use count is not 1, so the real engine adds out of place
         if (rec.step is not None and rec.phase == Phase.BACKWARD and not rec.saved_by and not rec.is_output
                 and rec.role != Role.GRADIENT and not tc.is_view(old) and table.is_whole(old, index)
-                and tc.non_overlapping_and_dense(old)):
+                and tc.non_overlapping_and_dense(old) and _engine_holds_the_last_reference(old, args[1])):
             return old
     return None
+
+
+def _engine_holds_the_last_reference(old: torch.Tensor, new: Any) -> bool:
+    """Whether the input buffer holds ``old``'s only TensorImpl reference (use_count() == 1 in
+    can_accumulate_inplace). A backward formula that passes its incoming gradient on unchanged to
+    several inputs (AddBackward of GPT-NeoX's ``mlp + attn + hidden``) hands the same tensor to
+    several buffers: it has more owners, and the real engine adds out of place. Counted against the
+    arriving gradient, which reaches ``add`` the same way (so the dispatcher's own references cancel);
+    ``x + x`` hands both buffers one tensor."""
+    if not isinstance(new, torch.Tensor) or new is old:
+        return False
+    return tc.tensor_use_count(old) <= tc.tensor_use_count(new)
 
 
 def _rnn_linear_bias(call: Call, table: Any) -> torch.Tensor | None:

@@ -158,6 +158,27 @@ class Recorder(tc.DispatchMode):
         if index is not None:
             log.step(name, [index], [])
 
+    def _unrecorded(self, t: torch.Tensor, op: str) -> None:
+        """An argument whose storage the table does not know: a tensor made outside the run (a
+        constant, resident), unless the run made it and fxmem lost its record - a buffer fxmem said
+        the engine reused in place while something still held it. That one is never resident (it
+        was born in the run and dies in it): an activation from here on, and the numbers are not
+        exact (its bytes from its birth to here, and the reuse's output, were counted wrong)."""
+        table, log = self.table, self.log
+        moved = table.moved_from(t)
+        if moved is None:
+            table.add(t, Role.CONSTANT, f"{log.node}:{op}")
+            return
+        self.poll()
+        lost = table.storages[moved]
+        index = table.add(t, Role.ACTIVATION, f"{log.node}:{op}", node=log.node, step=log.next_step, op=op,
+                          phase=log.phase)
+        if index is not None:
+            log.step(op, [index], [])
+        log.note_at(f"'{log.node}'", f"{lost.op} at '{lost.node}' made a buffer that fxmem counted as reused in "
+                                     f"place later, but it is still in use here (the real run cannot have reused "
+                                     f"it); {INEXACT}")
+
     def resized(self, storage: Any, old: int, new: int) -> None:
         """A storage resized in place: a free of its old bytes and an allocation of its new ones."""
         if self._quiet or old == new:
@@ -211,7 +232,7 @@ class Recorder(tc.DispatchMode):
         if tc.op_packet(func) not in _LIFT:
             for a in arg_tensors:  # a fake tensor made outside the recorder: treat as a constant
                 if table.counts(a) and table.lookup(a) is None:
-                    table.add(a, Role.CONSTANT, f"{log.node}:{name}")
+                    self._unrecorded(a, name)
         reads = tuple(dict.fromkeys(i for a in arg_tensors if table.counts(a) and (i := table.lookup(a)) is not None))
         self.autograd.attribute(set(reads), name, self._last_op)
         reused = kernels.engine_takes_over(call, table, self.autograd.between_nodes, log.node)

@@ -36,6 +36,9 @@ class StorageTable:
         self._watch: dict[int, Any] = {}  # index -> the weakref watching its current storage
         self._died: list[int] = []
         self._key_of: dict[int, int] = {}  # index -> its key in _live
+        # storages whose record a later output took over (take_over): key -> (weakref, index); seen
+        # again alive, fxmem's bookkeeping and the real run parted (see moved_from)
+        self._moved: dict[int, tuple[Any, int]] = {}
         self.rename: Any = lambda text: text  # torch's size symbols -> the user's dims, in messages
         self.data_dims: Any = None  # the run's sizes that depend on values, named (a DataDims)
         self.module_now: Any = lambda: ""  # eager mode: the module running (see module_stack)
@@ -127,10 +130,21 @@ class StorageTable:
     def take_over(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new``'s storage continues ``old``'s record: the real kernel wrote in place into ``old``'s
         buffer where the fake one made a new one (no allocation, and ``old``'s death is no free)."""
-        _, index = self._live.pop(tc.storage_key(old).cdata)
+        old_ref = tc.storage_key(old)
+        _, index = self._live.pop(old_ref.cdata)
+        self._moved[old_ref.cdata] = (old_ref, index)
         ref = tc.storage_key(new)
         self._live[ref.cdata] = (ref, index)
         self._hear(new.untyped_storage(), index)  # replaces old's watch: its death is no free
+
+    def moved_from(self, t: torch.Tensor) -> int | None:
+        """The record ``t``'s storage had before another tensor took it over (:meth:`take_over`),
+        when that storage is still alive and unrecorded; else None. The real run reused the buffer
+        only because nothing else held it: a live one means the simulation took a wrong path."""
+        hit = self._moved.get(tc.storage_key(t).cdata)
+        if hit is None or hit[0].expired():
+            return None
+        return hit[1]
 
     def is_whole(self, t: torch.Tensor, index: int) -> bool:
         """Whether ``t`` spans the whole of storage ``index`` (not a slice of a larger one)."""

@@ -152,10 +152,10 @@ def _contiguous_copies(call: Call) -> list | None:
     """Contiguous copies of strided operands (softmax forward and backward, gelu, layer norm, group norm),
     a transposed matrix's through a block buffer (see transpose_buffer)."""
     before, after, kept = [], [], []
-    for name, when in _CONTIGUOUS_OPERANDS[call.func]:
+    for name, place in _CONTIGUOUS_OPERANDS[call.func]:
         program = contiguous_copy(call.arg(name))
         if program:
-            (before if when == "before" else after).extend(program)
+            (before if place == "before" else after).extend(program)
             kept.append(program[0])
     if not before and not after:
         return None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import warnings
 from typing import Any, Iterator, Sequence
 

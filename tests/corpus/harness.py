@@ -17,6 +17,7 @@ import fxmem
 from fxmem.inputs import random_inputs
 from fxmem.measure import measure
 from fxmem.training import default_loss, train_step
+from conftest import real_resident
 
 
 @dataclasses.dataclass
@@ -25,13 +26,21 @@ class Row:
     mode: str  # graph | eager
     what: str  # forward | train
     sizes: dict
-    predicted: Any  # (peak above start, retained) bytes, or the refusal
+    predicted: Any  # (peak above start, retained, resident) bytes (train: train_resident), or the refusal
     measured: Any
     says_inexact: bool = False  # the report's notes say its numbers may not be exact
 
     @property
     def exact(self) -> bool:
         return self.predicted == self.measured
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return sum(seen.values())
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -55,8 +64,10 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         values = {**dims, **(data(xs) if data else {})}
         ev = forward.evaluate(**values)
         m = measure(lambda: real(*xs))
-        rows.append(Row(name, mode, "forward", dims, (ev["peak_above_resident"], ev["retained"]),
-                        (m.peak_above_start, m.retained), not forward.exact))
+        # resident too: the real parameters', buffers' and inputs' storages, each once
+        resident = real_resident(model, xs, forward.graph_module)
+        rows.append(Row(name, mode, "forward", dims, (ev["peak_above_resident"], ev["retained"], ev["resident"]),
+                        (m.peak_above_start, m.retained, resident), not forward.exact))
         if step is None:
             continue
         real = copy.deepcopy(step.graph_module if mode == "graph" else model)
@@ -64,6 +75,8 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         train_step(real, xs, opt, default_loss)  # the optimizer's state, as in a steady state
         m = measure(lambda: train_step(real, xs, opt, default_loss))
         ev = step.evaluate(**values)
-        rows.append(Row(name, mode, "train", dims, (ev["train_peak"] - ev["train_resident"], ev["train_retained"]),
-                        (m.peak_above_start, m.retained), not step.exact))
+        state = _storage_bytes(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        rows.append(Row(name, mode, "train", dims,
+                        (ev["train_peak"] - ev["train_resident"], ev["train_retained"], ev["train_resident"]),
+                        (m.peak_above_start, m.retained, resident + state), not step.exact))
     return rows

@@ -207,6 +207,8 @@ class Recording:
     data_dims: dict = dataclasses.field(default_factory=dict)  # dim name -> DataDim (sizes values decide)
     # eager mode: module path -> ModuleCall (class, calls, first output shape); None in graph mode
     module_calls: dict | None = None
+    # the fitted kernel programs it used (fxmem.kernels.calibrate.Fit), checked at each size asked
+    fits: list = dataclasses.field(default_factory=list)
 
     @property
     def forward_events(self) -> list:

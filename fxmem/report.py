@@ -99,6 +99,7 @@ class Report:
         # set by analyze: the self-check each new piece gets (fxmem.selfcheck), as the first one did
         self._check: Callable[["Report"], "Report"] | None = None
         self._evaluations: dict[tuple, Evaluation] = {}
+        self._verified: dict[tuple, bool] = {}  # sizes -> whether every fitted kernel holds there
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
         f = plan.formulas()
         self.resident: sympy.Expr = f["resident"]
@@ -197,6 +198,8 @@ class Report:
                 report = self._reanalysed(values, path_key)
             elif not self._plan.region.holds({self.symbols[k]: v for k, v in values.items()}):
                 report = self._reanalysed(values)
+        if not report._fits_hold(values):  # a fitted kernel keeps other buffers there: analysed there
+            report = self._reanalysed(values, ("fits",) + tuple(sorted(values.items())))
         here = environment(self.device)
         if any(self.facts.get(k) != v for k, v in here.items()):
             # made under another thread count (or oneDNN setting): kernels would allocate otherwise now
@@ -232,13 +235,39 @@ class Report:
         return self._regions[key]
 
     def _pieces_usable(self) -> bool:
-        """Whether this simulation's other pieces (a kernel's other regimes) are read off its recording:
-        not where it holds fitted kernel programs (oneDNN convolutions, batch norm), whose fits are
-        checked at some sizes only (see fxmem.kernels.calibrate.FITTED_RULES): there each region
-        is simulated, as before pieces."""
-        from .kernels.calibrate import FITTED_RULES
+        """Whether this simulation has other pieces (a kernel's other regimes) read off its recording:
+        where its numbers are exact. A recording with a workspace it could not know (a oneDNN
+        convolution no fit holds for at the example sizes) is simulated again at the sizes asked,
+        where the kernel is measured there. Fitted programs (oneDNN convolutions, batch norm) are
+        checked at each size asked (:meth:`_fits_hold`): where one is off, that size is simulated."""
+        return bool(self._plan.piecewise) and self.exact
 
-        return bool(self._plan.piecewise) and not FITTED_RULES & set(self.facts.get("kernel_rules", ()))
+    def _fits_hold(self, values: Mapping[str, int]) -> bool:
+        """Whether every fitted kernel program of this recording (oneDNN convolutions, batch norm:
+        fitted on small samples, checked toward the example sizes) gives what a real run of that
+        kernel alone keeps at ``values`` - one real run per kernel and size, cached; a driver too
+        large to run is not checked (:func:`fxmem.kernels.calibrate.fit_holds`)."""
+        from .kernels.calibrate import fit_holds
+
+        fits = self._plan.rec.fits
+        if not fits:
+            return True
+        key = tuple(sorted(values.items()))
+        if key not in self._verified:
+            at = {self.symbols[k]: v for k, v in values.items() if k in self.symbols}
+            seen, ok = set(), True
+            for fit in fits:
+                shape = tuple(int(d) if isinstance(d, int) else evaluate(self._plan.to_user(sympy.sympify(d)), at)
+                              for d in fit.shape)
+                if (fit.op, fit.items, fit.fitted, shape) in seen:
+                    continue
+                seen.add((fit.op, fit.items, fit.fitted, shape))
+                if fit_holds(fit, shape) is False:
+                    _log.info("a fitted %s keeps other buffers at %s: analysing there", fit.op, shape)
+                    ok = False
+                    break
+            self._verified[key] = ok
+        return self._verified[key]
 
     def _other_piece_holds(self, values: Mapping[str, int]) -> bool:
         """Whether a piece of this simulation (a kernel's other regime) holds at ``values``."""
@@ -274,9 +303,9 @@ class Report:
         two-pass buffer from 32,768 elements), one simulation gives each side its own formulas.
         Each piece is checked against a real run at its smallest point (as the first one). Sizes
         that are not in any of them - a dim at 1, which PyTorch treats specially - are analysed
-        when asked (``evaluate``): see :meth:`regions` for every analysis made so far. A recording
-        with fitted oneDNN or batch-norm programs has one piece: its fits are checked at some sizes
-        only, so other regimes are simulated again.
+        when asked (``evaluate``): see :meth:`regions` for every analysis made so far. Fitted oneDNN
+        and batch-norm programs are checked by a real run of their kernel at each size asked; where
+        one is off, that size is simulated.
 
         >>> for conditions, piece in fxmem.analyze(llama, ("B", "L"), dtype=torch.int64).pieces():   # doctest: +SKIP
         ...     print(", ".join(conditions), piece.peak)

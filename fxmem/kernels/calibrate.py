@@ -27,12 +27,14 @@ each registers a HIDDEN rule in :mod:`fxmem.kernels.registry`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
 import logging
 from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import sympy
 import torch
@@ -482,7 +484,56 @@ def program_for_call(call: Call) -> list | Unknown | None:
     # another oneDNN path at H = 2 than at the sampled H = 4..7: smaller sizes are analysed again)
     for i in free:
         bool(x.shape[i] >= min_shape[i])
-    return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+    return _fitted(call, frozen, x, fitted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A fitted program used in a recording, to check at the sizes a user asks (:func:`fit_holds`):
+    the op, its frozen arguments, the thread count, the driver's shape (ShapeEnv expressions)."""
+
+    op: Any
+    items: tuple
+    threads: int
+    shape: tuple
+    fitted: tuple
+
+
+_FITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxmem_fits", default=None)
+
+
+@contextlib.contextmanager
+def recording_fits() -> Iterator[list]:
+    """Collect every :class:`Fit` the calibrated rules use while the block runs (a simulation)."""
+    fits: list = []
+    token = _FITS.set(fits)
+    try:
+        yield fits
+    finally:
+        _FITS.reset(token)
+
+
+def _fitted(call: Call, frozen: dict, x: torch.Tensor, fitted: list) -> list:
+    """The fitted program at the call's symbolic sizes, recorded (a fit is checked at the sampled
+    sizes and toward the example sizes only: see :func:`fit_holds`)."""
+    fits = _FITS.get()
+    if fits is not None:
+        fits.append(Fit(call.func, tuple(frozen.items()), torch.get_num_threads(),
+                        tuple(tc.raw_expr(d) for d in x.shape), tuple(fitted)))
+    return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(ADAPTERS[call.func].feature(call)))
+
+
+VERIFY_ELEMENTS = 1 << 22  # elements: the largest driver a fit is checked at, at a size a user asks
+
+
+def fit_holds(fit: Fit, shape: tuple) -> bool | None:
+    """Whether ``fit`` gives exactly what a real run of its kernel at driver ``shape`` keeps (one
+    real run, cached in memory and on disk); None where ``shape`` is too large to run
+    (:data:`VERIFY_ELEMENTS`): oneDNN picks its scratch by size, and a fit sampled at small sizes
+    and checked toward the example sizes has been seen to be off between them."""
+    if _numel(shape) > VERIFY_ELEMENTS or min(shape, default=1) < 1:
+        return None
+    return _holds_at(list(fit.fitted), _sample_at(fit.op, fit.items, tuple(shape), fit.threads))
 
 
 def _below_samples(call: Call, frozen_items: tuple, x: torch.Tensor, hint: tuple, free: list) -> list | Unknown:
@@ -557,7 +608,7 @@ def _larger_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, 
         for i, d in enumerate(x.shape):  # a guard: the formula holds from the checked sizes on
             if not isinstance(d, int):
                 bool(d >= check[i])
-        return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+        return _fitted(call, frozen, x, fitted)
     names = "x".join(str(d) for d in check)
     return Unknown(call.op, f"its kernel keeps different buffers at different sizes (no one fit holds from small "
                             f"sizes to a {names} input, nor from there to nearer the example sizes); give example "
@@ -631,7 +682,7 @@ def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
                 return _larger_regime(call, adapter, frozen, x, shifted, check)
             for i in free:  # a guard: the formula holds from here on
                 bool(x.shape[i] >= shifted[i])
-            return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(adapter.feature(call)))
+            return _fitted(call, frozen, x, fitted)
     if _numel(hint) > EXACT_RUN_ELEMENTS:  # too large to run at the example sizes: fit from nearer them
         check = _check_shape(x, min_shape)
         return None if check is None else _larger_regime(call, adapter, frozen, x, min_shape, check)
@@ -654,14 +705,6 @@ def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tup
 
 def _measure_at(op: Any, frozen_items: tuple, shape: tuple) -> tuple:
     return _real_sample(op, frozen_items, shape, "calibrating %s on a real run at the example sizes").program
-
-
-# the kernel rules whose programs are fitted on samples (their names as reports list them): a fit is
-# checked at small sizes and toward the example sizes only, and oneDNN has been seen to keep other
-# buffers between those points (a strided conv's backward, 1,120 B at B=2, S=40 after a fit checked
-# from 97x101 down): sizes on the other side of a kernel regime are simulated again, not read off the
-# same recording (fxmem.report.Report.pieces)
-FITTED_RULES = frozenset(str(op.overloadpacket) for op in ADAPTERS)
 
 
 @hidden(*ADAPTERS, device="cpu")

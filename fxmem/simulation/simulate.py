@@ -29,7 +29,7 @@ from ..capture import model_files, private_copy, trace
 from ..capture.source import raised_at
 from ..errors import DeviceError, FxMemError, ModelError, NothingToTrainError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
-from ..kernels import REGISTRY, RealPaths, environment
+from ..kernels import REGISTRY, RealPaths, calibrate, environment
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step, user_step
@@ -328,6 +328,7 @@ def simulate_once(
         if parallel is not None:  # FSDP2 resizes storages in place; DTensor probes shapes on fakes
             sharded.enter_context(tc.dtensor_propagation_quiet(recorder.quiet))
             sharded.enter_context(tc.on_storage_resize(recorder.resized))
+        fits = wrapped.enter_context(calibrate.recording_fits())  # fitted kernel programs, checked when asked
         with grad_ctx, saved, optimizers, real_paths, tracing_checks(recorder.values), outside_dispatch(recorder), \
                 sharded, recorder:
             # first-call caches (see fxmem.caches, .first_calls); a user's step warms them up itself
@@ -396,7 +397,8 @@ def simulate_once(
     return Recording(list(table.storages), list(log.steps), list(log.nodes), list(log.events), list(log.notes), env,
                      {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
-                     facts, data, module_calls=dict(module_stack.calls) if module_stack is not None else None)
+                     facts, data, module_calls=dict(module_stack.calls) if module_stack is not None else None,
+                     fits=list(fits))
 
 
 def _refuse_sparse_grads(model: torch.nn.Module) -> None:

@@ -235,12 +235,12 @@ class Report:
         return self._regions[key]
 
     def _pieces_usable(self) -> bool:
-        """Whether this simulation has other pieces (a kernel's other regimes) read off its recording:
-        where its numbers are exact. A recording with a workspace it could not know (a oneDNN
-        convolution no fit holds for at the example sizes) is simulated again at the sizes asked,
-        where the kernel is measured there. Fitted programs (oneDNN convolutions, batch norm) are
-        checked at each size asked (:meth:`_fits_hold`): where one is off, that size is simulated."""
-        return bool(self._plan.piecewise) and self.exact
+        """Whether this simulation has other pieces (a kernel's other regimes) read off its recording.
+        Not where a calibrated kernel's workspace was unknown at the example sizes (a oneDNN
+        convolution no fit holds for there): the sizes asked are simulated, where that kernel is
+        measured. Fitted programs (oneDNN convolutions, batch norm) are checked at each size asked
+        (:meth:`_fits_hold`): where one is off, that size is simulated."""
+        return bool(self._plan.piecewise) and not any(f.fitted is None for f in self._plan.rec.fits)
 
     def _fits_hold(self, values: Mapping[str, int]) -> bool:
         """Whether every fitted kernel program of this recording (oneDNN convolutions, batch norm:
@@ -256,7 +256,7 @@ class Report:
         if key not in self._verified:
             at = {self.symbols[k]: v for k, v in values.items() if k in self.symbols}
             seen, ok = set(), True
-            for fit in fits:
+            for fit in (f for f in fits if f.fitted is not None):
                 shape = tuple(int(d) if isinstance(d, int) else evaluate(self._plan.to_user(sympy.sympify(d)), at)
                               for d in fit.shape)
                 if (fit.op, fit.items, fit.fitted, shape) in seen:

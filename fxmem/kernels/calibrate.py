@@ -490,13 +490,14 @@ def program_for_call(call: Call) -> list | Unknown | None:
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """A fitted program used in a recording, to check at the sizes a user asks (:func:`fit_holds`):
-    the op, its frozen arguments, the thread count, the driver's shape (ShapeEnv expressions)."""
+    the op, its frozen arguments, the thread count, the driver's shape (ShapeEnv expressions).
+    ``fitted`` None: a calibrated kernel whose workspace was unknown at the example sizes."""
 
     op: Any
     items: tuple
     threads: int
     shape: tuple
-    fitted: tuple
+    fitted: tuple | None
 
 
 _FITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxmem_fits", default=None)
@@ -531,7 +532,7 @@ def fit_holds(fit: Fit, shape: tuple) -> bool | None:
     real run, cached in memory and on disk); None where ``shape`` is too large to run
     (:data:`VERIFY_ELEMENTS`): oneDNN picks its scratch by size, and a fit sampled at small sizes
     and checked toward the example sizes has been seen to be off between them."""
-    if _numel(shape) > VERIFY_ELEMENTS or min(shape, default=1) < 1:
+    if fit.fitted is None or _numel(shape) > VERIFY_ELEMENTS or min(shape, default=1) < 1:
         return None
     return _holds_at(list(fit.fitted), _sample_at(fit.op, fit.items, tuple(shape), fit.threads))
 
@@ -712,8 +713,9 @@ def _calibrated_cpu(call: Call) -> list | Unknown | None:
     """oneDNN's blocked-layout reorders and batch norm's per-thread/per-channel temporaries are not
     described anywhere in PyTorch: measured and fitted on small real runs."""
     program = program_for_call(call)
-    if isinstance(program, Unknown):
-        return program
     if program is None:
-        return Unknown(call.op, "its kernel's workspace could not be fitted at small sizes")
+        program = Unknown(call.op, "its kernel's workspace could not be fitted at small sizes")
+    if isinstance(program, Unknown) and _FITS.get() is not None:
+        # unknown at these sizes; a simulation at the sizes a user asks may measure it there
+        _FITS.get().append(Fit(call.func, (), torch.get_num_threads(), (), None))
     return program

@@ -188,7 +188,7 @@ def test_antialiased_resizing_is_exact_both_ways(mode, align_corners):
 def test_an_inexact_recording_is_not_read_in_another_regime():
     """The corpus' PVT-like attention (strided convs, then SDPA) analysed at B=97, S=101 has a
     convolution backward whose workspace no fit describes there (the report says so). Its other
-    pieces would carry that: at B=2, S=40 a piece of it is 1,120 B under a real training step. So
+    pieces would carry that (a piece of it misses the workspace at B=2, S=40). So
     that size is simulated, where the kernel is measured, and the answer is exact."""
     import sys
     from pathlib import Path

@@ -531,7 +531,7 @@ def fit_holds(fit: Fit, shape: tuple) -> bool | None:
     """Whether ``fit`` gives exactly what a real run of its kernel at driver ``shape`` keeps (one
     real run, cached in memory and on disk); None where ``shape`` is too large to run
     (:data:`VERIFY_ELEMENTS`): oneDNN picks its scratch by size, and a fit sampled at small sizes
-    and checked toward the example sizes has been seen to be off between them."""
+    and checked toward the example sizes is not proven between them."""
     if fit.fitted is None or _numel(shape) > VERIFY_ELEMENTS or min(shape, default=1) < 1:
         return None
     return _holds_at(list(fit.fitted), _sample_at(fit.op, fit.items, tuple(shape), fit.threads))

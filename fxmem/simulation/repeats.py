@@ -37,39 +37,75 @@ from .sameness import hook_functions, same, tensor_key
 # so the second checks the first event by event (see .unroll)
 KEPT = 4
 _MIN_BLOCKS = KEPT + 1  # fewer blocks than this: nothing to gain
+# the longest pattern of layer kinds tried (Gemma-2 alternates 2, Gemma-3 repeats 6, Llama-4 4)
+_MAX_PERIOD = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """``count`` blocks ``{prefix}.{indices[j]}``; ``segments[j]`` are block j's fx node names in
-    graph order (with the glue code after it that the parent runs between blocks)."""
+    graph order (with the glue code after it that the parent runs between blocks).
+
+    ``period`` > 1: each block is ``period`` consecutive children (``children`` lists them all), as
+    in models whose layers alternate kinds - Gemma-2's sliding and full attention layers, a hybrid
+    model's pattern - where no two neighbours are alike but every group of ``period`` is. A path
+    inside block ``j`` is then named relative to it as ``#k`` (its ``k``-th child) and the rest."""
 
     prefix: str
     indices: tuple
     segments: tuple  # tuple of tuples of node names
+    period: int = 1
+    children: tuple = ()  # period > 1: every child index, in order (block j: children[j*period:...])
 
     @property
     def count(self) -> int:
         return len(self.indices)
 
     def module(self, j: int) -> str:
-        """The dotted path of block ``j`` (0-based position in the chain)."""
-        return f"{self.prefix}.{self.indices[j]}" if self.prefix else str(self.indices[j])
+        """The dotted path of block ``j`` (0-based position in the chain); with ``period`` > 1 a name
+        for messages (``layers.2-3``), not a module."""
+        first = f"{self.prefix}." if self.prefix else ""
+        if self.period == 1:
+            return f"{first}{self.indices[j]}"
+        members = self.children[j * self.period:(j + 1) * self.period]
+        return f"{first}{members[0]}-{members[-1]}"
 
     def block_of(self, path: str) -> int | None:
         """The position of the block whose module holds ``path`` (a module or tensor's dotted
         path), or None: read off the path, so that asking for every node or parameter of a deep
         chain stays linear in its depth (asking each block in turn was quadratic)."""
+        at = self.relative(path)
+        return None if at is None else at[0]
+
+    def relative(self, path: str) -> tuple[int, str] | None:
+        """``(j, rest)``: ``path`` is in block ``j``, and :meth:`path` ``(j, rest)`` gives it back;
+        None outside the chain. Period 1: ``rest`` is what follows the block's path (``.attn.q``)."""
         if self.prefix:
             if not path.startswith(self.prefix + "."):
                 return None
             path = path[len(self.prefix) + 1:]
-        head = path.split(".", 1)[0]
-        return self._positions.get(int(head)) if head.isdigit() else None
+        head, dot, tail = path.partition(".")
+        if not head.isdigit():
+            return None
+        at = self._positions.get(int(head))
+        if at is None:
+            return None
+        if self.period == 1:
+            return at, dot + tail
+        return at // self.period, f"#{at % self.period}{dot}{tail}"
+
+    def path(self, j: int, rest: str) -> str:
+        """The path ``rest`` (from :meth:`relative`) names in block ``j``."""
+        if self.period == 1:
+            return self.module(j) + rest
+        k, _, tail = rest[1:].partition(".")
+        first = f"{self.prefix}." if self.prefix else ""
+        return f"{first}{self.children[j * self.period + int(k)]}" + (f".{tail}" if tail else "")
 
     @functools.cached_property
     def _positions(self) -> dict[int, int]:
-        return {index: j for j, index in enumerate(self.indices)}
+        """Child index -> its position among the chain's children (blocks' children, period > 1)."""
+        return {index: j for j, index in enumerate(self.children if self.period > 1 else self.indices)}
 
 
 def find_chain(gm: torch.fx.GraphModule) -> Chain | None:
@@ -77,14 +113,31 @@ def find_chain(gm: torch.fx.GraphModule) -> Chain | None:
     nodes = list(gm.graph.nodes)
     best: tuple[int, Chain] | None = None
     for prefix, starts in _candidates(nodes).items():
-        for run in [starts, *_runs(nodes, starts)]:
-            chain = _chain(gm, nodes, prefix, run)
-            if chain is not None:
-                saved = (chain.count - KEPT) * len(chain.segments[0])
-                if best is None or saved > best[0]:
-                    best = (saved, chain)
-                break  # the whole container, else its longest run that is a chain
+        for chain in _container_chains(gm, nodes, prefix, starts):
+            saved = (chain.count - KEPT) * len(chain.segments[0])
+            if best is None or saved > best[0]:
+                best = (saved, chain)
     return best[1] if best else None
+
+
+def _container_chains(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int, int]) -> list[Chain]:
+    """The chain one container gives: its children all alike, else its longest run of alike
+    children; else groups of ``period`` children alike (layers that alternate kinds), the
+    smallest period first, the children after the last whole group outside the chain."""
+    for run in [starts, *_runs(nodes, starts)]:
+        chain = _chain(gm, nodes, prefix, run)
+        if chain is not None:
+            return [chain]
+    indices = sorted(starts, key=starts.get)
+    for period in range(2, _MAX_PERIOD + 1):
+        groups = len(indices) // period
+        if groups < _MIN_BLOCKS:
+            break
+        children = indices[:groups * period]
+        chain = _chain(gm, nodes, prefix, {i: starts[i] for i in children[::period]}, period, tuple(children))
+        if chain is not None:
+            return [chain]
+    return []
 
 
 def _runs(nodes: list, starts: dict[int, int]) -> list[dict[int, int]]:
@@ -157,14 +210,32 @@ def find_module_chain(model: torch.nn.Module) -> Chain | None:
         children = list(container.named_children())
         if len(children) < _MIN_BLOCKS or not all(name.isdigit() for name, _ in children):
             continue
-        blocks = [m for _, m in children]
-        if not _alike(blocks, [int(name) for name, _ in children]) or _shares_tensors(model, prefix):
+        if _shares_tensors(model, prefix):
             continue
-        size = sum(p.numel() for p in blocks[0].parameters()) * len(blocks) + len(blocks)
-        chain = Chain(prefix, tuple(int(name) for name, _ in children), ())
+        chain = _module_groups([m for _, m in children], prefix, [int(name) for name, _ in children])
+        if chain is None:
+            continue
+        size = sum(p.numel() for p in container.parameters()) + len(children)
         if best is None or size > best[0]:
             best = (size, chain)
     return best[1] if best else None
+
+
+def _module_groups(blocks: list, prefix: str, indices: list) -> Chain | None:
+    """The children ``blocks`` (at ``indices``) as a chain: all alike, else groups of ``period``
+    consecutive children alike position by position (layers that alternate kinds: Gemma-2's
+    sliding and full attention), the smallest period first, the children after the last whole
+    group outside the chain (they run after it, simulated as they are)."""
+    if _alike(blocks, indices):
+        return Chain(prefix, tuple(indices), ())
+    for period in range(2, _MAX_PERIOD + 1):
+        groups = len(blocks) // period
+        if groups < _MIN_BLOCKS:
+            break
+        if all(_alike(blocks[k:groups * period:period], indices[k:groups * period:period]) for k in range(period)):
+            return Chain(prefix, tuple(indices[:groups * period:period]), (), period,
+                         tuple(indices[:groups * period]))
+    return None
 
 
 def simulated_positions(chain: Chain) -> tuple[int, ...]:
@@ -177,10 +248,12 @@ def shorten_module(model: torch.nn.Module, chain: Chain) -> torch.nn.Module:
     :func:`simulated_positions`, under their own names (the last keeps its index)."""
     short = private_copy(model)
     container = short.get_submodule(chain.prefix) if chain.prefix else short
-    keep = {str(chain.indices[p]) for p in simulated_positions(chain)}
+    kept = simulated_positions(chain)
     held = container.__dict__["_modules"]
-    for name in [k for k in held if k not in keep]:
-        del held[name]
+    for name in list(held):
+        at = chain.block_of(f"{chain.prefix}.{name}" if chain.prefix else name)
+        if at is not None and at not in kept:  # children after the chain's last group stay
+            del held[name]
     return short
 
 
@@ -240,7 +313,10 @@ def _candidates(nodes: list) -> dict[str, dict[int, int]]:
     return found
 
 
-def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int, int]) -> Chain | None:
+def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int, int], period: int = 1,
+           children: tuple = ()) -> Chain | None:
+    """``starts`` (each block's first child -> its first node) as a chain, or None where they are not
+    one (see :func:`_same_code`, :func:`_same_modules`)."""
     indices = sorted(starts, key=starts.get)
     if len(indices) < _MIN_BLOCKS or indices != sorted(indices):
         return None
@@ -249,9 +325,10 @@ def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int,
     if length <= 0 or any(b - a != length for a, b in zip(first, first[1:])) or first[-1] + length > len(nodes):
         return None
     segments = [nodes[p:p + length] for p in first]
-    chain = Chain(prefix, tuple(indices), tuple(tuple(n.name for n in seg) for seg in segments))
+    chain = Chain(prefix, tuple(indices), tuple(tuple(n.name for n in seg) for seg in segments), period, children)
     for j, seg in enumerate(segments):  # each block's own nodes come first in its segment
-        if not _within(module_path(seg[0]), chain.module(j)):
+        at = chain.relative(module_path(seg[0]))  # (in the group's first child)
+        if at is None or at[0] != j or period > 1 and not at[1].partition(".")[0] == "#0":
             return None
         for n in seg:
             if chain.block_of(module_path(n)) not in (j, None):
@@ -259,10 +336,6 @@ def _chain(gm: torch.fx.GraphModule, nodes: list, prefix: str, starts: dict[int,
     if not _same_code(gm, chain, segments, first[0]) or not _same_modules(gm, chain, segments):
         return None
     return chain
-
-
-def _within(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")
 
 
 def _same_code(gm: torch.fx.GraphModule, chain: Chain, segments: list, start: int) -> bool:
@@ -293,11 +366,11 @@ def _same_code(gm: torch.fx.GraphModule, chain: Chain, segments: list, start: in
 
     def target(n: torch.fx.Node, j: int) -> Any:
         if n.op in ("call_module", "get_attr"):
-            module = chain.module(j)
             t = str(n.target)
-            if _within(t, module):
-                return ("own", t[len(module):])
-            held = _held_graphs(gm, t, module) if n.op == "get_attr" else None
+            at = chain.relative(t)
+            if at is not None and at[0] == j:
+                return ("own", at[1])
+            held = _held_graphs(gm, t, chain, j) if n.op == "get_attr" else None
             return ("held", held) if held is not None else ("outer", t)
         return n.target
 
@@ -336,6 +409,13 @@ class _NotChain(Exception):
     pass
 
 
+def _child_index(chain: Chain, path: str) -> int | None:
+    """The index of the chain's child (a layer) that holds ``path``, or None."""
+    rest = path[len(chain.prefix) + 1:] if chain.prefix else path
+    head = rest.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 def code_key(graph: torch.fx.Graph, where: Callable[[torch.fx.Node], Any] = lambda n: n.target) -> tuple:
     """What ``graph`` computes, up to node names, as a hashable tuple: per node its op, its target as
     ``where`` names it (placeholders: none), its arguments with nodes by position. Two graphs with
@@ -357,11 +437,11 @@ def code_key(graph: torch.fx.Graph, where: Callable[[torch.fx.Node], Any] = lamb
                  for n in graph.nodes)
 
 
-def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | None:
+def _held_graphs(gm: torch.fx.GraphModule, name: str, chain: Chain, j: int) -> tuple | None:
     """What a rewrite's graphs held by ``gm`` compute (a tuple of GraphModules under a name of
     their own per site: the original attention a fallback runs, a mask built on demand), up to
-    node names, with the block's own modules named relative to ``module``; None when ``name``
-    holds something else. Two blocks whose held graphs compute the same are the same code."""
+    node names, with block ``j``'s own modules named relative to it; None when ``name`` holds
+    something else. Two blocks whose held graphs compute the same are the same code."""
     held = getattr(gm, name, None)
     if not isinstance(held, tuple) or not held or not all(isinstance(h, torch.fx.GraphModule) for h in held):
         return None
@@ -369,7 +449,8 @@ def _held_graphs(gm: torch.fx.GraphModule, name: str, module: str) -> tuple | No
     def where(n: torch.fx.Node) -> Any:
         if n.op in ("call_module", "get_attr"):
             t = str(n.target)
-            return ("own", t[len(module):]) if _within(t, module) else ("outer", t)
+            at = chain.relative(t)
+            return ("own", at[1]) if at is not None and at[0] == j else ("outer", t)
         return n.target
 
     return tuple(code_key(sub.graph, where) + tuple(n.name for n in sub.graph.nodes if n.op == "placeholder")
@@ -380,22 +461,30 @@ def _same_modules(gm: torch.fx.GraphModule, chain: Chain, segments: list) -> boo
     """Blocks hold parameters, buffers and tensor attributes of the same shapes, strides, dtypes
     and trainability, none shared with another block or the rest of the model, and call leaf
     modules alike as :func:`_alike` says (classes, settings, hooks)."""
-    def tensors(module: torch.nn.Module) -> list:
-        named = [*module.named_parameters(), *module.named_buffers(), *tc.tensor_attributes(module)]
-        return [(name, tensor_key(t)) for name, t in named]
+    def tensors(j: int) -> list:  # block j's tensors, named relative to it
+        out = []
+        for rest in members(j):
+            module = gm.get_submodule(chain.path(j, rest))
+            named = [*module.named_parameters(), *module.named_buffers(), *tc.tensor_attributes(module)]
+            out += [(rest, name, tensor_key(t)) for name, t in named]
+        return out
+
+    def members(j: int) -> list[str]:  # the block's children, as chain.relative names them
+        return [""] if chain.period == 1 else [f"#{k}" for k in range(chain.period)]
 
     def leaves(j: int) -> list:
-        return [gm.get_submodule(str(n.target)) for n in segments[j] if n.op == "call_module"]
+        return [(gm.get_submodule(str(n.target)), _child_index(chain, str(n.target)))
+                for n in segments[j] if n.op == "call_module"]
 
     try:
-        blocks = [gm.get_submodule(chain.module(j)) for j in range(chain.count)]
+        reference = tensors(1)
+        if any(tensors(j) != reference for j in range(chain.count)):
+            return False
     except AttributeError:
         return False
-    reference = tensors(blocks[1])
-    if any(tensors(b) != reference for b in blocks):
-        return False
     calls = [leaves(j) for j in range(chain.count)]  # the same number: _same_code compared the nodes
-    if not all(_alike(list(row), list(chain.indices)) for row in zip(*calls)):
+    # a leaf may hold its layer's own index (a layer_idx): the index of the child holding it
+    if not all(_alike([m for m, _ in row], [i for _, i in row]) for row in zip(*calls)):
         return False
     owner: dict[int, str] = {}  # tensor id -> the block (or "") holding it
     for name, t in gm.named_parameters(remove_duplicate=False):

@@ -67,8 +67,7 @@ class _Unroller:
         self.rec, self.chain, self.gm, self.n = rec, chain, gm, chain.count
         # the simulated blocks' positions in the chain, their modules and their nodes' names
         self.sim = tuple(range(KEPT)) if gm is not None else simulated_positions(chain)
-        self.sim_module = [chain.module(p) for p in self.sim]
-        self.seg = chain.segments[:KEPT] if gm is not None else _line_segments(rec, self.sim_module)
+        self.seg = chain.segments[:KEPT] if gm is not None else _line_segments(rec, chain, self.sim)
         self.block_of_node = {name: j for j in range(KEPT) for name in self.seg[j]}
         self.position = {name: k for j in range(KEPT) for k, name in enumerate(self.seg[j])}
         self.owner: list = [None] * len(rec.storages)
@@ -86,7 +85,8 @@ class _Unroller:
         if j is None:
             j = self.block_of_node.get(self.split(base)[0])
         if j is None:
-            j = next((k for k in range(KEPT) if _within(base, self.sim_module[k])), None)
+            position = self.chain.block_of(base)
+            j = self.sim.index(position) if position in self.sim else None
         return j
 
     def _storage_and_step_owners(self) -> None:
@@ -350,9 +350,9 @@ class _Unroller:
         head, tail = self.split(text)
         if tail and self.block_of_node.get(head) == src:
             return self.segment_name(dst, self.position[head]) + ":" + tail
-        module = self.sim_module[src]
-        if _within(text, module):
-            return self.chain.module(dst) + text[len(module):]
+        at = self.chain.relative(text)
+        if at is not None and at[0] == self.sim[src]:
+            return self.chain.path(dst, at[1])
         return text
 
     def split(self, text: str) -> tuple[str, str]:
@@ -516,8 +516,8 @@ class _Unroller:
         if not calls:
             return calls
         items = list(calls.items())
-        ours = [(k, v) for k, v in items if _within(k, self.sim_module[B])]
-        after = max((i for i, (k, _) in enumerate(items) if _within(k, self.sim_module[B2])), default=None)
+        ours = [(self.chain.relative(k)[1], v) for k, v in items if self.chain.block_of(k) == self.sim[B]]
+        after = max((i for i, (k, _) in enumerate(items) if self.chain.block_of(k) == self.sim[B2]), default=None)
         if after is None:
             raise _Mismatch(f"{self.chain.module(B2)} was not called")
         out: dict = {}
@@ -525,8 +525,8 @@ class _Unroller:
             out[k] = v
             if i == after:
                 for p in range(B2 + 1, self.n - 1):
-                    for path, call in ours:
-                        out[self.chain.module(p) + path[len(self.sim_module[B]):]] = dataclasses.replace(call)
+                    for rest, call in ours:
+                        out[self.chain.path(p, rest)] = dataclasses.replace(call)
         return out
 
     def _storage(self, k: Any, new_index: dict, step_index: dict, key: Any) -> Storage:
@@ -570,18 +570,18 @@ def _split_node(text: str, nodes: Any) -> tuple[str, str]:
     return text, ""
 
 
-def _line_segments(rec: Recording, modules: list) -> tuple:
+def _line_segments(rec: Recording, chain: Chain, sim: tuple) -> tuple:
     """Eager mode: each simulated block's source-line nodes in order - those its modules ran, and
     the calling code's lines between it and the next block (the loop's own lines) or inside its
     run; a forward run several times (``generate``) adds each run's. The first three blocks must
     run the same lines (the last is simulated itself)."""
     nodes = [rec.nodes[i] for kind, i in rec.events if kind == NODE]
-    block = [next((j for j, m in enumerate(modules) if _within(n.module, m)), None) for n in nodes]
+    block = [sim.index(p) if (p := chain.block_of(n.module or "")) in sim else None for n in nodes]
     firsts = []
     for j in range(KEPT):
         at = [k for k, b in enumerate(block) if b == j]
         if not at:
-            raise _Mismatch(f"{modules[j]} ran no line of its own")
+            raise _Mismatch(f"{chain.module(sim[j])} ran no line of its own")
         firsts.append(at[0])
     if firsts != sorted(firsts):
         raise _Mismatch("the blocks did not run in order")
@@ -602,7 +602,3 @@ def _line_segments(rec: Recording, modules: list) -> tuple:
     if not bases[A] == bases[B] == bases[B2]:  # the last is simulated itself: its lines may differ
         raise _Mismatch("the blocks ran different source lines")
     return tuple(tuple(seg) for seg in segments)
-
-
-def _within(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")

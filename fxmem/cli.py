@@ -276,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("config", help="a config.json (or the folder holding one)")
     m.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     m.add_argument("--seq", type=int, help="sequence length of the training step, e.g. 4096")
-    m.add_argument("--dtype", default=None, choices=DTYPES, help="parameters' dtype (default: the config's)")
+    m.add_argument("--dtype", default=None, choices=DTYPES, help="parameters' dtype (default: the config's); "
+                                                               "without --recipe, trained pure in that dtype")
+    m.add_argument("--recipe", default=None, metavar="NAME", choices=_recipe_names(),
+                   help="training recipe: " + ", ".join(_recipe_names()) + " (default: pure training in the "
+                        "parameters' dtype; amp-bf16: float32 master weights, bfloat16 autocast; see fxmem.recipes)")
     m.add_argument("--train", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer (default adamw)")
     m.add_argument("--gpu", metavar="BYTES", help="memory to fit, e.g. 80GiB: prints the largest batch and sequence")
     m.add_argument("--lora", metavar="r=16,...", help="LoRA adapters (peft.LoraConfig arguments); the base is frozen")
@@ -304,6 +308,8 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
     from .llm import from_config, llm_answer
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.recipe is not None:
+        dtype = _recipe_dtype(args, dtype)
     progress.say(f"building {args.config} on the meta device")
     model = from_config(args.config, dtype=dtype)
     if args.serve:
@@ -311,7 +317,9 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
 
         if not args.prompt or not args.new_tokens:
             raise SpecError("fxmem llm --serve needs --prompt P and --new-tokens T")
-        progress.say(f"analysing generate(): prefill, then {args.new_tokens} decode steps ({args.cache} KV cache)")
+        progress.say(f"analysing generate() at batch {args.batch}, prompt {args.prompt}: the prefill, then "
+                     f"{args.new_tokens} decode steps ({args.cache} KV cache; from 3 short calls where the steps grow "
+                     f"by fixed bytes per token)")
         print(serve_summary(model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, dtype=dtype,
                             gpu=args.gpu, cache=args.cache))
         return 0
@@ -319,9 +327,32 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
         raise SpecError("fxmem llm needs --seq L (the training step's sequence length), or --serve")
     progress.say("analysing one training step")
     answer = llm_answer(model, batch=args.batch, seq=args.seq, optimizer=args.train, gpu=args.gpu, lora=args.lora,
-                        checkpointing=args.checkpointing, fsdp=args.fsdp)
+                        checkpointing=args.checkpointing, fsdp=args.fsdp, recipe=args.recipe)
     print(answer)
     return 0
+
+
+def _recipe_names() -> tuple[str, ...]:
+    """The names ``--recipe`` takes (those fxmem refuses too, so that their refusal says why)."""
+    from .recipes import NAMES
+
+    return NAMES
+
+
+def _recipe_dtype(args: argparse.Namespace, dtype: Any) -> Any:
+    """The dtype to build the model in for ``--recipe``: the recipe's parameter dtype. A ``--dtype``
+    that says otherwise is refused (``--recipe amp-bf16 --dtype bfloat16`` would ask for float32 and
+    bfloat16 parameters at once); ``--serve`` has no training recipe."""
+    from .recipes import get
+
+    if args.serve:
+        raise SpecError("--recipe names a training recipe; --serve analyses generate(): give --dtype instead")
+    recipe = get(args.recipe)  # a name fxmem cannot simulate is refused here, before anything is built
+    if args.dtype is not None and args.dtype != recipe.parameters:
+        want = recipe.parameters
+        raise SpecError(f"--dtype {args.dtype} contradicts --recipe {args.recipe}, whose parameters are {want} "
+                        f"({recipe.description}); drop --dtype, or give --dtype {want}")
+    return recipe.dtype("parameters")
 
 
 def _check_gpu(text: str) -> None:

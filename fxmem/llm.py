@@ -7,7 +7,9 @@ The training step is the one a Hugging Face user runs: ``model(input_ids=x, labe
 ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()`` (the loss computed inside the
 model, as ``Trainer`` does), optionally with LoRA adapters (peft: the base frozen, so it has no
 gradient and no optimizer state), gradient checkpointing, or FSDP2 over ``fsdp`` ranks (per-rank
-numbers). All byte counts are bytes.
+numbers), in a named precision recipe (``recipe="amp-bf16"``: float32 master weights, the forward
+under bfloat16 autocast; see :mod:`fxmem.recipes`; the default trains the model in its own dtype).
+All byte counts are bytes.
 
 >>> model = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
 ...                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
@@ -191,16 +193,27 @@ def fsdp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
 
 
 def training_module(model: torch.nn.Module, lora: str | dict | None = None,
-                    checkpointing: bool = False) -> CausalLMStep:
-    """A copy of ``model`` as the training step runs it: adapters and checkpointing applied, in
-    train mode, its loss as the output (:class:`CausalLMStep`). ``model`` is not changed."""
+                    checkpointing: bool = False, recipe: Any = None) -> CausalLMStep:
+    """A copy of ``model`` as the training step runs it: parameters in ``recipe``'s dtypes (a
+    :class:`fxmem.recipes.Recipe` or its name; None keeps the model's), adapters and checkpointing
+    applied, in train mode, its loss as the output (:class:`CausalLMStep`). ``model`` is not changed.
+
+    >>> training_module(model, recipe="amp-bf16")   # float32 parameters, whatever model's  # doctest: +SKIP
+    """
+    from .recipes import get, parameters_to
+
+    recipe = get(recipe) if recipe is not None else None
     work = copy.deepcopy(model)
+    if recipe is not None:  # before the adapters: peft makes them after the base's dtype
+        parameters_to(work, recipe.dtype("parameters"))
     if checkpointing:
         if not hasattr(work, "gradient_checkpointing_enable"):
             raise ModelError("checkpointing=True needs a Hugging Face model (gradient_checkpointing_enable)")
         # the non-reentrant form: what torch recommends and transformers passes on
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     work = _lora(work, lora)
+    if recipe is not None:  # the trained parameters (adapters, or all) in the recipe's dtype
+        parameters_to(work, recipe.dtype("trainable"), which=lambda p: p.requires_grad)
     return CausalLMStep(work).train()
 
 
@@ -222,38 +235,81 @@ class LLMAnswer:
     max_seq: int | None
     notes: list
     report: Any = dataclasses.field(repr=False, default=None)
+    recipe: str = ""  # the recipe's name (fxmem.recipes), e.g. "amp-bf16"
+    recipe_text: str = ""  # what it is, in a line, and how it was chosen
+    context: int | None = None  # the config's max_position_embeddings (positions), where it has one
+    optimizer: str = "adamw"
 
     @property
     def model_states(self) -> int:
         """Parameters + gradients + optimizer state (bytes)."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
+    def per_parameter(self) -> str:
+        """Model states in bytes per parameter (all parameters, frozen ones included), and its parts:
+        ``"16.00 B per parameter (parameters 4.00 + gradients 4.00 + optimizer state 8.00)"``."""
+        n = max(self.parameters, 1)
+        parts = (self.parameter_bytes / n, self.gradient_bytes / n, self.optimizer_state_bytes / n)
+        return (f"{self.model_states / n:.2f} B per parameter (parameters {parts[0]:.2f} + gradients "
+                f"{parts[1]:.2f} + optimizer state {parts[2]:.2f})")
+
     def __str__(self) -> str:
         from .views.text import format_bytes as fb
 
-        lines = [f"{self.model}: {self.parameters:,} parameters ({self.trainable:,} trainable)",
-                 f"  model states        {fb(self.model_states)}  (parameters {fb(self.parameter_bytes)}, "
-                 f"gradients {fb(self.gradient_bytes)}, optimizer state {fb(self.optimizer_state_bytes)})",
-                 f"  training step peak  {fb(self.step_peak)}  at batch {self.batch}, sequence {self.seq}"]
+        lines = [f"{self.model}: {self.parameters:,} parameters ({self.trainable:,} trainable)"]
+        if self.recipe_text:
+            lines.append(f"  recipe              {self.recipe_text}")
+        lines += [f"  model states        {fb(self.model_states)}  (parameters {fb(self.parameter_bytes)}, "
+                  f"gradients {fb(self.gradient_bytes)}, optimizer state {fb(self.optimizer_state_bytes)})",
+                  f"{_INDENT}{self.per_parameter()}",
+                  f"  training step peak  {fb(self.step_peak)}  at batch {self.batch}, sequence {self.seq}"]
         if self.gpu is not None:
             for what, value, fixed in (("batch", self.max_batch, f"sequence {self.seq}"),
                                        ("sequence length", self.max_seq, f"batch {self.batch}")):
-                reason = getattr(value, "reason", None)
+                reason = getattr(value, "reason", None) or (past_context(self.context, value)
+                                                            if what == "sequence length" else None)
                 lines.append(f"  largest {what:<16}{value:,}  at {fixed} in {fb(self.gpu)}"
                              + (f"  ({reason})" if reason else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
+def context_length(model: torch.nn.Module) -> int | None:
+    """The positions the model was built for (its config's ``max_position_embeddings``), or None."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def past_context(context: int | None, positions: int | None) -> str | None:
+    """A word where a largest length lies past the model's context: memory allows it, but the model
+    was built for ``context`` positions (its rotary or learned positions may not hold past it)."""
+    if context is None or positions is None or positions <= context:
+        return None
+    return (f"memory allows it; the model's config says max_position_embeddings={context:,}: a longer "
+            f"sequence needs a model trained or scaled for it")
+
+
 def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str = "adamw", gpu: Any = None,
                lora: str | dict | None = None, checkpointing: bool = False, fsdp: int | None = None,
-               device: str = "cpu") -> LLMAnswer:
+               device: str = "cpu", recipe: Any = None) -> LLMAnswer:
     """Analyse one training step of causal LM ``model`` (built by :func:`from_config` or real) at
     sequence length ``seq``; the numbers at ``batch``; with ``gpu`` (bytes or ``"80GiB"``) the
     largest batch (at ``seq``) and sequence length (at ``batch``) whose step fits.
 
+    ``recipe``: the training recipe's name (see :mod:`fxmem.recipes`: ``"fp32"``, ``"bf16"``,
+    ``"fp16"``, ``"amp-bf16"``, ``"amp-fp16"``, ``"lora"``) or a :class:`fxmem.recipes.Recipe`.
+    It sets the parameters' dtypes (on a copy: ``"amp-bf16"`` trains float32 parameters whatever
+    ``model``'s dtype) and the forward's autocast. The default, None, trains ``model`` as it is,
+    in its own dtype with no autocast: the pure recipe of that dtype (a bfloat16 model is
+    ``"bf16"``: parameters, gradients and AdamW state all bfloat16, 8 B per parameter); the
+    answer says which. ``"lora"`` without ``lora=`` uses peft's default adapters (r=8).
+
     ``fsdp=W``: one rank of W, FSDP2 on every decoder layer and the root (per-rank numbers).
-    The user's ``model`` is not changed (adapters and checkpointing go on a copy)."""
+    The user's ``model`` is not changed (adapters and checkpointing go on a copy).
+
+    >>> llm_answer(model, batch=1, seq=4096, recipe="amp-bf16").recipe   # doctest: +SKIP
+    'amp-bf16'
+    """
     from . import analyze
     from .accounting.budget import parse_bytes
     from .specs import TensorSpec
@@ -263,14 +319,23 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     for name, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(f"{name}={value!r}: a positive int")
+    chosen, recipe_text = _recipe(model, recipe, optimizer)
+    if chosen is not None and chosen.lora and lora is None:
+        lora = {}  # peft's defaults: r=8 on the architecture's usual projections
+    if chosen is not None and chosen.loss_scaling and fsdp is not None:
+        raise SpecError(f"recipe={chosen.name!r} with fsdp=: its GradScaler step with FSDP2 is not simulated yet; "
+                        f"use recipe='amp-bf16' (no loss scaling) with fsdp=, or drop fsdp=")
     budget = parse_bytes(gpu) if gpu is not None else None
-    step = training_module(model, lora=lora, checkpointing=checkpointing)
-    kw: dict = {}
+    step = training_module(model, lora=lora, checkpointing=checkpointing, recipe=recipe)
+    kw: dict = _step_options(chosen, device)
     if fsdp is not None:
-        kw = dict(world_size=fsdp, parallelize=fsdp_per_block, rank=0)
+        kw.update(world_size=fsdp, parallelize=fsdp_per_block, rank=0)
     report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
                      optimizer=OPTIMIZERS[optimizer],
-                     loss=lambda loss: loss, device=device, **kw)
+                     # analysed at the sizes asked: the answer's own piece comes from this simulation
+                     # (default hints are primes near 100, a region that may not hold at the user's sizes)
+                     hints={"B": batch, "L": seq},
+                     device=device, **kw)
     at = report.evaluate(B=batch, L=seq)
     params = [p for p in step.parameters()]
     # fxmem's own storages: what this rank holds (FSDP2 shards), each shared parameter once
@@ -282,10 +347,48 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
         optimizer_state_bytes=int(at["optimizer_state"]), step_peak=int(at["train_peak"]), gpu=budget,
         max_batch=report.max_size("B", budget, train=True, L=seq) if budget is not None else None,
         max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None,
-        notes=_inexact(report.notes), report=report)
+        notes=_inexact(report.notes) + _scaler_notes(report.notes), report=report,
+        recipe=chosen.name if chosen is not None else "as built", recipe_text=recipe_text, optimizer=optimizer,
+        context=context_length(model))
     if fsdp is not None:
         answer.notes.insert(0, f"per rank: rank 0 of {fsdp} (FSDP2 on every decoder layer and the root)")
     if device == "cpu":
         answer.notes.insert(0, "the CPU's allocator: on a GPU each allocation is rounded up to 512 bytes and "
                                "kernels differ (analyse with device='cuda' where a GPU is visible)")
     return answer
+
+
+_INDENT = " " * 22  # the column the answer's values start at
+
+
+def _recipe(model: torch.nn.Module, recipe: Any, optimizer: str) -> tuple[Any, str]:
+    """The recipe a step trains with, and the line the answer prints for it: the one asked for, or
+    (``recipe=None``) the pure recipe of the model's own dtype, said to be the default."""
+    from .recipes import for_dtype, get
+
+    if recipe is not None:
+        chosen = get(recipe)
+        return chosen, chosen.summary(optimizer)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    chosen = for_dtype(next(iter(dtypes))) if len(dtypes) == 1 else None
+    if chosen is None:  # several dtypes (or an unusual one): trained as built, named as such
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes)) or "none"
+        return None, (f"as built: the model's own parameter dtypes ({names}), no autocast\n{_INDENT}the default "
+                      f"(recipe=None); pass a recipe (--recipe), e.g. amp-bf16 for mixed precision")
+    return chosen, (f"{chosen.summary(optimizer)}\n{_INDENT}the default (recipe=None): the model's own dtype; "
+                    f"pass a recipe (--recipe), e.g. amp-bf16 for mixed precision")
+
+
+def _scaler_notes(notes: list[str]) -> list[str]:
+    """The report's word on the GradScaler step (which of its two paths the numbers are of)."""
+    return [n for n in notes if n.startswith("GradScaler:")]
+
+
+def _step_options(recipe: Any, device: str) -> dict:
+    """``analyze``'s options for ``recipe``'s step: the forward's autocast, or for loss scaling
+    (float16) the GradScaler step, which enters autocast itself. None: the default step as before."""
+    from .recipes import scaled_step
+
+    if recipe is not None and recipe.loss_scaling:
+        return dict(step=scaled_step(device, recipe.dtype("autocast")))
+    return dict(loss=lambda loss: loss, autocast=recipe.dtype("autocast") if recipe is not None else None)

@@ -18,6 +18,10 @@ within the call of 5 the 2nd, 3rd and 4th decode steps differ by the same bytes 
 likewise). The peak of T tokens is then the largest of the prefill's, the first decode step's and
 the 2nd and last decode steps' candidates (an affine function's largest value over the steps is at
 one end), dropping those another one is at least as large as everywhere (T >= 3).
+Where they do not hold (a size past a bound of the region, a batch of 1, which PyTorch treats
+apart), each of the three reports is re-analysed at the sizes asked as its own ``evaluate`` would
+be, and the formulas are made again from those; only a call whose steps cross a bound of the
+region is analysed step by step. Progress lines (logger ``fxmem.generation``) say which.
 
 >>> report = generation(model, ("B", "P"), new_tokens=16)          # doctest: +SKIP
 >>> report.max_size("B", "80GiB", P=8192)                            # doctest: +SKIP
@@ -26,6 +30,7 @@ one end), dropping those another one is at least as large as everywhere (T >= 3)
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import sympy
@@ -36,6 +41,13 @@ from .records import INEXACT
 from .timeout import timed
 
 CACHES = ("dynamic", "static")
+TOKENS = (3, 4, 5)  # the calls whose steps give the formulas in the number of new tokens (see above)
+_log = logging.getLogger(__name__)  # progress: which analyses run, at which sizes, and why
+
+
+def _sizes(values: Any) -> str:
+    """``{"B": 1, "P": 4096}`` as "B=1, P=4096" (progress lines)."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(dict(values or {}).items()))
 
 
 class Generate(torch.nn.Module):
@@ -53,7 +65,35 @@ class Generate(torch.nn.Module):
         if self.cache == "static":
             kw["cache_implementation"] = "static"
         kw.update(self.generate_kwargs)
-        return self.model.generate(input_ids, attention_mask=attention_mask, **kw)
+        kw["stopping_criteria"] = _length_criteria(input_ids.shape[1] + self.new_tokens, kw.get("stopping_criteria"))
+        with _quiet("transformers.generation.utils"):
+            return self.model.generate(input_ids, attention_mask=attention_mask, **kw)
+
+
+def _length_criteria(max_length: Any, given: Any) -> Any:
+    """generate()'s stop at ``max_length`` tokens, as its own ``MaxLengthCriteria`` but without the
+    model's ``max_position_embeddings``: transformers compares the length with it only to log a
+    warning, and on fake tensors that comparison is a condition on the prompt length (P <= the
+    model's length - T) that changes no memory but would end the formulas' region there. generate
+    takes a criterion of the same type in place of its own; the user's criteria follow."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+    return StoppingCriteriaList([MaxLengthCriteria(max_length), *(given or [])])
+
+
+class _quiet:
+    """A logger raised to ERROR for a block (generate's notice that our criterion replaces its own
+    is about fxmem's wrapper, not the user's call), its level put back after."""
+
+    def __init__(self, name: str):
+        self.logger = logging.getLogger(name)
+
+    def __enter__(self) -> None:
+        self.level = self.logger.level
+        self.logger.setLevel(max(self.level, logging.ERROR))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.setLevel(self.level)
 
 
 class TokenFormulas:
@@ -80,8 +120,6 @@ class TokenFormulas:
     @classmethod
     def of(cls, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict,
            rehinted: bool = False) -> "TokenFormulas":
-        from .accounting.symbolic import Region, add_terms, build_max, max_of, to_expr
-
         if name in dims:
             raise SpecError(f"new_tokens={name!r}: the name is already one of dims={dims}")
         from .options import AnalysisOptions
@@ -89,7 +127,19 @@ class TokenFormulas:
         if AnalysisOptions.of(options).device != "cpu":
             raise SpecError(f"new_tokens={name!r}: formulas in the number of new tokens are CPU numbers (on CUDA each "
                             f"block is rounded to 512 bytes); give a number of tokens for device='cuda'")
-        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in (3, 4, 5)}
+        hints = AnalysisOptions.of(options).hints
+        _log.info("analysing generate() for %s new tokens%s: formulas in %s from the three calls",
+                  ", ".join(map(str, TOKENS)), f" at {_sizes(hints)}" if hints else "", name)
+        reports = {n: generation(model, dims, new_tokens=n, cache=cache, options=options, **kwargs) for n in TOKENS}
+        return cls.combine(model, dims, name, cache, options, kwargs, reports, rehinted)
+
+    @classmethod
+    def combine(cls, model: Any, dims: tuple, name: str, cache: str, options: Any, kwargs: dict, reports: dict,
+                rehinted: bool = False) -> "TokenFormulas":
+        """The formulas in ``name`` from the reports of the calls of 3, 4 and 5 new tokens (checked
+        to grow by the same bytes per token; :class:`ModelError` where they do not)."""
+        from .accounting.symbolic import Region, add_terms, build_max, max_of, to_expr
+
         cands = {n: r._plan.peak_candidates for n, r in reports.items()}
         step = len(cands[4]) - len(cands[3])
         pre = len(cands[3]) - 2 * step  # the prefill and generate's setup, then the first decode step
@@ -173,28 +223,46 @@ class TokenFormulas:
                     "retained": int(self.retained.subs(subs))}
         t = dims[self.name]
         sizes = {k: v for k, v in dims.items() if k != self.name}
-        if t >= 3 and not self._rehinted:  # the same 3 short analyses at these sizes (guards hold there)
-            from .options import AnalysisOptions
-
-            key = tuple(sorted(sizes.items()))
+        if t >= 3 and not self._rehinted:
             for near in self._near.values():  # formulas made for other sizes may hold here too
                 if near is not None and near._holds(dims):
                     return near.evaluate(**dims)
-            if key not in self._near:
-                try:
-                    self._near[key] = TokenFormulas.of(self.model, self.dims, self.name, self.cache,
-                                                       AnalysisOptions.of(self._options, hints=sizes), self._kwargs,
-                                                       rehinted=True)
-                except (ModelError, SpecError, FxMemError):
-                    self._near[key] = None
-            near = self._near[key]
+            near = self._near_formulas(sizes)
             if near is not None and near._holds(dims):
                 return near.evaluate(**dims)
         if t not in self._concrete:  # the decode steps cross a bound of the region: analyse t tokens
+            from .options import AnalysisOptions
+
+            _log.info("analysing generate() for all %d new tokens at %s, one decode step at a time (slow): the "
+                      "formulas in %s do not hold there (%s)", t, _sizes(sizes), self.name, self._why_not(dims))
             self._concrete[t] = generation(self.model, self.dims, new_tokens=t, cache=self.cache,
-                                           options=self._options, **self._kwargs)
+                                           options=AnalysisOptions.of(self._options, hints=sizes), **self._kwargs)
         ev = self._concrete[t].evaluate(**sizes)
         return {k: ev[k] for k in ("resident", "peak", "peak_above_resident", "retained")}
+
+    def _near_formulas(self, sizes: dict) -> "TokenFormulas | None":
+        """The formulas made from the same three calls re-analysed at ``sizes`` (each report
+        re-analyses there as its own ``evaluate`` would: at exactly those sizes, a batch of 1
+        included), once per sizes; None where those calls do not grow by fixed bytes per token."""
+        key = tuple(sorted(sizes.items()))
+        if key not in self._near:
+            _log.info("re-analysing generate() for %s new tokens at %s: the formulas made at %s do not hold there (%s)",
+                      ", ".join(map(str, TOKENS)), _sizes(sizes), _sizes(self.reports[TOKENS[-1]].hints),
+                      self._why_not({**sizes, self.name: TOKENS[-1]}))
+            try:
+                reports = {n: r._reanalysed(dict(sizes)) for n, r in self.reports.items()}
+                self._near[key] = TokenFormulas.combine(self.model, self.dims, self.name, self.cache, self._options,
+                                                        self._kwargs, reports, rehinted=True)
+            except FxMemError as exc:
+                _log.info("no formulas in %s at %s: %s", self.name, _sizes(sizes), str(exc).splitlines()[0])
+                self._near[key] = None
+        return self._near[key]
+
+    def _why_not(self, dims: dict) -> str:
+        """Why the formulas do not hold at ``dims``, in words (the region's bounds, or T < 3)."""
+        if dims[self.name] < 3:
+            return f"{self.name} < 3"
+        return "region " + (", ".join(self.reports[TOKENS[-1]].region) or "-")
 
     def max_size(self, dim: str, budget: Any, **fixed: int) -> int:
         """The largest ``dim`` whose ``generate`` peak fits ``budget`` (bytes or "80GiB") with the
@@ -298,85 +366,199 @@ class _AtTokens:
 
 def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, dtype: Any = None,
                   gpu: Any = None, cache: str = "dynamic") -> str:
-    """A few lines for ``fxmem llm --serve``: the weights, the peak of one ``generate`` call at
-    ``batch`` x ``prompt`` for ``new_tokens`` tokens, and with ``gpu`` (bytes or "80GiB") the
-    largest batch and prompt length whose call fits. ``dtype``: the model's parameters' (it is
-    built in it; said in the first line). ``cache``: "dynamic" or "static", as for :func:`generation`."""
+    """A few lines for ``fxmem llm --serve``: the weights, the KV cache and the peak (bytes) of one
+    ``generate`` call at ``batch`` x ``prompt`` for ``new_tokens`` tokens, and with ``gpu`` (bytes
+    or "80GiB") the largest batch and prompt length whose call fits. ``dtype``: the model's
+    parameters' (it is built in it; said in the first line). ``cache``: "dynamic" or "static", as
+    for :func:`generation`. Example: ``serve_summary(meta_llama, 1, 4096, 128, gpu="80GiB")``.
+
+    The calls are analysed at the sizes asked (hints ``B=batch, P=prompt``): one analysis (the
+    calls of 3, 4 and 5 new tokens, see :class:`TokenFormulas`) answers the peak and both searches
+    where its region holds; a batch of 1 takes a second one, at ``B=1`` (PyTorch fixes a dim
+    analysed at 1, so the first one is made at a larger batch and answers the largest batch)."""
     from .accounting.budget import parse_bytes
+    from .llm import context_length, past_context
+    from .options import AnalysisOptions
     from .views.text import format_bytes as fb
 
+    options = AnalysisOptions(hints={"B": batch, "P": prompt})
     report = None
-    if new_tokens >= 6:  # formulas in the number of tokens: 3 short analyses instead of new_tokens steps
+    if new_tokens >= 6:  # formulas in the number of tokens: 3 short calls instead of new_tokens steps
         try:
-            formulas = generation(model, ("B", "P"), new_tokens="T", cache=cache)
-        except ModelError:
+            formulas = generation(model, ("B", "P"), new_tokens="T", cache=cache, options=options)
+        except ModelError as exc:
+            _log.info("no formulas in the number of new tokens (%s): analysing all %d decode steps",
+                      str(exc).splitlines()[0], new_tokens)
             formulas = None
         if formulas is not None:
             report = _AtTokens(formulas, new_tokens)
     if report is None:
-        report = generation(model, ("B", "P"), new_tokens=new_tokens, cache=cache)
+        _log.info("analysing generate() for %d new tokens at B=%d, P=%d", new_tokens, batch, prompt)
+        report = generation(model, ("B", "P"), new_tokens=new_tokens, cache=cache, options=options)
     at = report.evaluate(B=batch, P=prompt)
     weights = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
-    try:
-        kind_name = str(next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", "")
-        kv = int(kv_cache_bytes(model.config, batch, prompt, new_tokens, dtype=kind_name))
-    except (ModelError, AttributeError):
-        kv = None
     kind = dtype or next((p.dtype for p in model.parameters()), None)
     lines = [f"{type(model).__name__}.generate() ({str(kind).replace('torch.', '')}): {new_tokens} new tokens, "
              f"greedy, {cache} KV cache",
              f"  weights             {fb(weights)}",
              f"  peak                {fb(at['peak'])}  at batch {batch}, prompt {prompt}"]
-    if kv is not None:
-        lines.insert(2, f"  KV cache at the end {fb(kv)}  ({prompt + new_tokens - 1} positions x batch {batch})")
+    kv = _kv_line(model, batch, prompt, new_tokens, cache)
+    if kv:
+        lines.insert(2, kv)
     if gpu is not None:
         budget = parse_bytes(gpu)
-        for what, value, fixed in (("batch", report.max_size("B", budget, P=prompt), f"prompt {prompt}"),
-                                   ("prompt", report.max_size("P", budget, B=batch), f"batch {batch}")):
-            reason = getattr(value, "reason", None)
+        for what, dim, fixed, at_sizes in (("batch", "B", f"prompt {prompt}", {"P": prompt}),
+                                           ("prompt", "P", f"batch {batch}", {"B": batch})):
+            _log.info("largest %s at %s in %s", what, fixed, fb(budget))
+            value = report.max_size(dim, budget, **at_sizes)
+            reason = getattr(value, "reason", None) or (
+                past_context(context_length(model), value + new_tokens - 1) if dim == "P" else None)
             lines.append(f"  largest {what:<12}{value:,}  at {fixed} in {fb(budget)}" + (f"  ({reason})" if reason else ""))
     lines += [f"  note: {n}" for n in report.notes if "numbers may not be exact" in n][:3]
     return "\n".join(lines)
 
 
+def _kv_line(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, cache: str) -> str | None:
+    """The summary's line on the KV cache left at the end of the call (bytes, and the positions each
+    kind of layer holds); None where :func:`kv_cache_bytes` does not model the model's cache."""
+    from .views.text import format_bytes as fb
+
+    config = getattr(model, "config", None)
+    try:
+        kind_name = str(next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", "")
+        kv = int(kv_cache_bytes(config, batch, prompt, new_tokens, dtype=kind_name, cache=cache))
+        windows = cache_layers(config, cache)
+    except (ModelError, SpecError, AttributeError):
+        return None
+    full = prompt + new_tokens - 1
+    P, T = sympy.Integer(prompt), sympy.Integer(new_tokens)
+    kinds: dict = {}  # positions held -> layers holding them
+    for w in windows:
+        held = int(_positions(w, cache, P, T))
+        kinds[held] = kinds.get(held, 0) + 1
+    if set(kinds) == {full}:
+        where = f"{full} positions x batch {batch}"
+    else:
+        where = ", ".join(f"{held} positions in {n} layer{'s' * (n > 1)}" for held, n in sorted(kinds.items()))
+        where += f" (sliding windows), x batch {batch}"
+    return f"  KV cache at the end {fb(kv)}  ({where})"
+
+
 # --- the KV cache alone, from the config ----------------------------------------------------------
-# After a greedy generate(max_new_tokens=T) transformers' DynamicCache holds P + T - 1 positions
-# (the last new token is produced but never fed back): per layer a key and a value of shape
-# (B, KV heads, positions, head dim). A closed formula, checked against real caches in
-# tests/test_generation.py; generation() counts the cache as the run allocates it.
+# After a greedy generate(max_new_tokens=T) a full-attention layer holds P + T - 1 positions (the
+# last new token is produced but never fed back): a key and a value of shape (B, KV heads, positions,
+# head dim), in a DynamicCache as in a StaticCache (generate sizes it P + T - 1 for a fresh model).
+# A sliding-window layer (Mistral, Phi-3: a `sliding_window` and no `layer_types`; Gemma-2/3: every
+# other layer) holds fewer, by transformers' own rule (cache_utils.py, transformers 5):
+#  * DynamicSlidingWindowLayer keeps a view of the last window - 1 positions of the concatenation
+#    [cache, new]: the storage held is that concatenation, min(window - 1, P + T - 2) + 1 = min(window,
+#    P + T - 1) positions after a decode step; after the prefill alone (T = 1) all P positions.
+#  * StaticSlidingWindowLayer is allocated min(window, P + T - 1) positions up front.
+# Which layer is which is read off the cache transformers builds for the config (no tensors are
+# allocated before the first update). Checked against real caches in tests/test_generation_caches.py;
+# generation() counts the cache as the run allocates it.
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_REFUSED_CACHES = {"offloaded": "the offloaded cache moves layers between the GPU and the CPU (transformers asks "
+                                "for CUDA for it); its GPU bytes are not modelled - use cache='dynamic' or 'static'"}
 
 
-def _geometry(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a decoder's attention, read from its transformers config."""
+def _geometry(config) -> tuple[int, int]:
+    """(KV heads, head dim) of a decoder's attention, read from its transformers config."""
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if not isinstance(getattr(config, name, None), int):
             raise ModelError(f"kv_cache_bytes: config has no integer {name!r}; only decoders with standard "
                              "attention caches are supported (state-space and encoder-decoder models are not)")
-    # a sliding window bounds the cache by the window, not by P + T: refuse rather than overcount
-    types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in types):
-        raise ModelError("kv_cache_bytes: config uses sliding-window layers, whose cache is bounded by the "
-                         "window; not supported yet — set use_sliding_window=False or use a full-attention model")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return kv_heads, head_dim
 
 
-def kv_cache_bytes(config, batch="B", prompt="P", new_tokens="T", dtype="float32") -> sympy.Expr:
-    """Bytes of the KV cache left by greedy ``generate`` of ``new_tokens`` after ``prompt`` tokens:
-    ``prompt + new_tokens - 1`` positions (the last token is never fed back), in a ``DynamicCache``
-    as in a ``StaticCache`` (``generate`` sizes it so; tests/test_generation.py checks both).
+def cache_layers(config, cache: str = "dynamic") -> list:
+    """Per decoder layer, the window of the KV cache layer transformers builds for ``config``
+    (positions; ``None`` for a full-attention layer, ``0`` for a layer that keeps no cache).
+
+    Read off transformers' own ``DynamicCache(config=...)`` / ``StaticCache(config=...)``, which
+    allocate nothing until their first update. Example: a Gemma-2 config with ``sliding_window=4096``
+    gives ``[4096, None, 4096, None, ...]``; a Llama config ``[None] * layers``. Raises
+    :class:`ModelError` for layers whose cache is not keys and values per position (state-space,
+    linear-attention, indexed or quantized layers).
+    """
+    from transformers import cache_utils as cu
+
+    if cache in _REFUSED_CACHES:
+        raise ModelError(f"kv_cache_bytes: cache={cache!r}: {_REFUSED_CACHES[cache]}")
+    if cache not in CACHES:
+        raise SpecError(f"kv_cache_bytes: cache={cache!r}: use one of {CACHES}")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _geometry(text)
+    if getattr(text, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        raise ModelError("kv_cache_bytes: encoder-decoder models keep a cross-attention cache too; only decoders "
+                         "are supported - use fxmem.generation(model, ...) on the model")
+    try:
+        if cache == "static":  # a window larger than any cache length, so each layer's length is its window
+            built = cu.StaticCache(config=text, max_cache_len=2**62)
+        else:
+            built = cu.DynamicCache(config=text)
+    except Exception as exc:  # transformers cannot build its cache for this config: nor can we count it
+        raise ModelError(f"kv_cache_bytes: transformers builds no {cache} cache for this config "
+                         f"({type(exc).__name__}: {exc}); use fxmem.generation(model, ...) on the model") from exc
+    layers = built.layers or [cu.DynamicLayer() for _ in range(text.num_hidden_layers)]
+    return [_window(layer, cu) for layer in layers]
+
+
+def _window(layer, cu) -> Any:
+    """A cache layer's window (positions), ``None`` when it keeps every position, 0 when nothing."""
+    kind = type(layer)
+    if kind is cu.DummyLayer:  # a layer that reads another layer's cache (KV sharing) keeps none
+        return 0
+    if kind in (cu.DynamicLayer, cu.StaticLayer):
+        return None
+    if kind is cu.DynamicSlidingWindowLayer:
+        return int(layer.sliding_window)
+    if kind is cu.StaticSlidingWindowLayer:
+        return int(layer.max_cache_len)  # min(window, 2**62)
+    raise ModelError(f"kv_cache_bytes: transformers builds a {kind.__name__} for a layer of this config, whose "
+                     f"memory is not keys and values per position (state-space, linear-attention, indexed or "
+                     f"quantized caches are not supported); use fxmem.generation(model, ...) on the model")
+
+
+def _positions(window: Any, cache: str, P: sympy.Expr, T: sympy.Expr) -> sympy.Expr:
+    """Positions one cache layer's storage holds after greedy generate of T tokens on P (see above)."""
+    full = P + T - 1
+    if window is None:
+        return full
+    if window == 0:
+        return sympy.Integer(0)
+    bounded = sympy.Min(window, full)
+    if cache == "static":
+        return bounded
+    if T.is_number:  # after the prefill alone the dynamic layer still holds the whole prompt
+        return P if T == 1 else bounded
+    return sympy.Piecewise((P, sympy.Eq(T, 1)), (bounded, True))
+
+
+def kv_cache_bytes(config, batch="B", prompt="P", new_tokens="T", dtype="float32", cache="dynamic") -> sympy.Expr:
+    """Bytes of the KV cache left by greedy ``generate`` of ``new_tokens`` after ``prompt`` tokens,
+    for the cache transformers builds for ``config`` (``cache``: "dynamic" or "static"):
+    ``prompt + new_tokens - 1`` positions in a full-attention layer (the last token is never fed
+    back), at most the window in a sliding-window layer (``sympy.Min``; see :func:`cache_layers`).
 
     ``batch``/``prompt``/``new_tokens`` are dim names (symbols) or ints; ``dtype`` names the cache's
-    dtype (the model's). Example: ``kv_cache_bytes(cfg, 4, 128, 32)`` gives an integer of bytes.
+    dtype (the model's). Example: ``kv_cache_bytes(cfg, 4, 128, 32)`` gives an integer of bytes; for
+    a Mistral config with ``sliding_window=4096`` and 32 layers of 8 KV heads of 128,
+    ``kv_cache_bytes(cfg, dtype="bfloat16")`` is ``131072*B*Min(4096, P + T - 1)`` for T >= 2.
+    A static cache is that of a model's first call (transformers sizes later calls' for the
+    largest call so far).
     """
     if str(dtype).replace("torch.", "") not in _ITEMSIZE:
         raise ModelError(f"kv_cache_bytes: dtype {dtype!r} not one of {sorted(_ITEMSIZE)}")
     itemsize = _ITEMSIZE[str(dtype).replace("torch.", "")]
-    layers, kv_heads, head_dim = _geometry(config)
+    windows = cache_layers(config, cache)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kv_heads, head_dim = _geometry(text)
     B, P, T = (sympy.Symbol(v, positive=True, integer=True) if isinstance(v, str) else sympy.Integer(v)
                for v in (batch, prompt, new_tokens))
+    positions = sympy.Add(*(_positions(w, cache, P, T) for w in windows))
     # key + value per layer
-    return sympy.factor(2 * layers * kv_heads * head_dim * itemsize * B * (P + T - 1))
+    return sympy.factor(2 * kv_heads * head_dim * itemsize * B * positions)

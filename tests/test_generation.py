@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import sympy
 import torch
 
 import fxmem
@@ -115,17 +116,41 @@ def test_kv_cache_bytes_matches_real_generate(name, cache):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     for B, P, T in [(1, 5, 3), (3, 7, 4), (2, 11, 1)]:
         with torch.no_grad():
-            real = _real_cache_bytes(model, B, P, T, cache)
+            real = _real_cache_bytes(copy.deepcopy(model), B, P, T, cache)  # a fresh model: see _real_cache_bytes
         sizes = {"B": B, "P": P, "T": T}
         assert formula.subs({s: sizes[s.name] for s in formula.free_symbols}) == real, (B, P, T)
         assert kv_cache_bytes(config, B, P, T) == real
 
 
-def test_sliding_window_refused():
-    config = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                      use_sliding_window=True, sliding_window=8)
-    with pytest.raises(ModelError, match="sliding"):
-        kv_cache_bytes(config)
+def test_sliding_window_caches_are_counted_not_refused():
+    """A Qwen2 with sliding layers (use_sliding_window, max_window_layers=0): the window bounds the
+    cache (sympy Min); the real cache past the window agrees (more configs: test_generation_caches.py)."""
+    config = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, vocab_size=128, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert kv_cache_bytes(config, cache="static").has(sympy.Min)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for cache in ("dynamic", "static"):
+        with torch.no_grad():
+            real = _real_cache_bytes(copy.deepcopy(model), 2, 11, 4, cache)
+        assert kv_cache_bytes(config, 2, 11, 4, cache=cache) == real < kv_cache_bytes(_configs()["qwen2-gqa"], 2, 11, 4)
+    with pytest.raises(ModelError, match="state-space"):
+        kv_cache_bytes(transformers.MambaConfig(num_hidden_layers=2, hidden_size=32))
+
+
+def test_min_new_tokens_is_modelled():
+    """min_new_tokens goes to generate() as given: with no end-of-sequence token (every call makes all
+    its tokens) transformers adds no logits processor for it, so the call is the same."""
+    model = _model("llama")
+    plain = fxmem.generation(model, ("B", "P"), new_tokens=3)
+    with_min = fxmem.generation(model, ("B", "P"), new_tokens=3, min_new_tokens=3)
+    assert with_min.evaluate(B=3, P=37) == plain.evaluate(B=3, P=37)
+    at = with_min.evaluate(B=3, P=37)
+    ids, mask = torch.full((3, 37), _token(model)), torch.ones(3, 37, dtype=torch.long)
+    run = Generate(copy.deepcopy(model), 3, "dynamic", {"min_new_tokens": 3})
+    with torch.no_grad():
+        run(ids, mask)
+        m = measure(lambda: run(ids, mask))
+    assert (at["peak_above_resident"], at["retained"]) == (m.peak_above_start, m.retained)
 
 
 # --- formulas in the number of new tokens ----------------------------------------------------------

@@ -122,3 +122,28 @@ def test_hub_kernels_on_hf_layers_leave_them_alike():
     assert any("_kernel_funcs" in vars(m) for m in model.modules()), "the case this test is about"
     chain = find_module_chain(model)
     assert chain is not None and chain.prefix == "model.layers" and chain.count == 6
+
+
+def test_peft_lora_layers_naming_their_own_path_are_alike():
+    """peft keeps each adapter's ``target_name`` (``model.layers.3.self_attn.q_proj``) in the layer's
+    ``kwargs``: a path that says where a layer sits, not what it runs. The layers are one chain, and
+    the recording equals simulating every layer; a real step agrees at an unseen size."""
+    peft = pytest.importorskip("peft")
+    from fxmem.measure import measure
+    from fxmem.training import default_loss, train_step
+    from conftest import real_inputs
+    from test_repeats import TOKENS
+
+    model = peft.get_peft_model(hf_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).base_model.model
+    assert any("model.layers.3." in str(getattr(m, "kwargs", "")) for m in model.modules()), "the case this test is about"
+    chain = find_module_chain(model)
+    assert chain is not None and chain.prefix == "model.layers" and chain.count == 6
+    fast, slow = both(model, TOKENS, optimizer=ADAMW)
+    assert_same(fast, slow, 6)
+    dims = {"B": 3, "L": 11}
+    xs = real_inputs(fast, dims, {"input_ids": lambda shape, sizes: torch.randint(0, 100, shape)})
+    opt = ADAMW([p for p in model.parameters() if p.requires_grad])
+    train_step(model, xs, opt, default_loss)
+    m = measure(lambda: train_step(model, xs, opt, default_loss))
+    pred = fast.evaluate(**dims)
+    assert (m.peak_above_start, m.retained) == (pred["train_peak"] - pred["train_resident"], pred["train_retained"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable
 
 import torch
@@ -276,9 +277,25 @@ def _alike(blocks: list, indices: list) -> bool:
             values = [st[key] for st in states]
             if all(same(v, values[0]) for v in values):
                 continue
-            if not all(type(v) is int and v == i for v, i in zip(values, indices)):  # a layer index
+            if all(type(v) is int and v == i for v, i in zip(values, indices)):  # a layer index
+                continue
+            first = _unindexed(values[0], indices[0])
+            if not all(same(_unindexed(v, i), first) for v, i in zip(values, indices)):
                 return False
     return True
+
+
+def _unindexed(value: Any, index: int) -> Any:
+    """``value`` with the block's own index taken out of the dotted paths it holds: peft keeps each
+    adapter's ``target_name`` (``model.layers.7.self_attn.q_proj``) in a dict, names that say
+    where a layer sits, not what it runs."""
+    if isinstance(value, str):
+        return re.sub(rf"(?:(?<=\.)|^){index}(?=\.|$)", "#", value)
+    if isinstance(value, dict):
+        return {k: _unindexed(v, index) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unindexed(v, index) for v in value) if type(value) in (list, tuple) else value
+    return value
 
 
 def _state(module: torch.nn.Module) -> dict:

@@ -23,6 +23,7 @@ between two blocks' runs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Any
 
@@ -482,12 +483,17 @@ class _Unroller:
         """:meth:`run`, then eager mode's line labels numbered as one run of every block numbers
         them, and the module calls of the blocks not simulated added."""
         whole = self.run()
-        count: dict[str, int] = {}
+        runs: dict[str, list] = {}  # a line's nodes in the order they ended
+        for node in whole.nodes:
+            runs.setdefault(_LABEL.match(node.name).group(1), []).append(node.name)
         label: dict[str, str] = {}
-        for node in whole.nodes:  # nodes of one line never nest: their order is the order they started
-            base = _LABEL.match(node.name).group(1)
-            count[base] = count.get(base, 0) + 1
-            label[node.name] = base if count[base] == 1 else f"{base}#{count[base]}"
+        for base, names in runs.items():
+            # numbered in the order they started: as they ended, but for a line's nodes nested in
+            # one block's run (a comprehension inside its line) whose short-run numbers say
+            ordered = [name for _, run in itertools.groupby(names, key=self._instance)
+                       for name in sorted(run, key=_number)]
+            for k, name in enumerate(ordered, 1):
+                label[name] = base if k == 1 else f"{base}#{k}"
 
         def named(text: Any) -> Any:
             if not isinstance(text, str):
@@ -510,6 +516,12 @@ class _Unroller:
                                f"simulates every layer"]
         return dataclasses.replace(whole, nodes=nodes, steps=steps, storages=storages, notes=notes,
                                    module_calls=self._module_calls(whole.module_calls))
+
+    def _instance(self, name: str) -> Any:
+        """Which run of a block a node of the whole recording comes from (a copy of B by position, a
+        simulated block, or None: outside the chain)."""
+        at = name.rpartition(_AT)
+        return ("copy", at[2]) if at[1] and at[2].isdigit() else ("simulated", self.block_of(name))
 
     def _module_calls(self, calls: dict | None) -> dict | None:
         """Eager mode's module calls with those of the inner blocks not simulated (as B's)."""
@@ -556,6 +568,12 @@ class _Unroller:
         return dataclasses.replace(record, index=new_index[k], name=self._name(record.name, where),
                                    node=self._name(record.node, where), module=self._name(record.module, where),
                                    step=step, saved_by=saved_by, copy_of=copy_of)
+
+
+def _number(name: str) -> int:
+    """A line label's number in the run that named it: 3 for ``file.py:12#3``, 1 for ``file.py:12``."""
+    m = re.match(r"^.*?#(\d+)(?:@\d+)?$", name, re.S)
+    return int(m.group(1)) if m else 1
 
 
 def _split_node(text: str, nodes: Any) -> tuple[str, str]:

@@ -9,6 +9,9 @@ that pass silently:
 * an input spec can state its value (``TensorSpec(..., fill=1)``); :class:`KnownValues` follows
   that value through views, dtype casts, pointwise ops and ``all``/``any``/``amin``/``amax``, and
   answers ``bool(t)`` / ``t.item()`` on such tensors as the real run would;
+* ``torch.arange`` (the position ids a model builds) is followed as a progression
+  (:mod:`.progressions`) through views and arithmetic, so what real code computes from it
+  (transformers' packed-sequence check: ``diff(position_ids) != 1`` all False) is known too;
 * library checks that ask "is this tensor fake?" (:data:`TRACING_CHECKS`) are answered as for the
   real tensor when its values are known, and otherwise noted in the report: which library function
   asked, that the real run decides on the values, and how to state them.
@@ -29,6 +32,8 @@ import torch
 
 from .. import _torch_compat as tc
 from ..records import INEXACT
+from . import progressions
+from .progressions import Progression
 
 aten = torch.ops.aten
 # ops whose result, from tensors that hold one value everywhere, again holds one value everywhere
@@ -76,10 +81,16 @@ class KnownValues:
         self._values[id(t)] = (weakref.ref(t), value, _storage(t))
 
     def known(self, t: Any) -> bool:
+        """Whether ``t`` holds one known value everywhere (a progression is not one value)."""
+        value = self._value(t)
+        return value is not None and not isinstance(value, Progression)
+
+    def _value(self, t: Any) -> Any:
+        """``t``'s known value (a number or a :class:`Progression`), or None."""
         if not isinstance(t, torch.Tensor):
-            return False
+            return None
         hit = self._values.get(id(t))
-        return hit is not None and hit[0]() is t
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def _forget_storage_of(self, t: torch.Tensor) -> None:
         key = _storage(t)
@@ -112,11 +123,17 @@ class KnownValues:
             if isinstance(value, (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
                 self.set(out, value)
             return
+        if packet is aten.arange and isinstance(out, torch.Tensor):  # position ids: 0, 1, 2, ...
+            value = progressions.arange_value(func, args, kwargs, out)
+            if value is not None:
+                self.set(out, value)
+            return
         if not self._values:
             return
         tensors = [a for a in tc.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        computable = bool(tensors) and all(self.known(t) for t in tensors)
-        values = {id(t): self.value_of(t) for t in tensors} if computable else {}
+        values = {id(t): self._value(t) for t in tensors}
+        computable = bool(tensors) and all(v is not None for v in values.values())
+        lines = computable and any(isinstance(v, Progression) for v in values.values())
         for t in tc.written_tensors(func, args, kwargs):  # its storage's values are stale from here on
             self._forget_storage_of(t)
         if packet in _FILLS and args and isinstance(args[0], torch.Tensor):  # x.fill_(v), x.zero_()
@@ -126,7 +143,10 @@ class KnownValues:
             return
         if not isinstance(out, torch.Tensor) or not computable:
             return
-        value = _computed(func, packet, args, kwargs, tensors, values, out)
+        if lines:  # a progression (position ids) and what is computed from it
+            value = progressions.computed(func, args, kwargs, out, lambda t: values.get(id(t)))
+        else:
+            value = _computed(func, packet, args, kwargs, tensors, values, out)
         if value is not None:  # (an in-place op's output is the written tensor: known again)
             self.set(out, value)
 
@@ -138,6 +158,8 @@ def _computed(func: Any, packet: Any, args: tuple, kwargs: dict, tensors: list, 
 
     if getattr(func, "is_view", False) or packet in _COPIES and packet not in (aten._to_copy,):
         return val(tensors[0])
+    if packet is aten.cumsum and len(tensors) == 1:  # (diff(position_ids) != 1).cumsum(-1): a progression
+        return progressions.cumsum_of_constant(val(tensors[0]), tc.bind_arguments(func, args, kwargs)["dim"], out)
     if packet is aten.sum and len(tensors) == 1:  # v summed over the reduced elements (a size)
         t = tensors[0]
         v = val(t)

@@ -238,6 +238,7 @@ class LLMAnswer:
     recipe: str = ""  # the recipe's name (fxmem.recipes), e.g. "amp-bf16"
     recipe_text: str = ""  # what it is, in a line, and how it was chosen
     context: int | None = None  # the config's max_position_embeddings (positions), where it has one
+    ranks: int = 1  # FSDP's world size: the numbers are one rank's
     optimizer: str = "adamw"
 
     @property
@@ -250,7 +251,9 @@ class LLMAnswer:
         ``"16.00 B per parameter (parameters 4.00 + gradients 4.00 + optimizer state 8.00)"``."""
         n = max(self.parameters, 1)
         parts = (self.parameter_bytes / n, self.gradient_bytes / n, self.optimizer_state_bytes / n)
-        return (f"{self.model_states / n:.2f} B per parameter (parameters {parts[0]:.2f} + gradients "
+        # FSDP: this rank holds a shard, so its bytes per parameter of the whole model are a fraction
+        rank = f" on this rank (1/{self.ranks} of each)" if self.ranks > 1 else ""
+        return (f"{self.model_states / n:.2f} B per parameter{rank} (parameters {parts[0]:.2f} + gradients "
                 f"{parts[1]:.2f} + optimizer state {parts[2]:.2f})")
 
     def __str__(self) -> str:
@@ -349,7 +352,7 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
         max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None,
         notes=_inexact(report.notes) + _scaler_notes(report.notes), report=report,
         recipe=chosen.name if chosen is not None else "as built", recipe_text=recipe_text, optimizer=optimizer,
-        context=context_length(model))
+        context=context_length(model), ranks=fsdp or 1)
     if fsdp is not None:
         answer.notes.insert(0, f"per rank: rank 0 of {fsdp} (FSDP2 on every decoder layer and the root)")
     if device == "cpu":

@@ -157,3 +157,45 @@ def test_cli_recipe(tmp_path):
     assert out.returncode != 0 and "--dtype bfloat16 contradicts --recipe amp-bf16" in out.stderr
     out = _cli(str(path), "--seq", "48", "--recipe", "qlora")
     assert out.returncode != 0 and "bitsandbytes" in out.stderr
+
+
+class _Autocast(torch.nn.Module):
+    """A training module whose forward runs under bf16 autocast, as a user's FSDP2 loop runs it."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(*args)
+
+
+def test_amp_bf16_with_fsdp_is_exact_against_the_synchronous_real_step():
+    """FSDP2 on every decoder layer and the root, float32 master shards, the forward under bf16
+    autocast: rank 0 of 2 against the real step in torch's fake process group (real tensors and
+    allocator, FSDP2's own code), at sizes the analysis did not see."""
+    import transformers
+
+    from fxmem.distributed.real_runs import measure_synchronous
+    from fxmem.llm import OPTIMIZERS, fsdp_per_block, training_module
+
+    def real_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = transformers.AutoConfig.for_model("llama", **{k: v for k, v in LLAMA.items() if k != "model_type"})
+        return _Autocast(training_module(transformers.AutoModelForCausalLM.from_config(cfg), recipe="amp-bf16"))
+
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, fsdp=2, recipe="amp-bf16")
+    assert "1/2 of each" in str(answer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b, l in ((3, 37), (2, 61)):
+            x = torch.randint(3, 90, (b, l))
+            real = measure_synchronous(real_model, (x, torch.ones_like(x)), fsdp_per_block, 2, 0,
+                                       OPTIMIZERS["adamw"], loss=lambda out: out)
+            at = answer.report.evaluate(B=b, L=l)
+            assert (real.peak_above_start, real.retained, real.optimizer_state) == \
+                (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
+    finally:
+        torch.set_num_threads(threads)

@@ -121,8 +121,16 @@ def test_eager_diagram_draws_lines_with_their_data_flow_and_folds_by_module():
     assert all(f">{name}<" in svg or name in every.source for name in allocating)
     assert every.source.count("->") > len(allocating) // 2  # lines connected by what they read
     assert "PEAK" in svg
+    # the DOT is wired: node ids are ids (eager names are file.py:12, which DOT reads as a port), every
+    # edge joins two drawn boxes, and most boxes are joined to another
+    node_id = r'("(?:[^"\\]|\\.)*"|[\w.]+)'
+    declared = set(re.findall(rf"^\s*{node_id} \[", every.source, re.M))
+    edges = re.findall(rf"^\s*{node_id} -> {node_id}[ \n]", every.source, re.M)
+    assert edges and all(a in declared and b in declared for a, b in edges), edges[:5]
+    joined = {x for edge in edges for x in edge}
+    assert len(joined) > 0.8 * len(declared), (len(joined), len(declared))
     grouped = report.diagram(dims, group="module").source
-    assert {"module model.layers.0", "module model.layers.1"} <= set(re.findall(r'"(module [\w.]+)"', grouped))
+    assert {"model.layers.0", "model.layers.1"} <= set(re.findall(r"<B>(model\.layers\.\d+)</B>", grouped))
     # a layer's box allocates what its lines allocate
     for layer in ("model.layers.0", "model.layers.1"):
         total = sum(report.at(s.bytes, **dims) for n in report.nodes if n.op == "line"

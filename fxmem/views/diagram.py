@@ -200,8 +200,12 @@ def _boxes(report: Any, group: str | None, depth: int | None, expand: str | None
             by_group[key] = _Box(f"module {key}", [(k, n)], key, classes.get(key, "module"))
             boxes.append(by_group[key])
     # a module holding a single node reads best as that node
-    return [_Box(b.nodes[0][1].name, b.nodes, b.nodes[0][1].name, node_kind(b.nodes[0][1], classes))
-            if len(b.nodes) == 1 else b for b in boxes]
+    boxes = [_Box(b.nodes[0][1].name, b.nodes, b.nodes[0][1].name, node_kind(b.nodes[0][1], classes))
+             if len(b.nodes) == 1 else b for b in boxes]
+    # DOT ids must not hold ':': eager mode's names are ``file.py:12``, which an edge statement reads
+    # as node ``file.py``, port ``12`` (every edge went to a phantom node named after the file). The
+    # id says ``file.py#L12``; the label keeps the name as written
+    return [dataclasses.replace(b, id=b.id.replace(":", "#L")) for b in boxes]
 
 
 def _module_classes(report: Any) -> dict[str, str]:
@@ -297,7 +301,8 @@ def _node_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
         rows.extend(_allocation_rows(n, report, num))
     if n.source is not None and n.op not in ("output",):
         code = code_lines(n.source.code, 56)
-        rows.append(_row(lines_html([f"{n.source}"] + code), size=8, color=INK_SOFT))
+        # on a white cell: grey on the heat fill of a large allocation (red at the peak) is unreadable
+        rows.append(_row(lines_html([f"{n.source}"] + code), size=8, color=INK_SOFT, bg="white"))
     return rows
 
 

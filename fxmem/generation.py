@@ -267,17 +267,34 @@ class TokenFormulas:
     def max_size(self, dim: str, budget: Any, **fixed: int) -> int:
         """The largest ``dim`` whose ``generate`` peak fits ``budget`` (bytes or "80GiB") with the
         other sizes ``fixed``; 0 when even 1 does not."""
-        from .accounting.budget import parse_bytes
+        from .accounting.budget import MaxSize, parse_bytes
+        from .views.text import format_bytes as fb
 
         limit = parse_bytes(budget)
         fits = lambda n: self.evaluate(**{**fixed, dim: n})["peak"] <= limit  # noqa: E731
-        # start where the formulas hold (PyTorch treats 1 apart): sizes below are analysed one by one
-        # only when that one does not fit (the peak grows with every dim)
+        # start where the formulas hold (PyTorch treats 1 apart); below, bisect (the peak grows with
+        # every dim): each size there may be an analysis of its own, so never walk them one by one
         plan = self.reports[5]._plan
         low = int(plan.region.lower.get(plan.symbols.get(dim), 1)) if dim in plan.symbols else 1
         low = max(1, low)
         if not fits(low):
-            return next((n for n in range(low - 1, 0, -1) if fits(n)), 0)
+            # the weights and inputs alone (a formula that holds at every size) may rule out every
+            # size: then no size below needs an analysis of its own
+            held = int(self.resident.subs({self.symbols[k]: v for k, v in {**fixed, dim: 1}.items()
+                                           if k in self.symbols}))
+            if held > limit:
+                return MaxSize.of(0, f"nothing fits: at {dim}=1 resident alone (parameters, buffers and inputs) "
+                                     f"needs {fb(held)}, over the budget of {fb(limit)}")
+            at_one = self.evaluate(**{**fixed, dim: 1})
+            if at_one["peak"] > limit:
+                return MaxSize.of(0, f"nothing fits: at {dim}=1 the peak is already {fb(at_one['peak'])}, over the "
+                                     f"budget of {fb(limit)}; resident alone (parameters, buffers and inputs) needs "
+                                     f"{fb(at_one['resident'])}")
+            lo, hi = 1, low  # fits(lo), not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            return lo
         hi = low
         while fits(hi * 2):
             hi *= 2

@@ -181,6 +181,12 @@ def test_max_batch_for_many_tokens_and_what_is_refused():
     assert formulas.evaluate(B=b, P=32, T=150)["peak"] > formulas.evaluate(B=b, P=32, T=30)["peak"]
     with pytest.raises(fxmem.SpecError, match="give exactly"):
         formulas.evaluate(B=2, P=64)
+    # a budget the weights alone exceed: 0 at once, with the reason, and no analysis at smaller sizes
+    weights = sum(p.nbytes for p in model.parameters())
+    for dim, fixed in (("B", dict(P=32)), ("P", dict(B=2))):
+        none = formulas.max_size(dim, weights - 1, T=150, **fixed)
+        assert none == 0 and "resident alone" in none.reason
+    assert formulas.reanalyses == 0 and not formulas._concrete
 
 
 @pytest.mark.slow  # ~150 s: 300 decode steps analysed, and run for real

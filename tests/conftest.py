@@ -118,31 +118,41 @@ def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes:
     ``num_threads=1`` is for kernels that allocate inside parallel regions (CPU flash attention's
     backward): the profiler only sees the calling thread's allocations, fxmem predicts them all.
     """
-    from fxmem.training import default_loss, train_step
+    from fxmem.training import default_loss
 
     loss = analyze_kw.get("loss") or default_loss
     analyze_kw.setdefault("check", False)  # the real steps below are the check (see check_against_real_run)
     with threads(num_threads):
         report = fxmem.analyze(model, *specs, optimizer=optimizer, **analyze_kw)
-        for dims in sizes:
-            xs = real_inputs(report, dims, makers)
-            opt = optimizer(model.parameters())
-            module = report.graph_module if report.mode == "graph" else model
-            train_step(module, xs, opt, loss)  # creates the optimizer state
-            m = measure(lambda: train_step(module, xs, opt, loss))
-            pred = report.evaluate(**dims)
-            measured = (m.peak_above_start, m.retained)
-            predicted = (pred["train_peak"] - pred["train_resident"], pred["train_retained"])
-            assert measured == predicted, (
-                f"{report.model_name} training step at {dims}: measured (peak above start, retained) = "
-                f"{measured}, fxmem predicted {predicted}"
-            )
-            state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
-                        if isinstance(t, torch.Tensor))
-            assert pred["optimizer_state"] == state, f"{report.model_name}: optimizer state bytes"
-            assert pred["train_resident"] == real_resident(model, xs, report.graph_module) + state, \
-                f"{report.model_name}: resident bytes of the training step"
+        check_steps_against_report(model, report, sizes, optimizer, makers=makers, loss=loss)
     return report
+
+
+def check_steps_against_report(model: torch.nn.Module, report: fxmem.Report, sizes: list[dict], optimizer,
+                               *, makers: Mapping[str, Callable] | None = None, loss: Callable | None = None) -> None:
+    """Run steady-state training steps of ``model`` for real at each of ``sizes`` and compare their
+    bytes with ``report``'s (peak above start, retained, optimizer state, resident)."""
+    from fxmem.training import default_loss, train_step
+
+    loss = loss or default_loss
+    for dims in sizes:
+        xs = real_inputs(report, dims, makers)
+        opt = optimizer(model.parameters())
+        module = report.graph_module if report.mode == "graph" else model
+        train_step(module, xs, opt, loss)  # creates the optimizer state
+        m = measure(lambda: train_step(module, xs, opt, loss))
+        pred = report.evaluate(**dims)
+        measured = (m.peak_above_start, m.retained)
+        predicted = (pred["train_peak"] - pred["train_resident"], pred["train_retained"])
+        assert measured == predicted, (
+            f"{report.model_name} training step at {dims}: measured (peak above start, retained) = "
+            f"{measured}, fxmem predicted {predicted}"
+        )
+        state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor))
+        assert pred["optimizer_state"] == state, f"{report.model_name}: optimizer state bytes"
+        assert pred["train_resident"] == real_resident(model, xs, report.graph_module) + state, \
+            f"{report.model_name}: resident bytes of the training step"
 
 
 # The CUDA-build phase of CI (scripts/test.sh) runs what only that build can check - CUDA simulated

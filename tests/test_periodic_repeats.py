@@ -14,12 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fxmem
-from conftest import check_training_against_real_run, real_inputs
+from conftest import check_steps_against_report, check_training_against_real_run
 from fxmem.capture import trace
-from fxmem.measure import measure
 from fxmem.simulation.repeats import find_chain, find_module_chain
-from fxmem.training import default_loss, train_step
 from test_repeats import REPEATED, TOKENS, assert_same, both
 
 ADAMW = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
@@ -102,13 +99,6 @@ def test_gemma2_alternating_layers_in_eager_mode():
     assert_same(fast, slow, 5)
     assert {"model.layers.5.self_attn", "model.layers.10.mlp"} <= {row.path for row in fast.modules()}
     # past the sliding window (8) and below it, on the allocator
-    for dims in ({"B": 2, "L": 5}, {"B": 3, "L": 19}):
-        torch.manual_seed(0)
-        xs = real_inputs(fast, dims, {"input_ids": lambda shape, sizes: torch.randint(0, 100, shape)})
-        opt = ADAMW(model.parameters())
-        train_step(model, xs, opt, default_loss)
-        m = measure(lambda: train_step(model, xs, opt, default_loss))
-        pred = fast.evaluate(**dims)
-        assert (m.peak_above_start, m.retained) == (pred["train_peak"] - pred["train_resident"],
-                                                    pred["train_retained"]), dims
+    check_steps_against_report(model, fast, [{"B": 2, "L": 5}, {"B": 3, "L": 19}], ADAMW,
+                               makers={"input_ids": lambda shape, sizes: torch.randint(0, 100, shape)})
     assert any(REPEATED in n for n in fast.notes)

@@ -129,9 +129,7 @@ def test_peft_lora_layers_naming_their_own_path_are_alike():
     ``kwargs``: a path that says where a layer sits, not what it runs. The layers are one chain, and
     the recording equals simulating every layer; a real step agrees at an unseen size."""
     peft = pytest.importorskip("peft")
-    from fxmem.measure import measure
-    from fxmem.training import default_loss, train_step
-    from conftest import real_inputs
+    from conftest import check_steps_against_report
     from test_repeats import TOKENS
 
     model = peft.get_peft_model(hf_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).base_model.model
@@ -140,10 +138,5 @@ def test_peft_lora_layers_naming_their_own_path_are_alike():
     assert chain is not None and chain.prefix == "model.layers" and chain.count == 6
     fast, slow = both(model, TOKENS, optimizer=ADAMW)
     assert_same(fast, slow, 6)
-    dims = {"B": 3, "L": 11}
-    xs = real_inputs(fast, dims, {"input_ids": lambda shape, sizes: torch.randint(0, 100, shape)})
-    opt = ADAMW([p for p in model.parameters() if p.requires_grad])
-    train_step(model, xs, opt, default_loss)
-    m = measure(lambda: train_step(model, xs, opt, default_loss))
-    pred = fast.evaluate(**dims)
-    assert (m.peak_above_start, m.retained) == (pred["train_peak"] - pred["train_resident"], pred["train_retained"])
+    check_steps_against_report(model, fast, [{"B": 3, "L": 11}], ADAMW,
+                               makers={"input_ids": lambda shape, sizes: torch.randint(0, 100, shape)})

@@ -463,6 +463,41 @@ class Report:
                               plan.rec.storages, plan.rec.steps, report.nodes, train=train, path=path,
                               meta={"model": self.model_name, "device": self.device, "dims": values})
 
+    def memory_viz(self, dims: Mapping[str, int] | None = None, path: str | None = None,
+                   train: bool | None = None) -> str:
+        """The predicted run as one self-contained HTML page: PyTorch memory_viz's active-memory
+        timeline of :meth:`snapshot` (one band per allocation, in bytes - 512-byte blocks on
+        ``device="cuda"`` - over the run's events, with its peak and source lines), drawn as a
+        static SVG that needs no network and no script; the page also carries the snapshot (JSON,
+        and the pickle pytorch.org/memory_viz opens). ``dims``: the sizes (default: the example
+        sizes); ``train``: the training step (default: when the analysis had ``optimizer=``), else
+        the forward; ``path``: also written there. Returns the HTML. See :mod:`fxmem.views.memory_viz`.
+
+        >>> html = report.memory_viz({"B": 4, "N": 500}, path="gat.html")   # doctest: +SKIP
+        """
+        from .views.memory_viz import memory_viz_page
+        from .errors import FxMemError
+
+        if dims is not None and not isinstance(dims, Mapping):
+            raise SpecError(f"memory_viz(dims=...): expected a dict of sizes such as {{'B': 4}}, "
+                            f"got {type(dims).__name__}")
+        if path is not None and not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+            raise SpecError(f"memory_viz(path=...): expected a file name for the .html page, got {type(path).__name__}")
+        if train is not None and not isinstance(train, bool):
+            raise SpecError(f"memory_viz(train=...): expected True (the training step), False (the forward) "
+                            f"or None (the training step when analysed with optimizer=), got {train!r}")
+        if train and not self.training:
+            raise SpecError("memory_viz(train=True) needs a training step: analyse with optimizer=..., "
+                            "or pass train=False for the forward")
+        page = memory_viz_page(self.snapshot(dims, train=self.training if train is None else train))
+        if path is not None:
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(page)
+            except OSError as exc:
+                raise FxMemError(f"memory_viz(path={path!r}): cannot write the page: {exc.strerror or exc}") from exc
+        return page
+
     def summary(self, dims: Mapping[str, int] | None = None, full: bool = False) -> str:
         """The headline formulas (and numbers at ``dims``) as text.
 
@@ -479,42 +514,55 @@ class Report:
         return views.summary(report, evaluation, dims=dict(dims), full=full, asked_of=self)
 
     def diagram(self, dims: Mapping[str, int] | None = None, group: str | None = "auto",
-                depth: int | None = None) -> views.Figure:
+                depth: int | None = None, train: bool | None = None) -> views.Figure:
         """The fx graph as a ``graphviz.Digraph``, coloured by live bytes, the peak marked.
 
         Without ``dims`` labels are formulas (bytes) and colours are at ``hints``; with ``dims``
         they are numbers. ``group="module"`` collapses each module (``blocks.3``) into one box;
         the default ``"auto"`` does so for graphs of more than 60 nodes, leaving the peak's module
-        open; ``group=None`` draws every node.
-        See :mod:`fxmem.views.diagram`.
+        open; ``group=None`` draws every node. ``train``: the training step (the default where the
+        analysis has one, ``optimizer=``): its phases drawn after the forward and its peak,
+        ``train_peak``, marked where it happens (in the backward of a node: on that node's box);
+        ``train=False``: the forward and its ``peak``. See :mod:`fxmem.views.diagram`.
 
         >>> report.diagram().save("gat.svg")                       # doctest: +SKIP
         """
-        return views.diagram(*self._at(dims or None), concrete=bool(dims), group=group, depth=depth)
+        train = views.figure.training_view(train, self.training, "diagram")
+        report, evaluation = self._at(dims or None)
+        step = report._plan.step_liveness(
+            {report.symbols[k]: v for k, v in evaluation.liveness.dims.items()}) if train else None
+        return views.diagram(report, evaluation, concrete=bool(dims), group=group, depth=depth, step=step)
 
-    def timeline(self, dims: Mapping[str, int] | None = None) -> views.Chart:
+    def timeline(self, dims: Mapping[str, int] | None = None, train: bool | None = None) -> views.Chart:
         """Bytes live over the forward, and one bar per tensor from its allocation to its free, at
-        ``dims`` (a matplotlib chart; see :mod:`fxmem.views.timeline`).
+        ``dims`` (a matplotlib chart; see :mod:`fxmem.views.timeline`). ``train``: over the whole
+        training step, phases marked, its peak ``train_peak`` on the dashed line (the default where
+        the analysis has one, ``optimizer=``); ``train=False``: the forward alone.
 
         >>> report.timeline({"B": 4, "N": 500}).save("gat_timeline.png")   # doctest: +SKIP
         """
+        train = views.figure.training_view(train, self.training, "timeline")
         if not dims and self.symbols:
             raise SpecError(f"the timeline draws bytes at concrete sizes: give them, e.g. "
                             f"timeline(dims={{{', '.join(f'{k!r}: ...' for k in sorted(self.symbols))}}})")
-        return views.timeline(*self._at(dims or None, check=True))
+        report, evaluation = self._at(dims or None, check=True)
+        step = report._plan.step_liveness(
+            {report.symbols[k]: v for k, v in evaluation.liveness.dims.items()}) if train else None
+        return views.timeline(report, evaluation, step=step)
 
     def render(self, path: str, what: str = "diagram", dims: Mapping[str, int] | None = None,
-               group: str | None = "auto") -> str:
+               group: str | None = "auto", train: bool | None = None) -> str:
         """Write the diagram (``what="timeline"``: the timeline, which needs ``dims``) to ``path``; SVG,
-        PNG or PDF by extension.
+        PNG or PDF by extension. ``train`` as in :meth:`diagram`: the training step by default where
+        the analysis has one.
 
         >>> report.render("gat.png", dims={"B": 4, "N": 500})        # doctest: +SKIP
         'gat.png'
         """
         if what == "diagram":
-            return self.diagram(dims, group=group).save(path)
+            return self.diagram(dims, group=group, train=train).save(path)
         if what == "timeline":
-            return self.timeline(dims).save(path)
+            return self.timeline(dims, train=train).save(path)
         raise SpecError(f"render(what={what!r}): use what='diagram' or what='timeline'")
 
     def to_dict(self) -> dict:

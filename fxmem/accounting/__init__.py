@@ -9,7 +9,7 @@ peak readable; :mod:`.budget` finds the largest size that fits.
 """
 from .budget import max_size, parse_bytes
 from .plan import CUDA_BLOCK, FORMULA_KEYS, TRAIN_KEYS, Evaluation, MemoryPlan, cuda_block_bytes
-from .replay import Liveness
+from .replay import Liveness, StepColumn, StepLiveness
 
 __all__ = ["MemoryPlan", "Evaluation", "Liveness", "max_size", "parse_bytes", "cuda_block_bytes", "CUDA_BLOCK",
-           "FORMULA_KEYS", "TRAIN_KEYS"]
+           "FORMULA_KEYS", "TRAIN_KEYS", "StepLiveness", "StepColumn"]

@@ -29,7 +29,7 @@ from ..specs import dim_symbol
 from . import cuda_blocks
 from .cuda_blocks import AllocatorConfig, block_slack
 from .compiled import compile_conditions, compile_terms
-from .replay import Liveness, liveness, walk
+from .replay import Liveness, StepLiveness, liveness, step_liveness, walk
 from .symbolic import Evaluator, Region, add_terms, build_max, evaluate, max_of, terms, to_expr
 
 CUDA_BLOCK = 512  # bytes; the caching allocator rounds every block up to a multiple of this
@@ -446,6 +446,22 @@ class MemoryPlan:
         marks = [k for k, e in enumerate(events) if e[0] == "mark"]
         forward = marks[0] if marks else len(events)
         return [e for e in events if e[0] != "mark"], forward
+
+    def step_liveness(self, values: Mapping[sympy.Symbol, int]) -> StepLiveness:
+        """The training step's live bytes at ``values``, stretch by stretch (forward nodes, each
+        node's backward, the optimizer step ...): from :meth:`trace`, so its peak is ``train_peak``.
+        ``resident`` is ``train_resident`` (optimizer state included). Bytes throughout.
+
+        >>> plan.step_liveness({B: 4}).peak == plan.evaluate({B: 4})["train_peak"]   # doctest: +SKIP
+        True
+        """
+        if not self.training:
+            raise ValueError("step_liveness() needs a recording of a training step (optimizer=)")
+        events, _ = self.trace(values)
+        block = self.bytes_at(values)
+        resident = sum(block[s.index] for s in self.rec.storages if s.step is None)  # optimizer state too
+        dims = {str(k): int(v) for k, v in values.items()}
+        return step_liveness(events, self.rec.steps, dims, resident, block)
 
     def bytes_at(self, values: Mapping[sympy.Symbol, int]) -> list[int]:
         """Each storage's bytes at ``values``, as the walks count them (on CUDA, 512-byte blocks)."""

@@ -131,3 +131,102 @@ def liveness(nodes: list, steps: list, w: Walk, dims: dict, resident: int, sizes
     peak_live = max(peak_live, 0)
     return Liveness(dict(dims), resident, resident + peak_live, peak_live,
                     None if peak_step is None else steps[peak_step].node, high, after, list(sizes))
+
+
+@dataclasses.dataclass
+class StepColumn:
+    """One stretch of a training step: consecutive aten calls of one recorded node in one phase.
+
+    ``node`` is an fx node or source line (forward), ``"<node> (backward)"`` (its backward), or a
+    phase's own name (``loss``, ``optimizer.step``, ``zero_grad``); ``phase`` a
+    :class:`~fxmem.records.Phase` value. ``high``/``after``: activation bytes live (above the
+    step's resident bytes) at most while it runs and when it ends.
+    """
+
+    node: str
+    phase: str
+    high: int
+    after: int
+
+    @property
+    def forward_node(self) -> str:
+        """The forward node this stretch belongs to: ``conv (backward)`` -> ``conv``."""
+        return forward_node_of(self.node)
+
+
+BACKWARD_SUFFIX = " (backward)"  # how the simulation names the backward of fx node X: "X (backward)"
+
+
+def forward_node_of(name: str) -> str:
+    """The node whose backward a recorded node name is (``conv (backward)`` -> ``conv``), else the name.
+
+    >>> forward_node_of("conv (backward)"), forward_node_of("relu")
+    ('conv', 'relu')
+    """
+    return name[:-len(BACKWARD_SUFFIX)] if name.endswith(BACKWARD_SUFFIX) else name
+
+
+@dataclasses.dataclass
+class StepLiveness:
+    """Live bytes over a whole training step (forward, loss, backward, optimizer step, zero_grad)
+    at concrete ``dims``: the training-step counterpart of :class:`Liveness`.
+
+    ``resident`` is the step's resident bytes (parameters, buffers, inputs and optimizer state:
+    ``train_resident``); ``peak`` the absolute peak (``train_peak``), reached while
+    ``columns[peak_column]`` runs. ``born``/``died`` map a storage to the column that allocates it
+    and the column by whose end it is freed (absent: alive when the step ends). Bytes throughout.
+
+    >>> step = plan.step_liveness({B: 4})             # doctest: +SKIP
+    >>> step.peak_phase, step.peak_node                # doctest: +SKIP
+    ('backward', 'conv1 (backward)')
+    """
+
+    dims: dict
+    resident: int
+    peak: int
+    peak_above_resident: int
+    peak_column: int | None
+    columns: list  # [StepColumn], in execution order
+    born: dict
+    died: dict
+    sizes: list  # per storage: bytes (rounded to allocator blocks on CUDA)
+    final: int  # activation bytes live when the step ends
+
+    @property
+    def peak_node(self) -> str | None:
+        """The recorded node during which the step's peak happens (``X (backward)`` in a backward)."""
+        return None if self.peak_column is None else self.columns[self.peak_column].node
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase of the step's peak: ``forward``, ``loss``, ``backward``, ``optimizer.step`` ..."""
+        return None if self.peak_column is None else self.columns[self.peak_column].phase
+
+
+def step_liveness(events: list, steps: list, dims: dict, resident: int, sizes: list) -> StepLiveness:
+    """Attribute a training step's allocations and frees (``MemoryPlan.trace``'s ``events``, in
+    bytes) to columns of consecutive calls of one node and phase. A free between two calls counts
+    for the column before it (the node by whose end the storage was gone). The peak is the first
+    moment the running sum is largest, as ``max`` over the walk's candidates finds it."""
+    columns: list[StepColumn] = []
+    born: dict[int, int] = {}
+    died: dict[int, int] = {}
+    live = peak = 0
+    peak_column = None
+    for action, what, nbytes, step in events:
+        if step is not None:
+            node, phase = steps[step].node, str(steps[step].phase)
+            if not columns or (columns[-1].node, columns[-1].phase) != (node, phase):
+                columns.append(StepColumn(node, phase, live, live))
+        live += nbytes if action == "alloc" else -nbytes
+        if not columns:  # nothing allocated yet: a free of what the step did not make changes no column
+            continue
+        here = len(columns) - 1
+        if isinstance(what, int):
+            (born if action == "alloc" else died)[what] = here
+        if action == "alloc" and live > peak:
+            peak, peak_column = live, here
+        columns[-1].high = max(columns[-1].high, live)
+        columns[-1].after = live
+    return StepLiveness(dict(dims), resident, resident + peak, peak, peak_column, columns, born, died,
+                        list(sizes), live)

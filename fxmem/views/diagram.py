@@ -16,6 +16,14 @@ module (``blocks.3``, ``encoder.layer.0`` ...), so a 12-block transformer stays 
 (``group="auto"``) a graph of more than :data:`FOLD_NODES` nodes is drawn so, with the module where
 the peak happens drawn node by node (``group=None`` draws every node).
 
+With ``step`` (a :class:`~fxmem.accounting.StepLiveness`: the default for an analysis made with
+``optimizer=``) the drawing is of the training step: the forward's nodes as above, then one box
+per phase after it (the loss, ``backward()``, ``optimizer.step()``, ``zero_grad``) joined by dashed
+edges, and the banner marks the step's peak (``train_peak``) where it happens. A peak in the
+backward of node X is marked on X's box ("TRAINING-STEP PEAK in the backward of X"), the
+``backward()`` box saying so too; a peak in the loss or the optimizer step on that phase's box.
+The backward's own nodes are not drawn one by one: they mirror the forward's.
+
 >>> fig = diagram(report, report.evaluate(B=4, N=500), concrete=True)    # doctest: +SKIP
 >>> fig.save("gat.svg")                           # doctest: +SKIP
 'gat.svg'
@@ -27,18 +35,39 @@ from typing import Any
 
 import sympy
 
-from ..accounting import Evaluation, Liveness
+from ..accounting import Evaluation, Liveness, StepLiveness
 from ..accounting.symbolic import evaluate
 from ..errors import SpecError
 from ..records import Node, Storage
-from .figure import (FONT, INK_SOFT, OUTPUT, PEAK, RESIDENT, SAVED, Figure, esc, heat, heat_bins, ink,
-                     lines_html)
+from .figure import (FONT, INK_SOFT, OUTPUT, PEAK, PHASE_TEXT, RESIDENT, SAVED, Figure, esc, heat, heat_bins, ink,
+                     lines_html, step_peak_text)
 from .text import code_lines, dims_text, format_bytes, formula_text, node_inputs, node_kind, storage_text, wrap
 
 GROUPS = (None, "module", "auto")
 FOLD_NODES = 60  # "auto": a graph with more nodes than this folds into modules
 GAUGE_W = 150  # points: the live-bytes gauge at the peak
 SMALL = 1024  # bytes: constant-size tensors below this (a Python number as a tensor) share one row
+STEP_PHASES = ("loss", "backward", "optimizer.step", "zero_grad")  # drawn as boxes after the forward
+PHASE_FILL = "#f2f0f7"
+
+
+@dataclasses.dataclass
+class _Peak:
+    """The peak a drawing marks: the forward's (``phase`` None) or the training step's.
+
+    ``node``: the fx node (or line) whose box carries the banner (None: on no forward box - not
+    marked, or in a phase without one); ``at``: the node it happens at, marked or not (which
+    module stays open when folding); ``where``: in words; ``lines``: the banner; ``tip``: the
+    exact formula for the tooltip.
+    """
+
+    node: str | None
+    at: str | None
+    phase: str | None
+    where: str
+    lines: list
+    tip: str
+    marked: bool
 
 
 @dataclasses.dataclass
@@ -86,7 +115,7 @@ class _Numbers:
 
 
 def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | None = None,
-            depth: int | None = None) -> Figure:
+            depth: int | None = None, step: StepLiveness | None = None) -> Figure:
     """The fx graph of ``report`` as a :class:`~.figure.Figure` (a ``graphviz.Digraph``).
 
     ``evaluation``: the numbers at ``dims`` (``concrete``); without ``concrete`` labels are
@@ -95,6 +124,8 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     ``group="module"``: one box per module, cut at the first numbered level (``blocks.3``) or at
     ``depth`` components of the module path; nodes at top level stay as they are.
     Byte counts are bytes; live bytes are above resident (parameters, buffers, inputs).
+    ``step``: the training step's live bytes at the same dims; the drawing is then of the step and
+    marks its peak (``train_peak``, see the module docstring).
     """
     if report.graph_module is None and getattr(report, "module_calls", None) is None:
         raise SpecError("this report has no graph to draw (an analysis of a user step=); use "
@@ -104,22 +135,24 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
                         f"nodes into modules), None (every node) or 'module'")
     live = evaluation.liveness
     num = _Numbers(report, live, concrete=concrete)
-    peak_node = live.peak_node if concrete or not report.peak.has(sympy.Max) else None
+    peak = _forward_peak(report, live, concrete) if step is None else _step_peak(report, step, concrete)
+    peak_node = peak.node
     expand = None
     if group == "auto":
         group = None
         drawn = [n for n in report.nodes if n.name in _forward_names(report) and not is_size_arithmetic(n)]
         if len(drawn) > FOLD_NODES and any(n.module for n in drawn):
             group = "module"  # the peak's module (at the sizes given, else the example sizes) stays open
-            at = next((n for n in report.nodes if n.name == live.peak_node), None)
+            at = next((n for n in report.nodes if n.name == peak.at), None)
             expand = module_group(at.module, depth) if at is not None and at.module else None
     fig = Figure(name=report.model_name, graph_attr=dict(
         rankdir="TB", nodesep="0.3", ranksep="0.35", fontname=FONT, labelloc="t", tooltip=report.model_name,
-        label=_title(report, evaluation, num, peak_node)),
+        label=_title(report, evaluation, num, peak, step)),
         node_attr=dict(shape="box", style="filled,rounded", fontname=FONT, fontsize="11", margin="0.08,0.05",
                        penwidth="1", color="#888888", fillcolor="white"),
         edge_attr=dict(fontname=FONT, fontsize="9", fontcolor=INK_SOFT, color="#666666", arrowsize="0.6"))
     fig.dims, fig.peak_node = (dict(live.dims) if concrete else {}), peak_node
+    fig.peak_phase = peak.phase if peak.marked else None
     if group:  # keep sibling blocks left to right in execution order (ungrouped, dot's own order reads better)
         fig.graph_attr["ordering"] = "out"
     position = {n.name: k for k, n in enumerate(report.nodes)}
@@ -127,7 +160,7 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
     boxes = _boxes(report, group, depth, expand)
     box_of = {n.name: b for b in boxes for _, n in b.nodes}
     for box in boxes:
-        _draw_box(fig, box, report, num, peak_node)
+        _draw_box(fig, box, report, num, peak)
     seen = set()
     for box in boxes:
         for _, n in box.nodes:
@@ -138,7 +171,97 @@ def diagram(report: Any, evaluation: Evaluation, concrete: bool, group: str | No
                 seen.add((src, box.id))
                 carried = num.tensor(report.nodes[position[src]])
                 fig.edge(tail.id, box.id, label=f" {carried}" if carried else "", tooltip=f"{src} -> {n.name}")
+    if step is not None and boxes:
+        _draw_phases(fig, _last_box(boxes), report, evaluation, step, num, peak)
     return fig
+
+
+# --- peaks --------------------------------------------------------------------------------------
+def _forward_peak(report: Any, live: Liveness, concrete: bool) -> _Peak:
+    """The forward's peak; marked at dims, or without them where it is in one node at every size
+    (the peak formula has no ``Max``)."""
+    marked = concrete or not report.peak.has(sympy.Max)
+    lines = wrap(f"PEAK  {formula_text(report.peak)}", 46)
+    if concrete:
+        lines += [f"= {live.peak:,} B ({format_bytes(live.peak)})", f"at {dims_text(live.dims)}"]
+    else:
+        lines += ["(here for all sizes)"]
+    where = f"in node {live.peak_node}" if live.peak_node else ""
+    return _Peak(live.peak_node if marked else None, live.peak_node, None, where, lines,
+                 f"peak = {report.peak} B; ", marked)
+
+
+def _step_peak(report: Any, step: StepLiveness, concrete: bool) -> _Peak:
+    """The training step's peak (``train_peak``, bytes): on the box of the forward node in whose
+    forward or backward it happens; None (a phase box carries it) in the loss or optimizer step."""
+    column = step.columns[step.peak_column] if step.peak_column is not None else None
+    own = column.forward_node if column is not None and column.phase in ("forward", "backward") else None
+    if own is not None and own not in _forward_names(report):
+        own = None  # the backward of something the drawing has no box for: the backward() box says it
+    module = next((n.module for n in report.nodes if n.name == own), "") if report.graph_module is None else ""
+    where = step_peak_text(column and column.node, column and column.phase, own, module)
+    marked = concrete or not report.train_peak.has(sympy.Max)
+    lines = [f"TRAINING-STEP PEAK {where}"] + wrap(f"train_peak  {formula_text(report.train_peak)}", 46)
+    if concrete:
+        lines += [f"= {step.peak:,} B ({format_bytes(step.peak)})", f"at {dims_text(step.dims)}"]
+    else:
+        lines += ["(here for all sizes)"]
+    return _Peak(own if marked else None, own, column.phase if column else None, where, lines,
+                 f"train_peak = {report.train_peak} B ({where}); ", marked)
+
+
+# --- the training step's phases -----------------------------------------------------------------
+def _last_box(boxes: list) -> Any:
+    """The box the step's phases follow: the output's, else the last in execution order."""
+    return next((b for b in boxes if any(n.op == "output" for _, n in b.nodes)),
+                max(boxes, key=lambda b: b.nodes[-1][0]))
+
+
+def _draw_phases(fig: Figure, after: Any, report: Any, evaluation: Evaluation, step: StepLiveness,
+                 num: _Numbers, peak: _Peak) -> None:
+    """One box per phase after the forward, chained by dashed edges from the forward's last box."""
+    tail = after.id
+    for phase in STEP_PHASES:
+        columns = [c for c in step.columns if c.phase == phase]
+        if not columns and phase == "zero_grad":
+            continue  # zero_grad(set_to_none=True) allocates nothing: no box to say so
+        box_id = "phase_" + phase.replace(".", "_")
+        here = peak.phase == phase and peak.marked
+        rows = ([_row(lines_html(peak.lines), size=10, color="white", bg=PEAK, bold=True)]
+                if here and peak.node is None else [])
+        rows.append(f'<TR><TD ALIGN="LEFT"><FONT POINT-SIZE="12"><B>{esc(PHASE_TEXT[phase])}</B></FONT></TD>'
+                    f'<TD ALIGN="RIGHT"><FONT POINT-SIZE="10" COLOR="{INK_SOFT}">training step</FONT></TD></TR>')
+        rows.extend(_phase_rows(phase, columns, report, evaluation, step, num))
+        if here and peak.node is not None:
+            rows.append(_row(esc(f"the step's peak happens here, {peak.where} (marked on its box)"), bold=True))
+        attrs = dict(color=PEAK, penwidth="3.5") if here else {}
+        fig.node(box_id, label=_table(rows), fillcolor=PHASE_FILL, style="filled,rounded,dashed" if not here else
+                 "filled,rounded", tooltip=(peak.tip if here else "") + PHASE_TEXT[phase], **attrs)
+        fig.edge(tail, box_id, style="dashed", tooltip=f"then {PHASE_TEXT[phase]}")
+        tail = box_id
+
+
+def _phase_rows(phase: str, columns: list, report: Any, evaluation: Evaluation, step: StepLiveness,
+                num: _Numbers) -> list[str]:
+    """What a phase box says: the backward's gradients, the optimizer's state, and (at dims) the
+    most activation bytes live while the phase runs."""
+    rows = []
+    if phase == "backward":
+        ops = len({c.forward_node for c in columns})
+        rows.append(_row(esc(f"the backward of {ops} node{'s' if ops != 1 else ''}, in reverse order"),
+                         color=INK_SOFT))
+        grads = format_bytes(evaluation["grads"]) if num.concrete else formula_text(report.grads)
+        rows.append(_row(lines_html(wrap(f"allocates gradients {grads}", 46))))
+    if phase == "optimizer.step":
+        state = format_bytes(evaluation["optimizer_state"]) if num.concrete else formula_text(report.optimizer_state)
+        rows.append(_row(lines_html(wrap(f"optimizer state {state} (resident through the step)", 46))))
+    if not columns:
+        rows.append(_row(esc("allocates nothing"), color=INK_SOFT))
+    elif num.concrete:
+        high = max(c.high for c in columns)
+        rows.append(_row(esc(f"live up to {format_bytes(step.resident + high)} "
+                             f"(resident {format_bytes(step.resident)} + {format_bytes(high)})"), size=9))
+    return rows
 
 
 # --- boxes --------------------------------------------------------------------------------------
@@ -226,12 +349,12 @@ def _module_classes(report: Any) -> dict[str, str]:
 
 
 # --- labels -------------------------------------------------------------------------------------
-def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str | None) -> None:
+def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak: _Peak) -> None:
     nodes = [n for _, n in box.nodes]
     allocations = [s for n in nodes for s in n.allocations]
-    has_peak = peak_node in {n.name for n in nodes}
+    has_peak = peak.node is not None and peak.node in {n.name for n in nodes}
     fill = heat(num.size_of(allocations), num.live.peak_above_resident) if num.concrete and allocations else "white"
-    attrs: dict[str, str] = dict(fillcolor=fill, tooltip=_tooltip(report, nodes, has_peak))
+    attrs: dict[str, str] = dict(fillcolor=fill, tooltip=(peak.tip if has_peak else "") + _tooltip(nodes))
     if has_peak:
         attrs.update(color=PEAK, penwidth="3.5")
     single = nodes[0] if len(nodes) == 1 else None
@@ -241,20 +364,19 @@ def _draw_box(fig: Figure, box: _Box, report: Any, num: _Numbers, peak_node: str
         attrs.update(fillcolor=OUTPUT, shape="box", style="filled")
     rows = []
     if has_peak:
-        rows.append(_peak_row(report, num))
+        rows.append(_row(lines_html(peak.lines), size=10, color="white", bg=PEAK, bold=True))
     rows.append(_header_row(box))
     if single is not None:
         rows.extend(_node_rows(single, report, num))
     else:
-        rows.extend(_group_rows(nodes, box, num))
+        rows.extend(_group_rows(nodes, box, num, peak))
     if single is None or single.op not in ("placeholder", "get_attr"):
         rows.extend(_gauge_rows(box, num))
     fig.node(box.id, label=_table(rows), **attrs)
 
 
-def _tooltip(report: Any, nodes: list[Node], has_peak: bool) -> str:
-    tip = "; ".join(f"{n.name}: allocates {n.allocated} B, live after {n.live_after} B" for n in nodes[:20])
-    return (f"peak = {report.peak} B; " if has_peak else "") + tip
+def _tooltip(nodes: list[Node]) -> str:
+    return "; ".join(f"{n.name}: allocates {n.allocated} B, live after {n.live_after} B" for n in nodes[:20])
 
 
 def _table(rows: list[str]) -> str:
@@ -276,15 +398,6 @@ def _header_row(box: _Box) -> str:
     # name and op in cells of their own: renderers that drop repeated spaces cannot run them together
     return (f'<TR><TD ALIGN="LEFT"><FONT POINT-SIZE="12"><B>{esc(box.title)}</B></FONT></TD>'
             f'<TD ALIGN="RIGHT"><FONT POINT-SIZE="10" COLOR="{INK_SOFT}">{kind} {step}</FONT></TD></TR>')
-
-
-def _peak_row(report: Any, num: _Numbers) -> str:
-    formula = wrap(f"PEAK  {formula_text(report.peak)}", 46)
-    if num.concrete:
-        lines = formula + [f"= {num.live.peak:,} B ({format_bytes(num.live.peak)})", f"at {dims_text(num.live.dims)}"]
-    else:
-        lines = formula + ["(here for all sizes)"]
-    return _row(lines_html(lines), size=10, color="white", bg=PEAK, bold=True)
 
 
 def _node_rows(n: Node, report: Any, num: _Numbers) -> list[str]:
@@ -335,17 +448,18 @@ def _small(s: Storage) -> bool:
     return not getattr(s.bytes, "free_symbols", None) and int(s.bytes) < SMALL
 
 
-def _group_rows(nodes: list[Node], box: _Box, num: _Numbers) -> list[str]:
+def _group_rows(nodes: list[Node], box: _Box, num: _Numbers, peak: _Peak) -> list[str]:
     allocations = [s for n in nodes for s in n.allocations]
     kept = [s for s in allocations if s.saved_by and s.kept_after_forward]
     rows = [_row(esc(f"{len(nodes)} nodes"), size=9, color=INK_SOFT),
             _row(lines_html(wrap(f"allocates {num.storages(allocations)}", 46)), size=11, bold=True)]
     if kept:
         rows.append(_row(lines_html(wrap(f"kept for backward {num.storages(kept)}", 46)), bg=SAVED))
-    peak = next((n for n in nodes if n.name == num.live.peak_node), None) if num.concrete else None
-    if peak is not None:
-        rows.append(_row(esc(f"peak inside, at node {peak.name}" + (f" ({peak.source})" if peak.source else "")),
-                         bold=True))
+    inside = next((n for n in nodes if n.name == peak.node), None) if num.concrete else None
+    if inside is not None:
+        text = (f"peak inside, at node {inside.name}" if peak.phase is None
+                else f"the step's peak inside, {peak.where}")
+        rows.append(_row(esc(text + (f" ({inside.source})" if inside.source else "")), bold=True))
     return rows
 
 
@@ -372,17 +486,27 @@ def _gauge_rows(box: _Box, num: _Numbers) -> list[str]:
             _row(esc(text), size=8, color=INK_SOFT)]
 
 
-def _title(report: Any, evaluation: Evaluation, num: _Numbers, peak_node: str | None) -> str:
+def _title(report: Any, evaluation: Evaluation, num: _Numbers, peak: _Peak, step: StepLiveness | None) -> str:
     live = evaluation.liveness
-    mode = "training (autograd records)" if report.grad else "inference"
+    if step is not None:
+        mode = "training step: forward, backward(), optimizer.step()"
+        keys = ("train_peak", "train_resident", "grads", "optimizer_state", "peak")
+    else:
+        mode = "forward (autograd records, as in training)" if report.grad else "inference"
+        keys = ("peak", "resident", "retained", "saved")
     head = f"<B>{esc(report.model_name)}</B>  ·  {esc(mode)}  ·  {esc(report.device)}"
     values = evaluation if num.concrete else {}
-    formulas = [f"{k} = {formula_text(getattr(report, k))}" + (f"  = {format_bytes(values[k])}" if values else "")
-                for k in ("peak", "resident", "retained", "saved")]
+    names = {"peak": "peak (the forward alone)"} if step is not None else {}
+    formulas = [f"{names.get(k, k)} = {formula_text(getattr(report, k))}"
+                + (f"  = {format_bytes(values[k])}" if values else "") for k in keys]
     if num.concrete:
+        share = "the forward's peak's" if step else "the peak's"
         explain = (f"at {dims_text(live.dims)}: fill = bytes the node allocates; blue rows = tensors kept for "
-                   f"backward; grey bar = activations live after the node (share of the peak's "
+                   f"backward; grey bar = activations live after the node (share of {share} "
                    f"{format_bytes(live.peak_above_resident)} above the resident {format_bytes(live.resident)})")
+        if step is not None:
+            explain = (f"the training step's peak train_peak = {step.peak:,} B ({format_bytes(step.peak)}) happens "
+                       f"{peak.where}. " + explain + "; dashed boxes: the step's phases after the forward")
         legend = "".join(f'<TD BGCOLOR="{c}" WIDTH="58"><FONT POINT-SIZE="8" COLOR="{ink(c)}">'
                          f"{esc(format_bytes(hi))}</FONT></TD>" for c, _, hi in heat_bins(live.peak_above_resident))
         scale = (f'<TR><TD ALIGN="LEFT"><TABLE BORDER="0" CELLSPACING="1" CELLPADDING="2"><TR>'
@@ -390,8 +514,9 @@ def _title(report: Any, evaluation: Evaluation, num: _Numbers, peak_node: str | 
                  f'<TD BGCOLOR="{SAVED}"><FONT POINT-SIZE="8"> kept for backward </FONT></TD>'
                  f'<TD BGCOLOR="{RESIDENT}"><FONT POINT-SIZE="8"> resident </FONT></TD></TR></TABLE></TD></TR>')
     else:
-        where = (f"the peak happens in node {peak_node} at every size" if peak_node else
-                 "where the peak happens depends on the sizes (the peak is a Max)")
+        what = "the training step's peak (train_peak)" if step is not None else "the peak"
+        where = (f"{what} happens {peak.where} at every size" if peak.node or (peak.marked and step is not None)
+                 else f"where {what} happens depends on the sizes (it is a Max)")
         explain = (f"sizes are formulas in bytes; blue rows = tensors kept for backward; {where}. "
                    f"For numbers, a colour scale and the live bytes: diagram(dims=...)")
         scale = ""

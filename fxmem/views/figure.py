@@ -39,11 +39,14 @@ class Figure(graphviz.Digraph):
     """A graphviz Digraph with ``save(path)`` by extension and notebook display (SVG).
 
     ``dims`` are the sizes its numbers and colours were computed at (bytes everywhere);
-    ``peak_node`` is the fx node holding the peak there.
+    ``peak_node`` is the fx node holding the peak there (in a drawing of the training step, the
+    node in whose forward or backward the step's peak happens); ``peak_phase`` the phase of the
+    training step it happens in (None for a drawing of the forward).
     """
 
     dims: dict = {}
     peak_node: str | None = None
+    peak_phase: str | None = None
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the figure to ``path``: ``.svg``, ``.png``, ``.pdf`` (rendered by ``dot``) or ``.gv``/``.dot``."""
@@ -80,6 +83,47 @@ def output_format(path: str) -> str | None:
     if ext not in FORMATS:
         raise SpecError(f"cannot write {os.fspath(path)!r}: name it with one of {', '.join(FORMATS)}")
     return FORMATS[ext]
+
+
+def training_view(train: bool | None, training: bool, view: str) -> bool:
+    """Whether a picture draws the whole training step, from a view's ``train=`` option: the
+    default (None) does where the analysis has one (``optimizer=``), ``False`` draws the forward
+    alone, ``True`` without a training step is a :class:`SpecError`.
+
+    >>> training_view(None, True, "diagram"), training_view(False, True, "timeline")
+    (True, False)
+    """
+    if train is not None and not isinstance(train, bool):
+        raise SpecError(f"{view}(train={train!r}): use True (the training step), False (the forward) or leave it "
+                        f"out (the training step when the analysis has one)")
+    if train and not training:
+        raise SpecError(f"{view}(train=True) draws the training step, and this analysis has none: analyse with "
+                        f"optimizer=... (or leave train= out to draw the forward)")
+    return training if train is None else train
+
+
+PHASE_TEXT = {"forward": "the forward", "loss": "the loss", "backward": "backward()",
+              "optimizer.step": "optimizer.step()", "zero_grad": "optimizer.zero_grad()", "return": "the step's return"}
+
+
+def step_peak_text(node: str | None, phase: str | None, forward_node: str | None, module: str = "") -> str:
+    """Where a training step's peak happens, in words: ``in the backward of conv``, ``in the
+    forward, at node relu``, ``in optimizer.step()``; ``module``: the node's module path, said
+    after it (eager mode's nodes are source lines).
+
+    >>> step_peak_text("conv (backward)", "backward", "conv")
+    'in the backward of conv'
+    >>> step_peak_text("modeling_llama.py:164 (backward)", "backward", "modeling_llama.py:164", "model.layers.0.mlp")
+    'in the backward of modeling_llama.py:164 (model.layers.0.mlp)'
+    """
+    if phase is None:
+        return "nowhere (the step allocates nothing)"
+    within = f" ({module})" if module else ""
+    if phase == "backward" and forward_node and forward_node != node:
+        return f"in the backward of {forward_node}{within}"
+    if phase == "forward" and node:
+        return f"in the forward, at node {node}{within}"
+    return f"in {PHASE_TEXT.get(phase, phase)}"
 
 
 # --- drawing vocabulary -------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The same content as ``report.summary()`` and ``report.table()``, with the peak's node (where it
 does not depend on the sizes) and the tensors autograd keeps highlighted as the diagram marks
-them. Formulas appear typeset as MathML (which browsers render themselves: no script, nothing
-fetched from a network) and as plain text.
+them. Each formula appears once, typeset as MathML (which browsers render themselves: no script,
+nothing fetched from a network); its plain text stays out of sight in the cell's ``title`` (shown
+on hover, read by screen readers; ``report.summary()`` prints it to copy).
 
 >>> from IPython.display import HTML; HTML(report_html(report, report.evaluate(**report.hints)))  # doctest: +SKIP
 """
@@ -21,7 +22,11 @@ OPEN_ROWS = 60  # longer tables start folded, so a 12-block model does not flood
 
 
 def math_html(expr: Any) -> str:
-    """``expr`` as an inline MathML element (presentation markup: browsers render it natively)."""
+    """``expr`` as an inline MathML element (presentation markup: browsers render it natively).
+
+    >>> math_html(sympy.Symbol("N") ** 2)
+    '<math><msup><mi>N</mi><mn>2</mn></msup></math>'
+    """
     from sympy.printing.mathml import mathml
 
     markup = mathml(sympy.sympify(expr), printer="presentation")
@@ -29,6 +34,16 @@ def math_html(expr: Any) -> str:
     for name, code in (("&InvisibleTimes;", "&#8290;"), ("&ApplyFunction;", "&#8289;")):
         markup = markup.replace(name, code)
     return f"<math>{markup}</math>"
+
+
+def formula_cell(expr: Any) -> str:
+    """A table cell showing ``expr`` (bytes) once, as MathML, with its plain text as the cell's
+    tooltip (``title``), not shown a second time beside the typeset formula.
+
+    >>> formula_cell(sympy.Symbol("B") * 4)                         # doctest: +SKIP
+    """
+    text = formula_text(expr)
+    return f"<td style='text-align:left' title=\"{esc(text)} B\">{math_html(expr)} B</td>"
 
 
 def report_html(report: Any, at_hints: Evaluation) -> str:
@@ -40,10 +55,10 @@ def report_html(report: Any, at_hints: Evaluation) -> str:
             f"inputs: <code>{esc(inputs)}</code>"]
     if report.region:
         head.append("formulas hold for: <code>" + esc(", ".join(report.region)) + "</code>")
-    # each formula twice: as MathML (rendered by the browser itself, offline) and as plain text
-    formulas = "".join(f"<tr><td style='text-align:left'>{esc(k)}</td><td style='text-align:left'>"
-                       f"{math_html(v)}</td><td style='text-align:left'>"
-                       f"<code>{esc(formula_text(v))}</code> B</td></tr>" for k, v in report.formulas().items())
+    # each formula once, as MathML (rendered by the browser itself, offline); showing its text
+    # beside it again read as every formula printed twice
+    formulas = "".join(f"<tr><td style='text-align:left'>{esc(k)}</td>{formula_cell(v)}</tr>"
+                       for k, v in report.formulas().items())
     # the peak's node is said only where it is the same at every size (no Max in the peak): the
     # example sizes the analysis ran at were never the user's choice
     peak = at_hints.liveness.peak_node if not report.peak.has(sympy.Max) else None

@@ -12,7 +12,9 @@ included), with the user's source line and the fx node in its frames. Sizes are 
 bytes on the CPU, 512-byte blocks on ``device="cuda"``. Replaying the events gives exactly the
 report's peak.
 
-Reports call it: ``report.snapshot(dims, path=None, train=False)``.
+Reports call it: ``report.snapshot(dims, path=None, train=False)``. ``trace_plot``'s page fetches
+its viewer from the web (blank offline); ``report.memory_viz(dims)`` draws the same timeline in a
+self-contained page (:mod:`fxmem.views.memory_viz`).
 
 >>> snap = report.snapshot({"B": 4, "N": 500}, path="gat.pickle")     # doctest: +SKIP
 >>> from torch.cuda import _memory_viz

@@ -431,6 +431,12 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
             reason = getattr(value, "reason", None) or (
                 past_context(context_length(model), value + new_tokens - 1) if dim == "P" else None)
             lines.append(f"  largest {what:<12}{value:,}  at {fixed} in {fb(budget)}" + (f"  ({reason})" if reason else ""))
+    context = context_length(model)
+    if context is not None and prompt + new_tokens - 1 > context:
+        # past the positions the model was built for, models may change code path (Phi-3's rotary
+        # scaling): fxmem follows the real code, but the formulas in T may no longer hold
+        lines.append(f"  note: the prompt and new tokens ({prompt + new_tokens - 1:,} positions) run past the model's "
+                     f"max_position_embeddings ({context:,})")
     lines += [f"  note: {n}" for n in report.notes if "numbers may not be exact" in n][:3]
     return "\n".join(lines)
 

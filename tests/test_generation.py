@@ -211,6 +211,15 @@ def test_serve_summary_at_many_tokens_uses_the_formulas_and_agrees():
     assert fxmem.format_bytes(exact) in text, text
 
 
+def test_serve_summary_says_when_the_call_runs_past_the_models_positions():
+    from fxmem.generation import serve_summary
+
+    model = _model("llama")
+    model.config.max_position_embeddings = 40
+    assert "max_position_embeddings (40)" in serve_summary(model, batch=2, prompt=38, new_tokens=4)
+    assert "max_position_embeddings" not in serve_summary(model, batch=2, prompt=36, new_tokens=4)
+
+
 def test_formulas_in_new_tokens_are_refused_on_cuda_before_any_analysis():
     model = _model("llama")
     with pytest.raises(fxmem.SpecError, match="CPU numbers"):

@@ -77,11 +77,21 @@ def _real_step(config: dict, recipe, lora: dict | None, b: int, l: int) -> tuple
     return m.peak_above_start, m.retained, sum(storages.values())
 
 
+# tiny versions of the published configs benchmarks/llm_configs.py answers for (sliding windows
+# shorter than the sequences asked, Gemma-2's alternating layers, Mixtral's experts)
+MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 16}
+GEMMA2 = {**LLAMA, "model_type": "gemma2", "head_dim": 8, "sliding_window": 16, "num_hidden_layers": 4}
+PHI3 = {**LLAMA, "model_type": "phi3", "num_key_value_heads": 4, "sliding_window": 16, "pad_token_id": 0,
+        "eos_token_id": 2, "bos_token_id": 1}
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
 @pytest.mark.parametrize("config, name, lora", [
     (LLAMA, "bf16", None), (LLAMA, "amp-bf16", None), (LLAMA, "amp-fp16", None), (LLAMA, "lora", LORA),
     (LLAMA, "fp16", None), (QWEN2, "amp-bf16", None), (GPT2, "amp-bf16", None), (GPT2, "bf16", None),
+    (MISTRAL, "amp-bf16", None), (GEMMA2, "amp-bf16", None), (PHI3, "bf16", None), (MIXTRAL, "amp-bf16", None),
 ], ids=["llama-bf16", "llama-amp-bf16", "llama-amp-fp16", "llama-lora", "llama-fp16", "qwen2-amp-bf16",
-        "gpt2-amp-bf16", "gpt2-bf16"])
+        "gpt2-amp-bf16", "gpt2-bf16", "mistral-amp-bf16", "gemma2-amp-bf16", "phi3-bf16", "mixtral-amp-bf16"])
 def test_recipe_training_step_equals_the_real_one(config, name, lora):
     recipe = RECIPES[name]
     # the analysed model is built in float32 and converted by the recipe (the real one is loaded in its dtype)

@@ -6,6 +6,8 @@
 #                project's machines; elsewhere pip picks the build for your platform)
 #   FXMEM_LATEST 1: the newest versions of every other package PyPI serves; otherwise the versions the
 #                tests were proved with (scripts/pinned.txt, pip constraints)
+#   FXMEM_EXTRAS the package's extras to install (default: test, what the test suite needs; the demo
+#                sets none: it needs fxmem and its dependencies only)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FXMEM_VENV:-$here/.venv}"
@@ -33,8 +35,14 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 else
   say "torch $("$py" -c 'import torch; print(torch.__version__)') is installed already"
 fi
-say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz) and the test extras (pytest, transformers, torch-geometric, peft, ...), $which ..."
-quiet "$py" -m pip install -e "$here[test]" "$torch_req" "${pins[@]}"
+extras="${FXMEM_EXTRAS-test}"
+if [ -n "$extras" ]; then
+  say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz) and the extras [$extras] (test: pytest, transformers, torch-geometric, peft, ...), $which ..."
+  quiet "$py" -m pip install -e "$here[$extras]" "$torch_req" "${pins[@]}"
+else
+  say "installing fxmem from $here with its dependencies (sympy, networkx, graphviz), $which ..."
+  quiet "$py" -m pip install -e "$here" "$torch_req" "${pins[@]}"
+fi
 rm -f "$log"
 say "ready: $py"
 export FXMEM_PY="$py"

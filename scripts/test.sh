@@ -30,6 +30,17 @@ if ! command -v dot >/dev/null 2>&1; then
   fi
 fi
 
+# a headless browser, so the memory-viewer page is opened offline as a user's browser would open it
+# (tests/test_memory_viz.py; without one that test says so and skips, the page's content is still checked)
+if ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing chromium-headless-shell (apt-get; the memory-viewer test opens its page offline) ..." >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  ($SUDO apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1 \
+     || ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1)) \
+    || echo "warning: could not install chromium-headless-shell; the browser test will skip" >&2
+fi
+
 run_pytest() {  # pytest exit 5 = "no tests collected": not a failure of the code under test
   local rc=0
   "$@" || rc=$?

@@ -169,12 +169,12 @@ def parameters_to(model: "torch.nn.Module", dtype: "torch.dtype",
 
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
-        for key, p in list(module._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype or not which(p):
+        for key, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if not p.is_floating_point() or p.dtype == dtype or not which(p):
                 continue
             if id(p) not in done:
                 done[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            module._parameters[key] = done[id(p)]
+            module.register_parameter(key, done[id(p)])
 
 
 def scaled_step(device: str, dtype: "torch.dtype") -> Callable[..., Any]:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from llm_speed import cpu_model  # lscpu's model name, as every benchmark prints it
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "llm_configs"
@@ -41,14 +42,6 @@ NAMES = {"llama3_8b": "Llama-3-8B", "llama3_70b": "Llama-3-70B", "mistral_7b": "
 # parameter counts the model cards publish (rounded as they print them), to check the models built
 PUBLISHED = {"llama3_8b": "8.03B", "llama3_70b": "70.6B", "mistral_7b": "7.24B", "qwen2_5_7b": "7.62B",
              "gemma2_9b": "9.24B", "phi3_mini": "3.82B", "mixtral_8x7b": "46.7B"}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
 
 
 def run(args: list[str], timeout: int) -> tuple[float, str, int]:

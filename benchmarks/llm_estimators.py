@@ -136,7 +136,7 @@ def big_row(batch: int, seq: int, world_size: int = 1) -> dict:
 
 
 def gib(b) -> str:
-    from fxmem.views.text import format_bytes
+    from fxmem.units import format_bytes
 
     return "-" if b is None else format_bytes(int(b))
 

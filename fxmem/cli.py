@@ -357,7 +357,7 @@ def _recipe_dtype(args: argparse.Namespace, dtype: Any) -> Any:
 
 def _check_gpu(text: str) -> None:
     """Refuse a --gpu that is not a positive amount of memory, naming the option."""
-    from .accounting.budget import parse_bytes
+    from .units import parse_bytes
 
     try:
         parse_bytes(text)

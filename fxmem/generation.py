@@ -267,8 +267,9 @@ class TokenFormulas:
     def max_size(self, dim: str, budget: Any, **fixed: int) -> int:
         """The largest ``dim`` whose ``generate`` peak fits ``budget`` (bytes or "80GiB") with the
         other sizes ``fixed``; 0 when even 1 does not."""
-        from .accounting.budget import MaxSize, parse_bytes
-        from .views.text import format_bytes as fb
+        from .accounting.budget import MaxSize
+        from .units import parse_bytes
+        from .units import format_bytes as fb
 
         limit = parse_bytes(budget)
         fits = lambda n: self.evaluate(**{**fixed, dim: n})["peak"] <= limit  # noqa: E731
@@ -393,10 +394,10 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
     calls of 3, 4 and 5 new tokens, see :class:`TokenFormulas`) answers the peak and both searches
     where its region holds; a batch of 1 takes a second one, at ``B=1`` (PyTorch fixes a dim
     analysed at 1, so the first one is made at a larger batch and answers the largest batch)."""
-    from .accounting.budget import parse_bytes
+    from .units import parse_bytes
     from .llm import context_length, past_context
     from .options import AnalysisOptions
-    from .views.text import format_bytes as fb
+    from .units import format_bytes as fb
 
     options = AnalysisOptions(hints={"B": batch, "P": prompt})
     report = None
@@ -444,7 +445,7 @@ def serve_summary(model: torch.nn.Module, batch: int, prompt: int, new_tokens: i
 def _kv_line(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, cache: str) -> str | None:
     """The summary's line on the KV cache left at the end of the call (bytes, and the positions each
     kind of layer holds); None where :func:`kv_cache_bytes` does not model the model's cache."""
-    from .views.text import format_bytes as fb
+    from .units import format_bytes as fb
 
     config = getattr(model, "config", None)
     try:

@@ -257,7 +257,7 @@ class LLMAnswer:
                 f"{parts[1]:.2f} + optimizer state {parts[2]:.2f})")
 
     def __str__(self) -> str:
-        from .views.text import format_bytes as fb
+        from .units import format_bytes as fb
 
         lines = [f"{self.model}: {self.parameters:,} parameters ({self.trainable:,} trainable)"]
         if self.recipe_text:
@@ -314,7 +314,7 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     'amp-bf16'
     """
     from . import analyze
-    from .accounting.budget import parse_bytes
+    from .units import parse_bytes
     from .specs import TensorSpec
 
     if optimizer not in OPTIMIZERS:

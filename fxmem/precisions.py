@@ -27,7 +27,8 @@ from .analyze import analyze
 from .errors import ModelError, SpecError
 from .report import Report
 from .simulation.events import places
-from .views.text import format_bytes, formula_text, text_table
+from .units import format_bytes
+from .views.text import formula_text, text_table
 
 DEFAULT = ("float32", "bfloat16", "float16", "autocast-bfloat16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -31,7 +31,7 @@ from .parsing import parse_expression
 from .progress import progress_to_stderr, showing
 from . import data_paths
 from .specs import check_dims, check_input_sizes
-from .views.text import format_bytes
+from .units import format_bytes
 
 _log = logging.getLogger(__name__)  # progress: a re-analysis takes as long as the first one
 

@@ -186,7 +186,7 @@ def _memory_of(device: str) -> int | None:
 
 
 def _too_large(need: int, dims: Mapping[str, int], device: str, has: int | None) -> SpecError:
-    from .report import format_bytes
+    from .units import format_bytes
     sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
     than = f"more than this machine's {format_bytes(has)} of {device} memory" if has else \
         f"more than this machine can allocate on {device}"

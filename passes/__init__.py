@@ -28,11 +28,11 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
 if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes this folder findable as ``passes``
     raise ImportError(f"this folder is the package fxmem.passes, not a module {__name__!r}: import fxmem.passes")
 
-from .base import Finding, GraphPass, Line, Pass, Probe  # noqa: E402
-from .optimize import optimize  # noqa: E402
-from .recompute import BudgetError, max_size  # noqa: E402
-from .registry import GRAPH_PASSES, PASSES  # noqa: E402
-from .verify import Difference, compare  # noqa: E402
+from fxmem.passes.base import Finding, GraphPass, Line, Pass, Probe  # noqa: E402
+from fxmem.passes.optimize import optimize  # noqa: E402
+from fxmem.passes.recompute import BudgetError, max_size  # noqa: E402
+from fxmem.passes.registry import GRAPH_PASSES, PASSES  # noqa: E402
+from fxmem.passes.verify import Difference, compare  # noqa: E402
 
 __all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "GRAPH_PASSES", "Pass", "GraphPass", "Line",
            "Finding", "Probe", "BudgetError"]

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx
 
-from ..capture import source_line
+from fxmem.capture import source_line
 
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
-from .. import _torch_compat as tc
+from fxmem import _torch_compat as tc
 
 _ID_BITS = 40  # an id is (source number + 1) << 40 | flat index: 2**40 elements per source at most
 

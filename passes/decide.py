@@ -23,8 +23,8 @@ from typing import Mapping, Sequence
 
 import sympy
 
-from ..accounting.symbolic import Region, terms
-from ..accounting.symbolic import _dominates, _has_free_sign  # the one dominance test, shared with Max pruning
+from fxmem.accounting.symbolic import Region, terms
+from fxmem.accounting.symbolic import _dominates, _has_free_sign  # the one dominance test, shared with Max pruning
 
 _LIMIT = 1 << 20
 _ATOMS = (sympy.floor, sympy.ceiling, sympy.Mod)  # a ratio or bound beyond this is not one anyone's sizes reach

@@ -42,16 +42,16 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..ops import attention as _kernel
-from ..ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
-from ..ops.edge_attention import edge_attention, kept_edges
-from .. import data_paths
-from .attention_layout import Axes, gather_axes, recipe, scatter_axes
-from .base import Finding, Probe
-from .modes import by_flag
-from .data_movement import Provenance, is_movement, method_name, op_name, provenance, trace_movement
-from .pair_layout import half_strides
-from .pair_reasons import variable_name
+from fxmem.ops import attention as _kernel
+from fxmem.ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
+from fxmem.ops.edge_attention import edge_attention, kept_edges
+from fxmem import data_paths
+from fxmem.passes.attention_layout import Axes, gather_axes, recipe, scatter_axes
+from fxmem.passes.base import Finding, Probe
+from fxmem.passes.modes import by_flag
+from fxmem.passes.data_movement import Provenance, is_movement, method_name, op_name, provenance, trace_movement
+from fxmem.passes.pair_layout import half_strides
+from fxmem.passes.pair_reasons import variable_name
 
 RULE = "fused-attention"
 

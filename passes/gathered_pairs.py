@@ -24,10 +24,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from .base import Probe
-from .data_movement import Gather, as_gather, run_node, trace_movement
-from .linear_maps import SPLITS, LinearMap
-from .pair_reasons import index_name, variable_name
+from fxmem.passes.base import Probe
+from fxmem.passes.data_movement import Gather, as_gather, run_node, trace_movement
+from fxmem.passes.linear_maps import SPLITS, LinearMap
+from fxmem.passes.pair_reasons import index_name, variable_name
 
 
 @dataclasses.dataclass(frozen=True)

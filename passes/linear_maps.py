@@ -23,7 +23,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .data_movement import method_name
+from fxmem.passes.data_movement import method_name
 
 
 @dataclasses.dataclass(frozen=True)

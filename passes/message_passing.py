@@ -27,10 +27,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from ..ops.spmm import csr_structure, spmm
-from .base import Finding, Probe
-from .data_movement import Gather, as_gather, is_movement, method_name, op_name
-from .pair_reasons import index_name, variable_name
+from fxmem.ops.spmm import csr_structure, spmm
+from fxmem.passes.base import Finding, Probe
+from fxmem.passes.data_movement import Gather, as_gather, is_movement, method_name, op_name
+from fxmem.passes.pair_reasons import index_name, variable_name
 
 RULE = "fused-message-passing"
 SETTINGS: dict = {}

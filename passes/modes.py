@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from ..capture import private_copy, trace
-from ..errors import TraceError
+from fxmem.capture import private_copy, trace
+from fxmem.errors import TraceError
 
 FLAG = "training"  # the attribute every nn.Module has, read by the merged graph at run time
 

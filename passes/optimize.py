@@ -37,28 +37,28 @@ import sympy
 import torch
 import torch.fx
 
-from ..isolation import carry_hooks, isolated
-from ..timeout import timed
-from .. import _torch_compat as tc
-from ..analyze import analyze
-from ..options import AnalysisOptions
-from ..capture import forward_parameters
-from ..errors import FxMemError, ModelError, NothingToTrainError, ShapeError, SpecError, TraceError
-from ..inputs import random_inputs
-from ..simulation.failures import first_line
-from ..report import Report
-from ..capture.whole_graph import capture
-from ..specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
-from .base import LOG_KEYS, STATUSES, Finding, Line, Pass, Probe, log_entry
-from ..accounting.budget import parse_bytes
-from .modes import in_mode, trace_modes
-from .recompute import BudgetError
-from .registry import GRAPH_PASSES, PASSES
-from .verify import compare
-from . import switch
-from .decide import Condition, Decision, candidates, decide
-from .. import data_paths
-from ..accounting.symbolic import Region
+from fxmem.isolation import carry_hooks, isolated
+from fxmem.timeout import timed
+from fxmem import _torch_compat as tc
+from fxmem.analyze import analyze
+from fxmem.options import AnalysisOptions
+from fxmem.capture import forward_parameters
+from fxmem.errors import FxMemError, ModelError, NothingToTrainError, ShapeError, SpecError, TraceError
+from fxmem.inputs import random_inputs
+from fxmem.simulation.failures import first_line
+from fxmem.report import Report
+from fxmem.capture.whole_graph import capture
+from fxmem.specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
+from fxmem.passes.base import LOG_KEYS, STATUSES, Finding, Line, Pass, Probe, log_entry
+from fxmem.units import parse_bytes
+from fxmem.passes.modes import in_mode, trace_modes
+from fxmem.passes.recompute import BudgetError
+from fxmem.passes.registry import GRAPH_PASSES, PASSES
+from fxmem.passes.verify import compare
+from fxmem.passes import switch
+from fxmem.passes.decide import Condition, Decision, candidates, decide
+from fxmem import data_paths
+from fxmem.accounting.symbolic import Region
 
 # Probe sizes when the user gives none: dim k (in order of appearance) is base+k for each base of
 # a rung; probes run at the first and last base, rewrites are verified at all three. Small, so a

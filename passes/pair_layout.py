@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .data_movement import Provenance
+from fxmem.passes.data_movement import Provenance
 
 
 @dataclasses.dataclass(frozen=True)

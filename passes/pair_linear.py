@@ -31,14 +31,14 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from .base import Finding, Probe
-from .data_movement import Movement, Provenance, provenance, trace_movement
-from .gathered_pairs import GatheredPlan, gathered
-from .gathered_pairs import describe as describe_gathered
-from .gathered_pairs import rewrite as rewrite_gathered
-from .linear_maps import SPLITS, LinearMap, Weights, linear_map
-from .pair_layout import Arrangement, arrangement, emit_arrangement, half_strides
-from .pair_reasons import not_pairs, upstream_reason, variable_name
+from fxmem.passes.base import Finding, Probe
+from fxmem.passes.data_movement import Movement, Provenance, provenance, trace_movement
+from fxmem.passes.gathered_pairs import GatheredPlan, gathered
+from fxmem.passes.gathered_pairs import describe as describe_gathered
+from fxmem.passes.gathered_pairs import rewrite as rewrite_gathered
+from fxmem.passes.linear_maps import SPLITS, LinearMap, Weights, linear_map
+from fxmem.passes.pair_layout import Arrangement, arrangement, emit_arrangement, half_strides
+from fxmem.passes.pair_reasons import not_pairs, upstream_reason, variable_name
 
 RULE = "pair-linear"
 

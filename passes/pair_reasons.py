@@ -18,10 +18,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..capture import source_line
-from .base import Probe
-from .data_movement import Movement, Provenance, as_gather, method_name, op_name, provenance, trace_movement
-from .linear_maps import LinearMap, Weights, linear_map
+from fxmem.capture import source_line
+from fxmem.passes.base import Probe
+from fxmem.passes.data_movement import Movement, Provenance, as_gather, method_name, op_name, provenance, trace_movement
+from fxmem.passes.linear_maps import LinearMap, Weights, linear_map
 
 
 def variable_name(node: torch.fx.Node) -> str:

@@ -36,18 +36,19 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..isolation import isolated
-from .. import _torch_compat as tc
-from ..accounting.budget import parse_bytes
-from ..analyze import analyze
-from ..errors import FxMemError, SpecError
-from ..options import AnalysisOptions
-from ..inputs import input_shape
-from ..report import Report, format_bytes
-from .modes import in_mode
-from .recompute_estimate import Estimator
-from .segments import Block, blocks, extract
-from .verify import compare
+from fxmem.isolation import isolated
+from fxmem import _torch_compat as tc
+from fxmem.units import parse_bytes
+from fxmem.analyze import analyze
+from fxmem.errors import FxMemError, SpecError
+from fxmem.options import AnalysisOptions
+from fxmem.inputs import input_shape
+from fxmem.report import Report
+from fxmem.units import format_bytes
+from fxmem.passes.modes import in_mode
+from fxmem.passes.recompute_estimate import Estimator
+from fxmem.passes.segments import Block, blocks, extract
+from fxmem.passes.verify import compare
 
 RULE = "recompute"
 LOOKS_FOR = "blocks to recompute in backward so that the training step fits budget= at dims="
@@ -249,7 +250,7 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
     """The registry's entry (:class:`~.base.GraphPass`): with ``budget=``, :func:`fit_budget` on
     the graph the rules kept (its training step analysed once: the analysis they were decided on
     is the base); else a record saying why nothing is recomputed."""
-    from .base import log_entry
+    from fxmem.passes.base import log_entry
 
     name = type(line.model).__name__
     if line.budget is None:
@@ -419,7 +420,7 @@ def max_size(report: Report, dim: str, budget: Any, **fixed: int) -> int:
     if model is None or report.mode != "graph":
         raise SpecError("max_size with recomputation needs a report of an nn.Module analysed in graph "
                         "mode (recomputation rewrites the traced graph): fxmem.analyze(model, ..., optimizer=...)")
-    from .modes import trace_modes
+    from fxmem.passes.modes import trace_modes
 
     traced = trace_modes(model, report.options.leaf_modules)
     if traced.reason:

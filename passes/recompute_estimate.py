@@ -27,9 +27,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..kernels import OUT
-from ..records import FREE, NODE, STEP, Phase, Placed
-from .segments import KEPT_BY_SELECTIVE
+from fxmem.kernels import OUT
+from fxmem.records import FREE, NODE, STEP, Phase, Placed
+from fxmem.passes.segments import KEPT_BY_SELECTIVE
 
 _BACKWARD = " (backward)"
 

@@ -13,8 +13,8 @@ module and one line here.
 """
 from __future__ import annotations
 
-from . import fused_attention, message_passing, pair_linear, recompute, reorder, sdpa
-from .base import GraphPass, Pass
+from fxmem.passes import fused_attention, message_passing, pair_linear, recompute, reorder, sdpa
+from fxmem.passes.base import GraphPass, Pass
 
 PASSES: tuple[Pass, ...] = (
     # a linear map over pairs [h_i || h_j] -> L1(h_i) + L2(h_j), a broadcast add (GAT attention)

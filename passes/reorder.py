@@ -33,11 +33,11 @@ import networkx as nx
 import torch
 import torch.fx
 
-from .. import _torch_compat as tc
-from ..errors import FxMemError
-from ..inputs import input_shape
-from ..report import format_bytes
-from .segments import same_attributes
+from fxmem import _torch_compat as tc
+from fxmem.errors import FxMemError
+from fxmem.inputs import input_shape
+from fxmem.units import format_bytes
+from fxmem.passes.segments import same_attributes
 
 RULE = "reorder"
 LOOKS_FOR = "another order of the nodes with a lower modelled peak at the example sizes"
@@ -321,7 +321,7 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
 def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, dict]:
     """The registry's entry (:class:`~.base.GraphPass`): :func:`reorder` with ``line``'s inputs,
     sizes, analysis and verification; its record, or what it looked for."""
-    from .base import log_entry
+    from fxmem.passes.base import log_entry
 
     best, entry = reorder(gm, line.verify_inputs[-1], line.specs, line.hints, line.memory, line.verify, line.verify_at)
     if entry is None:

@@ -42,11 +42,11 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .base import Finding, Probe
-from .data_movement import method_name, op_name
-from .fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim, boxed
-from .sdpa_masks import MaskPlan, fold_chain
-from .sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
+from fxmem.passes.base import Finding, Probe
+from fxmem.passes.data_movement import method_name, op_name
+from fxmem.passes.fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim, boxed
+from fxmem.passes.sdpa_masks import MaskPlan, fold_chain
+from fxmem.passes.sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 
 RULE = "sdpa"
 SETTINGS: dict = {}

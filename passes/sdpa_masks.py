@@ -34,10 +34,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .base import Probe
-from .data_movement import method_name
-from .fused_attention import _constant
-from .sdpa_parts import SCALES, as_product, cast, constant_built, fixed_cast, peel_scale
+from fxmem.passes.base import Probe
+from fxmem.passes.data_movement import method_name
+from fxmem.passes.fused_attention import _constant
+from fxmem.passes.sdpa_parts import SCALES, as_product, cast, constant_built, fixed_cast, peel_scale
 
 _ADDS = frozenset({operator.add, torch.add, "add"})
 FILL_AS_MINUS_INF = -1e4  # finite fill values at or below this are taken as -inf on a causal mask

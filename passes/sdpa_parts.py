@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from .base import Probe
-from .data_movement import data_inputs, is_movement, method_name, run_node
+from fxmem.passes.base import Probe
+from fxmem.passes.data_movement import data_inputs, is_movement, method_name, run_node
 
 _MATMULS = frozenset({torch.matmul, operator.matmul, torch.bmm})
 _MULS = frozenset({operator.mul, torch.mul, "mul"})

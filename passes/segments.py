@@ -27,9 +27,9 @@ import torch
 import torch.fx
 import torch.utils.checkpoint as checkpointing
 
-from ..capture import source_line
-from ..capture.source import stack_path
-from ..simulation.repeats import code_key
+from fxmem.capture import source_line
+from fxmem.capture.source import stack_path
+from fxmem.simulation.repeats import code_key
 
 # Ops whose outputs selective recomputation keeps: the products that cost FLOPs. Everything else
 # in a block (pointwise ops, norms, softmax, copies) is recomputed in backward.

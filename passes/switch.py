@@ -20,9 +20,9 @@ import sympy
 import torch
 import torch.fx
 
-from ..accounting.symbolic import _guard_text as guard_text
-from ..specs import InputSpec
-from .decide import Condition
+from fxmem.accounting.symbolic import _guard_text as guard_text
+from fxmem.specs import InputSpec
+from fxmem.passes.decide import Condition
 
 
 class Guards:

@@ -24,8 +24,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import _torch_compat as tc
-from ..progress import phased
+from fxmem import _torch_compat as tc
+from fxmem.progress import phased
 
 # (rtol, atol) by the dtype the comparison runs in
 TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5)}

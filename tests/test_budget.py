@@ -6,7 +6,7 @@ import torch
 
 import fxmem
 from conftest import load_example
-from fxmem.accounting import parse_bytes
+from fxmem.units import parse_bytes
 
 gat = load_example("seed_gat")
 

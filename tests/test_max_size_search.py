@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.views.text import format_bytes
+from fxmem.units import format_bytes
 
 
 def _model() -> torch.nn.Module:

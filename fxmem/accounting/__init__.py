@@ -7,7 +7,8 @@ peak readable; :mod:`.budget` finds the largest size that fits.
 
 >>> plan = MemoryPlan(recording, hints)       # doctest: +SKIP
 """
-from .budget import max_size, parse_bytes
+from ..units import parse_bytes
+from .budget import max_size
 from .plan import CUDA_BLOCK, FORMULA_KEYS, TRAIN_KEYS, Evaluation, MemoryPlan, cuda_block_bytes
 from .replay import Liveness, StepColumn, StepLiveness
 

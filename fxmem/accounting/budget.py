@@ -22,28 +22,9 @@ from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import SpecError
+from ..units import format_bytes, parse_bytes
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _LIMIT = 2**48  # no tensor dim is this large; a budget never exceeded here means memory does not grow
-
-
-def parse_bytes(budget: Any) -> int:
-    """``1024``, ``"512MiB"``, ``"32GB"`` (decimal), ``"80 GiB"`` (binary) -> bytes."""
-    if isinstance(budget, bool):
-        raise SpecError(f"budget must be bytes or a string like '80GiB', got {budget!r}")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise SpecError(f"budget must be positive, got {budget}")
-        return budget
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(budget))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise SpecError(f"budget {budget!r}: write bytes as an int or a number with a unit "
-                        f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '80GiB'")
-    value = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float overflow or rounding
-    if value <= 0:
-        raise SpecError(f"budget {budget!r} is not positive")
-    return value
 
 
 class MaxSize(int):
@@ -59,8 +40,6 @@ class MaxSize(int):
 
 
 def _format(n: int) -> str:
-    from ..views.text import format_bytes
-
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import SpecError
-from ..views.text import format_bytes, formula_text, text_table
+from ..units import format_bytes
+from ..views.text import formula_text, text_table
 
 
 class WorldSizes(dict):

@@ -13,7 +13,8 @@ from .html import report_html
 from .lines import LineRow, LineTable, by_line, format_lines
 from .modules import ModuleRow, ModuleTable, module_rows
 from .snapshot import snapshot
-from .text import format_bytes, formula_text, node_table, summary
+from ..units import format_bytes
+from .text import formula_text, node_table, summary
 from .timeline import Chart, timeline
 
 __all__ = ["diagram", "timeline", "by_line", "format_lines", "LineRow", "LineTable", "report_html", "node_table", "summary",

@@ -41,7 +41,8 @@ from ..errors import SpecError
 from ..records import Node, Storage
 from .figure import (FONT, INK_SOFT, OUTPUT, PEAK, PHASE_TEXT, RESIDENT, SAVED, Figure, esc, heat, heat_bins, ink,
                      lines_html, step_peak_text)
-from .text import code_lines, dims_text, format_bytes, formula_text, node_inputs, node_kind, storage_text, wrap
+from ..units import format_bytes
+from .text import code_lines, dims_text, formula_text, node_inputs, node_kind, storage_text, wrap
 
 GROUPS = (None, "module", "auto")
 FOLD_NODES = 60  # "auto": a graph with more nodes than this folds into modules

@@ -19,7 +19,7 @@ import sympy
 
 from ..accounting import Evaluation
 from ..capture import statement_of, statement_text
-from .text import format_bytes
+from ..units import format_bytes
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from ..errors import FxMemError
-from .text import format_bytes
+from ..units import format_bytes
 
 __all__ = ["memory_viz_page", "Band", "bands"]
 

@@ -22,7 +22,8 @@ from ..accounting.symbolic import evaluate
 from ..errors import SpecError
 from ..records import Role
 from .html import html_table
-from .text import format_bytes, formula_text, text_table
+from ..units import format_bytes
+from .text import formula_text, text_table
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from sympy.printing.str import StrPrinter
 from ..accounting import FORMULA_KEYS, TRAIN_KEYS
 from ..distributed.labels import is_collective_buffer
 from ..specs import dim_symbol
+from ..units import format_bytes
 
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 
@@ -36,18 +37,6 @@ class FormulaPrinter(StrPrinter):
         # the base class joins factors with "*"; every factor is printed by this printer, so the
         # only "*" left in its result are products
         return super()._print_Mul(expr).replace("*", "·")
-
-
-def format_bytes(n: int) -> str:
-    """``1023`` -> ``'1023 B'``, ``1024000000`` -> ``'976.56 MiB'`` (binary units)."""
-    if abs(int(n)) >= 2**100:  # beyond a float's reach; no memory is this large, but a budget may be
-        return f"{int(n) // 2**40:,} TiB"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def formula_text(expr: Any) -> str:

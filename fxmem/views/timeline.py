@@ -38,7 +38,8 @@ from ..accounting.replay import forward_node_of
 from ..errors import FxMemError
 from ..records import Storage
 from .figure import PEAK, PHASE_TEXT, output_format, step_peak_text, writing
-from .text import dims_text, format_bytes, node_inputs, storage_text
+from ..units import format_bytes
+from .text import dims_text, node_inputs, storage_text
 
 MAX_BARS = 40  # tensors drawn one by one; the rest (the smallest) are counted in the caption
 MAX_TICKS = 60  # columns named on the x-axis; beyond, every k-th (and the peak's, and each phase's first)

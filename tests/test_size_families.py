@@ -6,7 +6,7 @@ training step:
   ATen's ``.vec`` composite refused a symbolic size, and with ``scale_factor=`` it fixed every dim
   at its example size (fxmem/kernels/real_paths.py, the upsampling rules of fxmem/kernels/symbolic.py);
 * BLOOM's ALiBi ``baddbmm`` with a broadcast first argument: the meta kernel's ``expand`` reached a
-  C++ composite that takes sizes as numbers (fxmem/_torch_compat.py, ``_symbolic_inner_calls``);
+  C++ composite that takes sizes as numbers (fxmem/_torch_compat/fake.py, ``_symbolic_inner_calls``);
   its training step then showed that a custom ``autograd.Function``'s Python backward wraps its
   numbers afresh (fxmem/kernels/scalars.py);
 * chained data-dependent filters (Faster R-CNN's post-processing: ``keep = torch.where(s > t)[0]``

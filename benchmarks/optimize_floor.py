@@ -56,7 +56,7 @@ class Timed:
 
         def simulate_once(*a, **k):
             timed._now = now = collections.defaultdict(float)
-            training = a[6] if len(a) > 6 else k.get("training")
+            training = k.get("training")  # simulate_once(model, specs, options, symbols, *, training=...)
             t = time.perf_counter()
             try:
                 return once(*a, **k)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -61,12 +61,9 @@ def analyze(
     if opts.verbose and not showing():
         with progress_to_stderr():
             return analyze(model, *input_specs, options=opts)
-    device, dtype, grad, hints = opts.device, opts.dtype, opts.grad, opts.hints
-    leaf_modules, optimizer, loss, mode = opts.leaf_modules, opts.optimizer, opts.loss, opts.mode
-    hparams, init, kernels, autocast, repeats = opts.hparams, opts.init, opts.kernels, opts.autocast, opts.repeats
     # before anything slow: a CPU-only torch cannot simulate CUDA, nor a CUDA build without a GPU backward
-    check_device(device, backward=optimizer is not None or getattr(opts, "step", None) is not None)
-    if not isinstance(model, torch.nn.Module) and not (hparams is not None or init is not None):
+    check_device(opts.device, backward=opts.optimizer is not None or opts.step is not None)
+    if not isinstance(model, torch.nn.Module) and not (opts.hparams is not None or opts.init is not None):
         if isinstance(model, type) or not callable(model):
             raise ModelError(
                 f"model must be a torch.nn.Module, got {getattr(model, '__name__', type(model).__name__)}; "
@@ -74,7 +71,7 @@ def analyze(
         raise ModelError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
-    training = Training(optimizer, loss, opts.step) if optimizer is not None else None
+    training = Training(opts.optimizer, opts.loss, opts.step) if opts.optimizer is not None else None
     parallel = Parallel(opts.world_size, opts.rank or 0, opts.parallelize) if opts.parallelize is not None else None
     if isinstance(model, torch.nn.Module):
         check_runnable(model)
@@ -92,26 +89,27 @@ def analyze(
     symbols: dict = {}
     target: torch.nn.Module | Blueprint
     if isinstance(model, torch.nn.Module):
-        if hparams is not None or init is not None:
-            blueprint(model, hparams, init, symbols)  # raises: hparams need a class or factory
+        if opts.hparams is not None or opts.init is not None:
+            blueprint(model, opts.hparams, opts.init, symbols)  # raises: hparams need a class or factory
         example: torch.nn.Module = model
         target = model
     else:
-        target = blueprint(model, hparams, init, symbols)
+        target = blueprint(model, opts.hparams, opts.init, symbols)
         example = None  # built below, once the hints are known
     name = target.name if isinstance(target, Blueprint) else type(model).__name__
 
     if example is None:  # names come from a concrete instance on the meta device (no memory)
         all_symbols = spec_symbols(input_specs, dict(symbols))
-        at = choose_hints(all_symbols, hints)
+        at = choose_hints(all_symbols, opts.hints)
         example = target.example({all_symbols[k]: v for k, v in at.items()})
     params = forward_parameters(example)
-    specs, named = parse_specs(input_specs, params, dtype, name)
+    specs, named = parse_specs(input_specs, params, opts.dtype, name)
     omitted = {n: params.defaults[n] for n in params.names[len(specs):]}  # they keep their defaults
     for k, v in named.items():
         symbols.setdefault(k, v)
-    chosen = choose_hints(symbols, hints)
+    chosen = choose_hints(symbols, opts.hints)
     check_input_sizes(specs, chosen, symbols, advice="; pass hints= with example sizes the model accepts")
+    mode = opts.mode
     capture = Capture(mode, "the original forward" if mode == "eager" else "the GraphModule as given"
                       if isinstance(example, torch.fx.GraphModule) else "torch.fx symbolic trace")
     if parallel is not None:  # FSDP2's and DDP's hooks work through the modules' own calls
@@ -121,7 +119,7 @@ def analyze(
     if isinstance(target, torch.nn.Module) and mode != "eager":
         log.info("tracing %s with torch.fx", name)
         try:
-            target = trace(example, leaf_modules, omitted)
+            target = trace(example, opts.leaf_modules, omitted)
         except TraceError as exc:
             if mode == "graph":
                 raise
@@ -132,9 +130,10 @@ def analyze(
         nonlocal capture, target
         log.info("simulating %s on fake tensors at %s", name, ", ".join(f"{k}={v}" for k, v in sorted(at.items())))
         try:
-            rec = simulate(target, specs, symbols, dict(at), device=device, grad=grad, training=training,
-                           mode=capture.run_mode, leaf_modules=leaf_modules, kernels=kernels, concrete_args=omitted,
-                           autocast=autocast, repeats=repeats, parallel=parallel)
+            # the options, with the mode this simulation runs in and the sizes it runs at (derived
+            # values, not re-checked: a model you wrapped has parallelize= without the checks' limits)
+            rec = simulate(target, specs, dataclasses.replace(opts, mode=capture.run_mode, hints=dict(at)), symbols,
+                           training=training, concrete_args=omitted, parallel=parallel)
         except TraceError as exc:  # a model built from hparams is traced inside the simulation
             if capture.mode == "auto":
                 capture = fallback(exc)
@@ -190,8 +189,8 @@ def analyze(
                                f"re-analyses at those sizes")
         return report
 
-    report = _within_the_domain(at_sizes, chosen, dict(hints or {}))
-    for note in (ambient_grad_note(grad), hooks_note()):
+    report = _within_the_domain(at_sizes, chosen, dict(opts.hints or {}))
+    for note in (ambient_grad_note(opts.grad), hooks_note()):
         if note:
             report.notes.insert(0, note)
     return checked(report)

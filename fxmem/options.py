@@ -16,7 +16,9 @@ Traceback (most recent call last):
 ...
 fxmem.errors.SpecError: unknown option optimiser=; did you mean optimizer=? (the options are ...)
 
-A new option is one field here (with its check in ``_check``); every entry point then accepts it.
+A new option is one field here (with its check in ``_checked``); every entry point then accepts it,
+and the simulation (:func:`fxmem.simulation.simulate`, handed these options as one value) reads it
+where it is used.
 """
 from __future__ import annotations
 
@@ -157,10 +159,6 @@ class AnalysisOptions:
             hint = f"; did you mean {close[0]}=?" if close else ""
             raise SpecError(f"unknown option {name}={hint} (the options are {', '.join(self.names())})")
         return _checked(dataclasses.replace(self, **changes))
-
-    def kwargs(self, *names: str) -> dict[str, Any]:
-        """The options as keyword arguments (all, or ``names``)."""
-        return {n: getattr(self, n) for n in (names or self.names())}
 
 
 def _checked(opts: AnalysisOptions) -> AnalysisOptions:

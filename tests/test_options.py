@@ -82,3 +82,37 @@ def test_no_import_cycle_between_the_analysis_and_the_passes():
     cycles = [c for c in nx.simple_cycles(graph) if any(n.startswith("fxmem.passes") for n in c)
               and any(not n.startswith("fxmem.passes") for n in c)]
     assert not cycles, cycles
+
+
+def test_the_options_reach_the_simulation_as_one_object(monkeypatch):
+    """``simulate(target, specs, options, symbols)``: the options travel down as one value (the mode
+    and the sizes resolved for the run), so a new option is a field plus the code that reads it."""
+    import inspect
+    import sys
+
+    from fxmem.options import AnalysisOptions
+
+    simulation = sys.modules["fxmem.simulation.simulate"]
+    for fn in (simulation.simulate, simulation.simulate_once):
+        loose = set(inspect.signature(fn).parameters) & set(AnalysisOptions.names())
+        assert not loose, f"{fn.__name__} takes options as loose parameters: {sorted(loose)}"
+    seen = []
+    once = simulation.simulate_once
+
+    def captured(model, specs, options, symbols, **given):
+        seen.append(options)
+        return once(model, specs, options, symbols, **given)
+
+    monkeypatch.setattr(simulation, "simulate_once", captured)
+    analyze_module = sys.modules["fxmem.analyze"]
+    assert analyze_module.simulate is simulation.simulate  # (the analysis calls it; it calls simulate_once)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    report = fxmem.analyze(model, ("B", 5), autocast=torch.bfloat16, repeats=False, hints={"B": 8},
+                           leaf_modules=[torch.nn.GELU], grad=False, check=False)
+    assert seen and all(isinstance(o, AnalysisOptions) for o in seen)
+    opts = seen[0]
+    assert opts.autocast is torch.bfloat16 and opts.repeats is False and opts.grad is False
+    assert opts.hints == {"B": 8} and opts.leaf_modules == (torch.nn.GELU,)
+    assert opts.mode == "graph"  # "auto", resolved by the analysis for this run
+    assert report.options.mode == "auto" and report.options.hints == {"B": 8}  # the user's, as given
+    assert report.peak.free_symbols  # a formula in B

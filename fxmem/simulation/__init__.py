@@ -6,7 +6,10 @@ aten call), the :class:`~.storages.StorageTable` (storages and their deaths), th
 is saved for backward), and a runner - :class:`~.graph_runner.GraphRunner` for a traced graph,
 :class:`~.line_runner.LineRunner` for the original ``forward`` line by line.
 
->>> rec = simulate(gm, specs, symbols, hints)           # doctest: +SKIP
+It is handed the analysis' :class:`~fxmem.AnalysisOptions` as one value, resolved for this run
+(``mode`` "graph" or "eager", ``hints`` a size for every dim), and reads each option from it:
+
+>>> rec = simulate(gm, specs, opts.replace(mode="graph", hints={"B": 97}), symbols)   # doctest: +SKIP
 """
 from .simulate import check_device, simulate
 

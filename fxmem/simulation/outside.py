@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
+from .patching import patched
+
 # (owner, attribute) of functions that return a freshly allocated real tensor
 OUTSIDE_DISPATCH = ((torch, "get_rng_state"),)
 
@@ -23,7 +25,7 @@ OUTSIDE_DISPATCH = ((torch, "get_rng_state"),)
 @contextlib.contextmanager
 def outside_dispatch(recorder: Any) -> Iterator[None]:
     """Record the tensors the functions of :data:`OUTSIDE_DISPATCH` allocate (scoped to the run)."""
-    patched = []
+    wrappers = []
     for owner, name in OUTSIDE_DISPATCH:
         original = getattr(owner, name)
 
@@ -33,10 +35,6 @@ def outside_dispatch(recorder: Any) -> Iterator[None]:
                 recorder.external(out, _name)
             return out
 
-        setattr(owner, name, wrapper)
-        patched.append((owner, name, original))
-    try:
+        wrappers.append((owner, name, wrapper))
+    with patched(wrappers):
         yield
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)

@@ -6,7 +6,8 @@ are ShapeEnv symbols named after the user's dims. The :class:`~.recorder.Recorde
 call, the :class:`~.storages.StorageTable` sees each storage die, :class:`~.autograd.Autograd`
 sees what is saved for backward; the result is a :class:`~fxmem.records.Recording`.
 
->>> rec = simulate(gm, specs, symbols, hints, device="cpu", grad=True)   # doctest: +SKIP
+>>> opts = AnalysisOptions.of(device="cpu", mode="graph", hints={"B": 97, "N": 101})
+>>> rec = simulate(gm, specs, opts, symbols)                               # doctest: +SKIP
 >>> rec.steps[0].op, rec.storages[rec.steps[0].allocs[0]].bytes           # doctest: +SKIP
 ('aten.mm', 512*s0*s1)
 """
@@ -30,6 +31,7 @@ from ..capture.source import raised_at
 from ..errors import DeviceError, FxMemError, ModelError, NothingToTrainError, SpecError, UnsupportedOpError
 from ..hparams import Blueprint
 from ..kernels import REGISTRY, RealPaths, calibrate, environment
+from ..options import AnalysisOptions
 from ..records import Node, Phase, Recording, Role
 from ..specs import InputSpec
 from ..training import StepHooks, Training, train_step, user_step
@@ -158,53 +160,57 @@ class _Run(StepHooks):
 
 @isolated
 @phased("simulation")
-def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], symbols: dict, hints: dict,
-             device: str = "cpu", grad: bool = True, training: Training | None = None, mode: str = "graph",
-             repeats: bool = True, **options: Any) -> Recording:
+def simulate(model: torch.nn.Module | Blueprint, specs: Sequence[InputSpec], options: AnalysisOptions,
+             symbols: dict, *, training: Training | None = None, concrete_args: dict | None = None,
+             parallel: Any = None) -> Recording:
     """Run ``model`` once on fake inputs described by ``specs`` and record its memory behaviour.
 
-    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here if it is a
-    :class:`~fxmem.hparams.Blueprint`), run node by node. ``mode="eager"``: the module's own
-    ``forward`` runs, memory attributed to source lines. ``options``: ``leaf_modules``,
-    ``kernels`` (the user's rules for their own ops, see :func:`fxmem.kernels.register`),
-    ``concrete_args``, ``autocast`` (the forward runs under ``torch.autocast(device,
-    dtype=autocast)``; loss and backward outside it).
+    ``options``: the analysis' :class:`~fxmem.AnalysisOptions`, resolved by the caller for this
+    simulation - ``mode`` is ``"graph"`` or ``"eager"`` (not ``"auto"``) and ``hints`` gives an
+    example size for every dim in ``symbols`` (the user's dim names -> their sympy symbols).
+    ``mode="graph"``: ``model`` is a traced GraphModule (or is traced here, with
+    ``options.leaf_modules`` and ``concrete_args``, if it is a :class:`~fxmem.hparams.Blueprint`),
+    run node by node. ``mode="eager"``: the module's own ``forward`` runs, memory attributed to
+    source lines. ``options.kernels``: the user's rules for their own ops (see
+    :func:`fxmem.kernels.register`); ``options.autocast``: the forward runs under
+    ``torch.autocast(device, dtype=autocast)``, loss and backward outside it.
 
     With ``training``, the run is one steady-state training step (see :mod:`fxmem.training`):
     the optimizer's state is created first (quietly, from placeholder gradients), then forward,
     loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` are recorded.
 
-    ``repeats``: a graph with a chain of four or more identical blocks (a transformer's layers) is
-    simulated with three of them and the middle one's events repeated for the rest (see
+    ``options.repeats``: a graph with a chain of four or more identical blocks (a transformer's
+    layers) is simulated with three of them and the middle one's events repeated for the rest (see
     :mod:`.repeats`, :mod:`.unroll`); where the three do not match event by event, the whole graph
     is simulated.
     """
+    given = dict(training=training, concrete_args=concrete_args, parallel=parallel)
     user_loop = training is not None and training.step is not None  # may call the model several times
-    if repeats and mode == "graph" and isinstance(model, torch.fx.GraphModule) and not user_loop:
+    if options.repeats and options.mode == "graph" and isinstance(model, torch.fx.GraphModule) and not user_loop:
         chain = find_chain(model)
         if chain is not None:
-            short = simulate_once(shorten(model, chain), specs, symbols, hints, device, grad, training, mode, **options)
+            short = simulate_once(shorten(model, chain), specs, options, symbols, **given)
             whole = unroll(short, chain, model)
             if isinstance(whole, Recording):
                 return whole
             _log.info("simulating all %d blocks of %s: %s", chain.count, chain.prefix, whole)
-    elif repeats and mode == "eager" and isinstance(model, torch.nn.Module) and not user_loop \
-            and options.get("parallel") is None:
+    elif options.repeats and options.mode == "eager" and isinstance(model, torch.nn.Module) and not user_loop \
+            and parallel is None:
         chain = find_module_chain(model)
         if chain is not None:
-            whole = _eager_shortcut(model, chain, specs, symbols, hints, device, grad, training, **options)
+            whole = _eager_shortcut(model, chain, specs, options, symbols, **given)
             if isinstance(whole, Recording):
                 return whole
             _log.info("simulating all %d blocks of %s: %s", chain.count, chain.prefix, whole)
-    return simulate_once(model, specs, symbols, hints, device, grad, training, mode, **options)
+    return simulate_once(model, specs, options, symbols, **given)
 
 
-def _eager_shortcut(model: torch.nn.Module, chain: Any, *args: Any, **options: Any) -> Recording | str:
+def _eager_shortcut(model: torch.nn.Module, chain: Any, *args: Any, **given: Any) -> Recording | str:
     """Eager mode's repeated blocks: the model with only the first three and the last simulated,
     unrolled (see :mod:`.unroll`); or why not. A failure of the shortened model (code that counts
     its blocks, say) is a reason to simulate the whole one, not the user's error."""
     try:
-        short = simulate_once(shorten_module(model, chain), *args, "eager", **options)
+        short = simulate_once(shorten_module(model, chain), *args, **given)
     except FxMemError as exc:
         return f"the model with four of its blocks failed ({type(exc).__name__}: {first_line(str(exc))})"
     return unroll(short, chain, None)
@@ -213,20 +219,15 @@ def _eager_shortcut(model: torch.nn.Module, chain: Any, *args: Any, **options: A
 def simulate_once(
     model: torch.nn.Module | Blueprint,
     specs: Sequence[InputSpec],
+    options: AnalysisOptions,
     symbols: dict,
-    hints: dict,
-    device: str = "cpu",
-    grad: bool = True,
+    *,
     training: Training | None = None,
-    mode: str = "graph",
-    leaf_modules: Sequence[type] = (),
-    kernels: dict | None = None,
     concrete_args: dict | None = None,
-    autocast: torch.dtype | None = None,
     parallel: Any = None,
     steady: bool = False,
 ) -> Recording | None:
-    """One simulation of all of ``model`` (see :func:`simulate`).
+    """One simulation of all of ``model`` (see :func:`simulate`, which says what it reads of ``options``).
 
     ``parallel``: a :class:`fxmem.distributed.Parallel` - the fake copy is parallelised by the
     user's function in torch's fake process group, and one rank's step is recorded (eager mode).
@@ -236,6 +237,10 @@ def simulate_once(
     :mod:`.first_calls`), that is the analysis; where it replaces it (None returned then), the
     first call's stands, with a note."""
     given = model  # (a Blueprint is built below: the steady run builds its own)
+    device, grad, mode, hints = options.device, options.grad, options.mode, options.hints
+    if mode not in ("graph", "eager") or not set(symbols) <= set(hints or ()):
+        raise ValueError(f"simulate takes the options resolved for one simulation: mode 'graph' or 'eager' (got "
+                         f"{mode!r}), hints with a size for each of {sorted(symbols)} (got {hints!r})")
     check_device(device, backward=training is not None)
     if training is not None and not grad:
         raise FxMemError("a training step needs grad=True")
@@ -257,7 +262,7 @@ def simulate_once(
         if mode == "graph":
             with warnings.catch_warnings():  # fx notes SymInt hyperparameters baked into the graph
                 warnings.filterwarnings("ignore", message="Raw Sym")
-                model = trace(model, leaf_modules, concrete_args)
+                model = trace(model, options.leaf_modules, concrete_args)
     table, log = StorageTable(env, device), EventLog()
     table.data_dims = DataDims(set(symbols), device)
     names = {str(s): name for name, s in env_symbols.items() if isinstance(s, sympy.Symbol)}
@@ -266,7 +271,7 @@ def simulate_once(
     recorder.rename = lambda text: renamer({**names, **{str(s): d for d, s in table.data_dims.named().items()}})(text)
     table.rename = recorder.rename
     world = parallel.world(device) if parallel is not None else contextlib.nullcontext()
-    with world as mesh, fake_mode, REGISTRY.scoped(kernels, device), tc.quiet_torch_logs(), \
+    with world as mesh, fake_mode, REGISTRY.scoped(options.kernels, device), tc.quiet_torch_logs(), \
             table.data_dims.active(), contextlib.ExitStack() as wrapped:
         inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
                               requires_grad=spec.requires_grad and grad) for spec in specs]
@@ -318,8 +323,8 @@ def simulate_once(
             def run_forward(xs: list) -> Any:
                 with module_stack:
                     return line_runner.run(fake_model, xs)
-        if autocast is not None:
-            run_forward = _under_autocast(run_forward, device, autocast)
+        if options.autocast is not None:
+            run_forward = _under_autocast(run_forward, device, options.autocast)
         hooks = _Run(recorder, run_forward, named_params)
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()  # not the caller's ambient mode
         saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
@@ -371,7 +376,7 @@ def simulate_once(
     if parallel is not None:
         for text in parallel.notes(table.storages, device):
             log.note(text)
-    facts = {**environment(device), **({"autocast": str(autocast)} if autocast else {}),
+    facts = {**environment(device), **({"autocast": str(options.autocast)} if options.autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
@@ -382,8 +387,8 @@ def simulate_once(
         return None
     if first_stored and not steady:
         try:
-            again = simulate_once(given, specs, symbols, hints, device, grad, training, mode, leaf_modules, kernels,
-                                  concrete_args, autocast, parallel, steady=True)
+            again = simulate_once(given, specs, options, symbols, training=training, concrete_args=concrete_args,
+                                  parallel=parallel, steady=True)
         except FxMemError as exc:  # the first call's analysis stands, and says why it is a first call's
             log.note(f"the forward stores {first_calls.names(first_stored)} on its modules, and a second call could "
                      f"not be simulated ({type(exc).__name__}: {first_line(str(exc))}): analysed is a first call")

@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .. import _torch_compat as tc
 from ..errors import SpecError, TraceError, UnsupportedOpError
 from ..records import Phase, Role
+from .patching import patched
 
 
 class Router:
@@ -220,12 +221,8 @@ def _compile_refused(step: Callable) -> Iterator[None]:
                         f"allocate, so it refuses rather than give the eager numbers; analyse a step without "
                         f"torch.compile (the numbers are then of the eager step), or measure the compiled "
                         f"step with fxmem.measure")
-    original_compile, original_method = torch.compile, torch.nn.Module.__dict__["compile"]
-    torch.compile, torch.nn.Module.compile = refuse, refuse
-    try:
+    with patched([(torch, "compile", refuse), (torch.nn.Module, "compile", refuse)]):
         yield
-    finally:
-        torch.compile, torch.nn.Module.compile = original_compile, original_method
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import torch
 from .. import _torch_compat as tc
 from ..records import INEXACT
 from . import progressions
+from .patching import patched
 from .progressions import Progression
 
 aten = torch.ops.aten
@@ -208,7 +209,7 @@ def _map(fn: Callable, value: Any) -> Any:
 def tracing_checks(values: KnownValues) -> Iterator[None]:
     """While a model is simulated, library checks of :data:`TRACING_CHECKS` see through fake tensors
     whose values are known, and are noted where they are not."""
-    patched = []
+    checks = []
     for module_name, name in TRACING_CHECKS:
         module = sys.modules.get(module_name)
         original = getattr(module, name, None) if module is not None else None
@@ -237,13 +238,9 @@ def tracing_checks(values: KnownValues) -> Iterator[None]:
                         f"state it: fxmem.TensorSpec(..., fill=1)")
             return fake
 
-        setattr(module, name, check)
-        patched.append((module, name, original))
-    try:
+        checks.append((module, name, check))
+    with patched(checks):
         yield
-    finally:
-        for module, name, original in reversed(patched):
-            setattr(module, name, original)
 
 
 def _caller_key() -> tuple[str, str] | None:

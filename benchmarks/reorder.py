@@ -19,7 +19,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -84,7 +83,7 @@ def one(group: str, name: str, build, specs, sizes, makers) -> dict:
         return {**row, "status": "no lower order modelled"}
     row.update(entry=entry)
     if entry["status"] != "applied":
-        return {**row, "status": "modelled lower, not confirmed", "detail": entry["reason"][:200]}
+        return {**row, "status": "modelled lower, not confirmed", "detail": entry.get("details") or entry["reason"]}
     row["status"] = "applied"
     row["checks"] = []
     for grad, training in ((True, True), (False, False)):
@@ -122,6 +121,13 @@ def main() -> None:
     write(args, rows, time.perf_counter() - t0)
 
 
+def _largest_gain(entry: dict) -> float:
+    """The largest change of a peak at the example sizes, in percent (negative: lower), read off the
+    record's ``bytes_before`` / ``bytes_after``."""
+    before, after = entry["bytes_before"], entry["bytes_after"]
+    return min(100 * (after[k] - before[k]) / before[k] for k in before if before[k])
+
+
 def _gain(entry: dict, key: str) -> str:
     return f"`{entry[key + '_before']}` -> `{entry[key + '_after']}`"
 
@@ -145,7 +151,7 @@ def write(args: argparse.Namespace, rows: list, seconds: float) -> None:
     for s in statuses:
         lines.append(f"| {s} | " + " | ".join(str(counts.get((g, s), 0)) for g in groups) + " |")
     applied = [r for r in rows if r["status"] == "applied"]
-    gains = sorted(min(float(x) for x in re.findall(r"\(([-+0-9.]+)%\)", r["entry"]["reason"])) for r in applied)
+    gains = sorted(_largest_gain(r["entry"]) for r in applied)
     checks = [c for r in applied for c in r["checks"]]
     lines += ["", f"Orders kept: {len(applied)} of {sum(1 for r in rows if 'nodes' in r)} traced graphs"
               + (f"; largest peak gain per model at the example sizes: median {-statistics.median(gains):.1f}%, "

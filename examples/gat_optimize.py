@@ -54,7 +54,7 @@ def main() -> None:
 
     print("== fxmem.optimize(GraphAttentionLayerFixed(6, 128), ('B', 'N', 6), ('B', 'N', 'N')) ==")
     for r in opt.meta["fxmem"]:
-        print(f"  {r['status']}: {r['rule']} at {r['where']}\n    {r['reason']}")
+        print(f"  {r['status']}: {r['rule']} at {r['where']}\n    {r['reason']}\n    {r.get('details') or ''}")
     rewritten = {n.name for n in opt.graph.nodes if n.meta.get("fxmem_rewrite")}
     print("  the rewritten lines of opt.code:")
     for line in opt.code.splitlines():
@@ -92,7 +92,7 @@ def main() -> None:
 
     print("\n== the seed's layer as the blog wrote it (cat on dim=1) ==")
     for r in fxmem.optimize(GraphAttentionLayer(6, 128), *SPECS).meta["fxmem"]:
-        print(f"  {r['status']}: {r['rule']} at {r['where']}\n    {r['reason']}")
+        print(f"  {r['status']}: {r['rule']} at {r['where']}\n    {r['reason']}\n    {r.get('details') or ''}")
 
     print("\n== the seed's network: 8 heads x 128 features + a 1600-class output head (no dropout; fxmem's numbers) ==")
     net = GAT(6, 128, 1600, 8, dropout=0.0)

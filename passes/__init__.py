@@ -14,7 +14,9 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   copy elements, and the id probe), :mod:`.linear_maps` (what counts as a linear map),
   :mod:`.pair_layout` (how the pair tensor is laid out), :mod:`.pair_reasons` (why a look-alike
   is declined), :mod:`.gathered_pairs` (pairs of rows picked by an edge list);
-* the fused-attention rule: :mod:`.fused_attention` (the rule), :mod:`.attention_layout` (the
+* the fused-attention rule: :mod:`.fused_attention` (the rule: match, layouts, kernel call,
+  rewrite), :mod:`.attention_parts` (the attention's parts read off the graph: dropout, softmax,
+  LeakyReLU, mask, the scores' axes; the SDPA rule reads them too), :mod:`.attention_layout` (the
   model's tensors laid out for the kernel, :mod:`fxmem.ops.attention`);
 * the fused-message-passing rule: :mod:`.message_passing` (the kernel: :mod:`fxmem.ops.spmm`);
 * the SDPA rule: :mod:`.sdpa` (the rule), :mod:`.sdpa_parts` (q, k, v and their layouts),

@@ -100,17 +100,79 @@ class GraphPass:
     looks_for: str = ""
 
 
-# The keys every ``meta["fxmem"]`` entry has, whichever pass wrote it (a rule, reorder, recompute,
-# the switch between two forms); a pass may add its own after them (recompute: "plan", "budget").
-LOG_KEYS = ("rule", "status", "where", "reason", "when", "decision", "peak_before", "peak_after", "saved_before",
-            "saved_after", "train_peak_before", "train_peak_after", "inference_peak_before", "inference_peak_after")
+# What each key of a ``meta["fxmem"]`` entry holds. Every entry has every key, whichever pass wrote it
+# (a rule, reorder, recompute, the switch between two forms, the region), None where it does not
+# apply; a pass may add its own after them (recompute: "plan", "budget"). Formulas are strings of
+# sympy expressions in the user's dims (bytes); ``bytes_*`` are ints (bytes).
+FIELDS = {
+    "rule": "the pass that wrote the entry (a rule's name, 'reorder', 'recompute', 'switch', 'region', 'train/eval')",
+    "status": "'applied' (in the returned module), 'declined' (found, not kept) or 'no match' (nothing of the "
+              "kind in the graph)",
+    "where": "the node and the user's file:line of the site (the model's name for whole-graph entries; "
+             "recompute: the blocks recomputed)",
+    "reason": "one line (at most REASON_LIMIT characters): what was decided and why, in words - 'applied: "
+              "inference peak 1.96 GiB -> 8.11 MiB at B=4, N=500', 'declined: exact, but no memory saved where "
+              "the formulas hold'; the details are in the keys below",
+    "when": "the sizes the entry holds for when the result has two forms ('N >= 160*B', 'not (N >= 160*B)'), "
+            "else None (every size)",
+    "decision": "the formula comparison the decision rests on, in words (which peak is never higher where, "
+                "with both formulas where they cross)",
+    "peak_before": "forward peak formula (bytes, in the dims) of the graph before the rewrite",
+    "peak_after": "forward peak formula after it (None: not tried)",
+    "saved_before": "formula of the bytes autograd keeps for backward, before",
+    "saved_after": "the same, after",
+    "train_peak_before": "training-step peak formula before (None: no training step analysed)",
+    "train_peak_after": "the same, after",
+    "inference_peak_before": "inference (eval mode, no_grad) peak formula before",
+    "inference_peak_after": "the same, after",
+    "details": "the full words of what was found: the rewrite a rule makes at the site (or why a look-alike "
+               "is not one), what a switch or region runs where, a failed verification's message",
+    "condition": "the condition in the dims where the rewrite lowers the peak ('N >= 160*B'; the switch's "
+                 "condition; the region's guards), else None",
+    "verification": "the comparison with the model on real runs: 'passed' (same outputs, gradients and buffers "
+                    "at the verification sizes, train and eval mode) or 'failed: max diff 0.31 in <where>'; "
+                    "None where nothing was run",
+    "group": "how the site was tried with others: 'applied with the other 3 sdpa site(s) in one trial ...', "
+             "'accepted as a group of 2 ... sites that lower the peak only together ...'; None alone",
+    "no_longer_built": "the nodes of the original graph the rewrite removes (names), e.g. the pair tensor",
+    "flops": "recompute: the FLOPs recomputed in backward, in words (and when they could not be counted)",
+    "sizes": "{dim: int}: the sizes the reason's numbers and bytes_before/bytes_after are at (the example "
+             "sizes; recompute: the budget's dims)",
+    "bytes_before": "{'peak', 'train_peak', 'inference_peak'}: those peaks at ``sizes``, ints (bytes) "
+                    "(None: not analysed)",
+    "bytes_after": "the same, after",
+}
+LOG_KEYS = tuple(FIELDS)
 # applied: in the returned module; declined: found and not kept (reason says why); no match:
 # nothing of the kind in the graph (reason says what was looked for)
 STATUSES = ("applied", "declined", "no match")
+# the most characters a reason has: one line of a log (two of an 100-column terminal at most); the
+# status, two or three peaks before -> after (format_bytes: "1.96 GiB", 8-10 characters each) and
+# the example sizes of four or five dims fit in it; anything longer belongs in ``details``
+REASON_LIMIT = 200
+
+
+def brief(text: str, limit: int = REASON_LIMIT) -> str:
+    """``text`` as one line of at most ``limit`` characters: its first sentence, cut at a word with
+    "..." where still longer.
+
+    >>> brief("pairs are not (h_i, h_j) (at B=3). The concatenation runs along dim 1")
+    'pairs are not (h_i, h_j) (at B=3)'
+    >>> len(brief("x " * 200)) <= REASON_LIMIT
+    True
+    """
+    line = " ".join(str(text).split())
+    cut = line.find(". ")
+    if cut > 0:
+        line = line[:cut]
+    if len(line) > limit:
+        line = line[:limit - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+    return line
 
 
 def log_entry(rule: str, status: str, where: str, reason: str, **extra: Any) -> dict:
-    """One ``meta["fxmem"]`` entry with every key of :data:`LOG_KEYS` (None where it does not apply).
+    """One ``meta["fxmem"]`` entry with every key of :data:`LOG_KEYS` (None where it does not apply);
+    ``reason`` made one line (:func:`brief`): the rest of a long text belongs in ``details=``.
 
     >>> log_entry("sdpa", "no match", "Net", "no softmax(q @ k^T) @ v")["peak_after"] is None
     True
@@ -118,6 +180,6 @@ def log_entry(rule: str, status: str, where: str, reason: str, **extra: Any) -> 
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     out = dict.fromkeys(LOG_KEYS)
-    out.update(rule=rule, status=status, where=where, reason=reason)
+    out.update(rule=rule, status=status, where=where, reason=brief(reason))
     out.update(extra)
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx

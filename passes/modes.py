@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import operator
 from typing import Any, Callable, Sequence
 

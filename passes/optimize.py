@@ -20,7 +20,8 @@ The result is a ``torch.fx.GraphModule`` with the model's call signature that sh
 ``Parameter`` objects (training it trains the model) and follows ``train()``/``eval()`` as the
 model does (``F.dropout(x, p, training=self.training)`` reads the flag when it runs, not when it
 was traced); the model itself is never modified.
-``opt.meta["fxmem"]`` lists every rewrite applied and every one declined, with the reason.
+``opt.meta["fxmem"]`` lists every rewrite applied and every one declined: a one-line ``reason``, the
+formulas, condition, verification and grouping in their own keys (:data:`.base.FIELDS`).
 
 >>> opt = fxmem.optimize(GraphAttentionLayerFixed(6, 128), ("B", "N", 6), ("B", "N", "N"))  # doctest: +SKIP
 >>> [(r["rule"], r["status"], r["peak_before"], r["peak_after"]) for r in opt.meta["fxmem"]]  # doctest: +SKIP
@@ -49,8 +50,8 @@ from fxmem.simulation.failures import first_line
 from fxmem.report import Report
 from fxmem.capture.whole_graph import capture
 from fxmem.specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
-from fxmem.passes.base import LOG_KEYS, STATUSES, Finding, Line, Pass, Probe, log_entry
-from fxmem.units import parse_bytes
+from fxmem.passes.base import LOG_KEYS, REASON_LIMIT, STATUSES, Finding, Line, Pass, Probe, brief, log_entry
+from fxmem.units import format_bytes, parse_bytes
 from fxmem.passes.modes import in_mode, trace_modes
 from fxmem.passes.recompute import BudgetError
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
@@ -59,6 +60,7 @@ from fxmem.passes import switch
 from fxmem.passes.decide import Condition, Decision, candidates, decide
 from fxmem import data_paths
 from fxmem.accounting.symbolic import Region
+from fxmem.search import first_true
 
 # Probe sizes when the user gives none: dim k (in order of appearance) is base+k for each base of
 # a rung; probes run at the first and last base, rewrites are verified at all three. Small, so a
@@ -71,6 +73,23 @@ PROBE_LADDER = ((3, 4, 5), (8, 9, 10), (16, 17, 18), (32, 33, 34))
 def _plain_sgd(params: Any) -> torch.optim.Optimizer:
     # no optimizer state: the training step's peak is forward + backward + gradients
     return torch.optim.SGD(params, lr=0.0)
+
+
+# The analyses one call makes, each an AnalysisOptions derived from the call's own ``kw`` (the
+# user's options, mode="auto", no self-check; with budget= the user's optimizer):
+def _step(kw: AnalysisOptions) -> AnalysisOptions:
+    """A training step: the optimizer budget= brought, else SGD without state."""
+    return kw.replace(optimizer=kw.optimizer or _plain_sgd)
+
+
+def _forward(kw: AnalysisOptions) -> AnalysisOptions:
+    """The forward in train mode, with autograd (what backward keeps), no step."""
+    return kw.replace(optimizer=None)
+
+
+def _inference(kw: AnalysisOptions) -> AnalysisOptions:
+    """The forward without grad (inference)."""
+    return kw.replace(grad=False, optimizer=None)
 
 
 @dataclasses.dataclass
@@ -104,6 +123,13 @@ class _Memory:
         """The formula comparison of this graph's peaks with ``other``'s, in words."""
         return _decide(other, self, self.report.symbols, self.report.hints, None).text
 
+    def at_sizes(self, suffix: str) -> dict:
+        """``sizes`` and ``bytes_<suffix>``: the peaks (ints, bytes) at the example sizes, for the records."""
+        peak, train, inference = self.at_hints
+        return {"sizes": dict(self.report.hints),
+                f"bytes_{suffix}": {"peak": peak, "train_peak": train if self.report.train_peak is not None else None,
+                                    "inference_peak": inference}}
+
     def formulas(self, suffix: str) -> dict[str, str | None]:
         if self._texts is None:  # printed once: every site's record of one graph shows the same
             r = self.report
@@ -111,6 +137,28 @@ class _Memory:
                            "train_peak": str(r.train_peak) if r.train_peak is not None else None,
                            "inference_peak": str(self.inference.peak)}
         return {f"{k}_{suffix}": v for k, v in self._texts.items()}
+
+
+def _change(before: _Memory, after: _Memory, room: int = REASON_LIMIT - 10) -> str:
+    """The peaks that change at the example sizes, largest change first, in words: ``"inference peak
+    1.96 GiB -> 8.11 MiB, peak 1.96 GiB -> 12.00 MiB at B=4, N=500"`` (a reason's numbers), as many
+    as fit in ``room`` characters (one at least)."""
+    names = ("peak", "training-step peak", "inference peak")
+    pairs = [(n, a, b) for n, a, b in zip(names, before.at_hints, after.at_hints) if a and b and a != b]
+    pairs.sort(key=lambda x: -abs(x[2] - x[1]) / x[1])
+    at = ", ".join(f"{k}={v}" for k, v in after.report.hints.items())
+    if not pairs:
+        return f"the same peaks at {at}" if at else "the same peaks"
+    words = [f"{n} {format_bytes(a)} -> {format_bytes(b)}" for n, a, b in pairs]
+    at = f" at {at}" if at else ""
+    while len(words) > 1 and len(", ".join(words) + at) > room:
+        words.pop()
+    return ", ".join(words) + at
+
+
+def _failed(diff: Any) -> str:
+    """A failed verification, for the ``verification`` key."""
+    return f"failed: max diff {diff.max_abs:.3g} in {diff.where}"
 
 
 class _Unverified(Exception):
@@ -159,8 +207,10 @@ def optimize(
     lower somewhere (:mod:`.decide`; where the two cross, both forms are returned, switched at run
     time by the condition in the dims). The hints only choose where the analysis looks first.
     ``opt.meta["fxmem"]`` lists each rewrite: ``rule``, ``status`` (``"applied"``/``"declined"``),
-    ``where`` (node and file:line), ``reason``, and ``peak_``/``saved_``/``train_peak_``/
-    ``inference_peak_`` ``before``/``after`` formulas.
+    ``where`` (node and file:line), ``reason`` (one line: what was decided and why), and in keys of
+    their own the ``peak_``/``saved_``/``train_peak_``/``inference_peak_`` ``before``/``after``
+    formulas, ``decision``, ``condition``, ``verification``, ``group``, ``details``
+    (:data:`.base.FIELDS` says what each holds).
 
     >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))    # doctest: +SKIP
     >>> fxmem.analyze(opt, ("B", "N", 6), ("B", "N", "N")).peak          # doctest: +SKIP
@@ -225,7 +275,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     if opts.mode == "eager":
         raise SpecError("optimize rewrites a graph of the model: mode='eager' (the original forward) cannot be "
                         "rewritten; use mode='auto' or 'graph'")
-    device, dtype, grad, hints, leaf_modules = opts.device, opts.dtype, opts.grad, opts.hints, opts.leaf_modules
+    dtype, grad, hints, leaf_modules = opts.dtype, opts.grad, opts.hints, opts.leaf_modules
     optimizer = opts.optimizer
     settings = _check_settings(settings)
     if budget is not None:
@@ -263,7 +313,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     try:
         probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
     except ShapeError:
-        analyze(gm, *input_specs, options=kw.replace(grad=False))  # a shape error at every size says where, in dims
+        analyze(gm, *input_specs, options=_inference(kw))  # a shape error at every size says where, in dims
         raise
     if region is not None and not all(region[0].holds(sizes) for sizes in verify_at):
         raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and fxmem's "
@@ -278,7 +328,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     at_point = point is not None and budget is not None and dims[point[0]] == point[1]
     if region is not None and budget is not None and not at_point and not region[0].holds(dims):
         # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
-        _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
+        _must_fit(model, input_specs, kw, budget,
                   dims,
                   f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and at the dims the result "
                   f"runs the model's own forward; what to do: checkpoint the model's blocks yourself "
@@ -292,12 +342,13 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         _share_modules(gm, model)
         state.faithful(gm)
         if budget is not None:  # never silence: the step must fit as it is, or say so
-            _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget,
+            _must_fit(model, input_specs, kw, budget,
                       dims,
                       f"{traced.reason}; what to do: make the model compute the same graph in train and eval mode, "
                       f"or a larger budget")
-        log = [log_entry("train/eval", "declined", name, traced.reason)] + [
-            log_entry(p.name, "no match", name, f"not looked for: {traced.reason}") for p in PASSES]
+        log = [log_entry("train/eval", "declined", name, f"declined: {traced.reason}", details=traced.reason)] + [
+            log_entry(p.name, "no match", name, f"not looked for: {traced.reason}", details=traced.reason)
+            for p in PASSES]
         if region is not None:
             gm, entry = _within(region, gm, model, name)
             log.append(entry)
@@ -316,12 +367,10 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
     # the budget is fitted by the form that runs at dims: this graph only inside its region
     fits_here = budget is not None and (region is None or region[0].holds(dims))
-    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer,
-                         fits_here)
+    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, fits_here)
     if switched is not None:
         alt, entry = switched
-        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, optimizer,
-                           fits_here)
+        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, fits_here)
         best = _forms(alt.condition, switch.positions(alt.condition, specs, symbols), alt.best, state.best, model)
         log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
     else:
@@ -332,9 +381,9 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, budget if at_point else None,
                                     dims, name)
         if at_point and elsewhere is None:  # no second graph: the model's own step must fit there, or say so
-            _must_fit(model, input_specs, kw.replace(optimizer=optimizer or _plain_sgd), budget, dims,
+            _must_fit(model, input_specs, kw, budget, dims,
                       f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and no second graph "
-                      f"could be made at {point[0]} == {point[1]} ({more[0]['reason']})")
+                      f"could be made at {point[0]} == {point[1]} ({more[0]['details']})")
         best, entry = _within(region, best, model, name, elsewhere, point if elsewhere is not None else None)
         log += _tagged([entry], None) + more
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
@@ -371,10 +420,9 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
             together = [x for g in unpaid for x in g]
             if state.try_group(together) == "kept":
                 for _, f in together:
-                    e = state._entries[id(f)]
-                    first = e["reason"] if "no longer built" in e["reason"] else f.reason
-                    e["reason"] = (f"{first}; accepted as a group of {len(together)} {rule.name} sites "
-                                   f"that lower the peak only together (each alone leaves the others' tensors at it)")
+                    state._entries[id(f)]["group"] = (
+                        f"accepted as a group of {len(together)} {rule.name} sites that lower the peak only "
+                        f"together (each alone leaves the others' tensors at it)")
     return state
 
 
@@ -390,20 +438,19 @@ def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
                                                                f"{rule.name} site(s)")
     if verdict == "kept":
         for _, f in whole:
-            e = state._entries[id(f)]
-            e["reason"] = (f"{e['reason']}; applied with the other {len(whole) - 1} {rule.name} site(s) in one trial "
-                           f"(one verification, one analysis): together never higher")
+            state._entries[id(f)]["group"] = (f"applied with the other {len(whole) - 1} {rule.name} site(s) in one "
+                                              f"trial (one verification, one analysis): together never higher")
         return True
     return verdict == "no gain" and state.last is not None and (state.last.same or state.last.verdict == "switch")
 
 
 def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
-            optimizer, fits_here: bool = True) -> torch.fx.GraphModule:
+            fits_here: bool = True) -> torch.fx.GraphModule:
     """The whole-graph passes of the registry (reorder, then recompute), in order, on one line's
     best graph; their entries go to its log."""
     runs_at_dims = budget is not None and fits_here and (state.condition is None or state.condition.holds(dims)) and (
         state.condition is not None or state.switch is None or not state.switch.holds(dims))
-    step = kw.replace(optimizer=optimizer or _plain_sgd)
+    step = _step(kw)
     # the analyses made already serve when they are of the same training step (not a line that
     # looked at other sizes)
     reuse = state.kw == kw and kw.grad
@@ -463,11 +510,13 @@ def _within(region: tuple, best: torch.fx.GraphModule, model: torch.nn.Module, n
     second = (f"the graph captured at {point[0]} == {point[1]} (optimized as well: the entries marked "
               f"'{point[0]} == {point[1]}') at that size, and the model's own forward at every other size"
               if point is not None else "the model's own forward at every other size")
-    entry = log_entry("region", "applied", name,
-                      f"the graph TorchDynamo captured holds where {guards} (the model bounds its own sizes there, "
-                      f"with an assert or a branch on sizes; Dynamo's guards): the result runs it there, {second} "
-                      f"(none of the rewrites, none of their savings), so it computes what the model computes "
-                      f"everywhere", when=None)
+    short = (f"a second graph at {point[0]} == {point[1]} and the model's own forward at every other size"
+             if point is not None else "the model's own forward at every other size")
+    entry = log_entry("region", "applied", name, f"applied: the captured graph where {guards}, {short}",
+                      details=f"the graph TorchDynamo captured holds where {guards} (the model bounds its own sizes "
+                              f"there, with an assert or a branch on sizes; Dynamo's guards): the result runs it "
+                              f"there, {second} (none of the rewrites, none of their savings), so it computes what "
+                              f"the model computes everywhere", condition=str(guards), when=None)
     return out, entry
 
 
@@ -515,8 +564,10 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
     except FxMemError as exc:
         first = str(exc).splitlines()[0]
         return None, _tagged([log_entry("region", "declined", name,
-                                        f"a second graph at {dim} == {size} (the size the captured graph leaves out) "
-                                        f"could not be made: {first}; the model's own forward runs there")],
+                                        f"declined: no second graph at {dim} == {size}: {first}",
+                                        details=f"a second graph at {dim} == {size} (the size the captured graph "
+                                                f"leaves out) could not be made: {first}; the model's own forward "
+                                                f"runs there", condition=f"{dim} == {size}")],
                              f"{dim} == {size}")
     at = switch.Guards([sympy.Eq(sym, size)])
     return _forms(at, switch.positions(at, specs, symbols), second, model, model), \
@@ -530,6 +581,7 @@ def _tagged(log: list[dict], when: str | None) -> list[dict]:
     for e in log:
         e = {**dict.fromkeys(LOG_KEYS), **e}
         assert e["status"] in STATUSES, e  # a pass that writes another status is a bug here
+        e["reason"] = brief(e["reason"])  # one line: the rest is in the other keys
         e["when"] = when if e["when"] is None else e["when"]
         out.append(e)
     return out
@@ -537,8 +589,8 @@ def _tagged(log: list[dict], when: str | None) -> list[dict]:
 
 def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any, dims: dict,
               why: str) -> None:
-    """Raise :class:`BudgetError` unless the model's own training step fits ``budget`` at ``dims``."""
-    report = analyze(model, *input_specs, options=kw.replace(mode="auto"))
+    """Raise :class:`BudgetError` unless the model's own training step (``_step(kw)``) fits ``budget`` at ``dims``."""
+    report = analyze(model, *input_specs, options=_step(kw))
     peak = report.evaluate(**dims)["train_peak"]
     limit = parse_bytes(budget)
     if peak > limit:
@@ -553,7 +605,7 @@ def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list
     the condition; the ``meta`` entry saying so. None (and main's entries say why) otherwise."""
     cond = alt.condition
     where = switch.positions(cond, specs, symbols)
-    why = None
+    why, verification = None, None
     if not alt.kept:
         why = "no rewrite was kept where the condition holds (see the entries for it)"
     elif where is None:
@@ -568,18 +620,22 @@ def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list
                     raise _Unverified(f"{diff.where}: max diff {diff.max_abs:.3g}")
                 why = (f"the {'rewritten' if side else 'original'} form differs (max diff {diff.max_abs:.3g} in "
                        f"{diff.where})")
+                verification = f"{_failed(diff)} ({'rewritten' if side else 'original'} form)"
                 break
         forms.fxmem_forms.force = None
         if why is None:  # each line's graph, verified whole on its side
             for line in (main, alt):
                 line._verified.append(line.best)
-    entry = log_entry("switch", "applied" if why is None else "declined", name, (
-                       f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from "
-                        f"the inputs' sizes, each verified against the model on its side. Decided by the formulas "
-                        f"over the whole region, not at the example sizes: {alt.switch_text}. The hints only chose "
-                        f"where to look first; they decide nothing") if why is None else
-                       f"rewrites never higher where {cond} were found, but {why}; the original form is kept",
-                      when=str(cond), condition=str(cond), decision=alt.switch_text)
+    details = (f"two forms: the rewritten one where {cond}, the original otherwise; picked at each call from the "
+               f"inputs' sizes, each verified against the model on its side. Decided by the formulas over the whole "
+               f"region, not at the example sizes: {alt.switch_text}. The hints only chose where to look first; they "
+               f"decide nothing") if why is None else (
+               f"rewrites never higher where {cond} were found, but {why}; the original form is kept")
+    reason = (f"applied: the rewritten form where {cond}, the original elsewhere, picked at each call"
+              if why is None else f"declined: lower where {cond}, but {why}")
+    verification = "passed" if why is None else verification
+    entry = log_entry("switch", "applied" if why is None else "declined", name, reason, details=details,
+                      when=str(cond), condition=str(cond), decision=alt.switch_text, verification=verification)
     if why is not None:
         main.log.append(entry)
         return None
@@ -773,7 +829,9 @@ class _Search:
 
     def log_finding(self, finding: Finding) -> None:
         """Start the ``meta["fxmem"]`` entry of ``finding`` (declined until it is applied)."""
-        entry = log_entry(finding.rule, "declined", finding.where, finding.reason, **self.current.formulas("before"))
+        reason = f"declined: {finding.reason}" if finding.status == "declined" else "declined: not tried"
+        entry = log_entry(finding.rule, "declined", finding.where, reason, details=finding.reason,
+                          **self.current.formulas("before"))
         self.log.append(entry)
         self._entries[id(finding)] = entry
 
@@ -784,8 +842,8 @@ class _Search:
         ``together``: how the group was tried, for the records (default: on the same pairs)."""
         self.last = None
         entries = [self._entries[id(f)] for _, f in group]
-        for e in entries:
-            e.update(self.current.formulas("before"))
+        for e in entries:  # what an earlier trial of the site said is replaced by this one's outcome
+            e.update(self.current.formulas("before"), condition=None, verification=None, group=None)
         trial = _build(self.gm, self.model, self.accepted + group)
         deferred = self._deferred(trial)
         diff = self.verify(trial) if deferred is None else None
@@ -796,14 +854,18 @@ class _Search:
                     self.try_group([member])
                 return "failed"
             _, finding = group[0]
-            entries[0]["reason"] = (f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the rewrite "
-                                    f"does not compute what the original does; dropped")
+            entries[0].update(reason=f"declined: verification failed (max diff {diff.max_abs:.3g}); dropped",
+                              verification=_failed(diff))
             self.dropped.append(f"fxmem.optimize: dropped the {finding.rule} rewrite at {finding.where}: "
-                                f"{entries[0]['reason']}")
+                                f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}): the rewrite "
+                                f"does not compute what the original does; dropped")
             return "failed"
         after = self.memory(trial)
-        for e in entries:
-            e.update(after.formulas("after"))
+        change = _change(self.current, after)
+        short = _change(self.current, after, room=REASON_LIMIT - 100)  # after a decline's longer words
+        for e in entries:  # verified now, or (optimistic) with the graph that follows it: the call restarts if not
+            e.update(after.formulas("after"), **{**self.current.at_sizes("before"), **after.at_sizes("after")},
+                     verification="passed")
         decision = deferred if deferred is not None else _decide(self.current, after, self.symbols, self.hints,
                                                                  self.condition)
         if decision.verdict == "decline" and self.condition is None:
@@ -817,23 +879,23 @@ class _Search:
         elif decision.verdict == "switch":
             if self.switch is None:
                 self.switch, self.switch_text = decision.condition, decision.text
-            for e, (_, f) in zip(entries, group):
-                e["reason"] = (f"the rewrite is exact ({f.reason}) and lowers the peak only where "
-                               f"{decision.condition}: {decision.text}; this form keeps the original")
+            for e in entries:
+                e.update(reason=f"declined in this form: exact, lowers the peak only where {decision.condition} "
+                                f"(the other form); {short}", condition=str(decision.condition))
             return "no gain"
         if decision.verdict == "decline":
-            together = (f" ({together})" if together else
-                        f" (with the {len(group) - 1} other(s) on the same pairs)" if len(group) > 1 else "")
-            for e, (_, f) in zip(entries, group):
-                e["reason"] = (f"no memory saved: the rewrite is exact ({f.reason}), but fxmem's formulas of the "
-                               f"rewrite{together} are {decision.text}; so the original is kept")
+            together = (together if together else
+                        f"with the {len(group) - 1} other(s) on the same pairs" if len(group) > 1 else None)
+            for e in entries:
+                e.update(reason=f"declined: exact, but no memory saved where the formulas hold; {short}",
+                         group=together)
             return "no gain"
         names = {n.name for n in trial.graph.nodes}
         for e, (_, f) in zip(entries, group):
-            e["status"] = "applied"
             gone = sorted(n.name for n in f.frees if n.name not in names)
-            if gone:
-                e["reason"] = f"{f.reason}; no longer built: {', '.join(gone)}"
+            e.update(status="applied", no_longer_built=gone or None,
+                     reason=f"applied: {change}" if not change.startswith("the same") else
+                     f"applied: no peak higher at any size, one lower somewhere ({change})")
         self.accepted += group
         self.kept += len(group)
         self.current, self.best = after, trial
@@ -865,16 +927,9 @@ def _threshold(dim: str, regions: list, symbols: Mapping, at: Mapping[str, int])
     def holds(v: int) -> bool:
         return not any(r.violations({**values, sym: v}) for r in regions)
 
-    hi = at[dim]
-    if not holds(hi):
+    if not holds(at[dim]):
         return None
-    lo = 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = first_true(holds, 1, at[dim])  # size 1 untested: a regime from 1 or 2 is one from 2
     # from hi on: larger sizes up to 4x the look's must hold too (a regime that ends there is not taken)
     return hi if all(holds(v) for v in (hi + 1, 2 * hi, 2 * at[dim], 4 * at[dim])) else None
 
@@ -1097,14 +1152,14 @@ def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -
     report, failure = None, None
     if kw.grad:
         try:  # SGD without state unless budget= brought the user's optimizer
-            report = analyze(train, *input_specs, options=kw.replace(optimizer=kw.optimizer or _plain_sgd))
+            report = analyze(train, *input_specs, options=_step(kw))
         except NothingToTrainError:  # no parameter reaches the output: forward only, as there is no step
             report = None
         except FxMemError as exc:  # the step cannot be analysed: forward only, and the decisions say so
             failure = f"{type(exc).__name__}: {first_line(str(exc))[:200]}"
     if report is None:
-        report = analyze(train, *input_specs, options=kw.replace(optimizer=None))
-    inference = analyze(evals, *input_specs, options=kw.replace(grad=False, optimizer=None))
+        report = analyze(train, *input_specs, options=_forward(kw))
+    inference = analyze(evals, *input_specs, options=_inference(kw))
     values = report.evaluate(**report.hints)
     beyond = None
     if report.data_paths or inference.data_paths:  # the path the graph takes on denser data, analysed too

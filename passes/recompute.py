@@ -173,13 +173,14 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
     planner = _Planner(gm, input_specs, options, dims)
     base = planner.trial((), known=base)
     entry = {"rule": RULE, "status": "declined", "where": "", "budget": limit, "dims": dict(dims),
+             "sizes": dict(dims), "bytes_before": {"peak": None, "train_peak": base.peak, "inference_peak": None},
              "train_peak_before": str(base.report.train_peak), "train_peak_after": None,
              "peak_at_dims_before": base.peak, "peak_at_dims_after": None, "recompute_flops": 0,
              "forward_flops": planner.forward_flops, "plan": []}
     at = ", ".join(f"{k}={v}" for k, v in dims.items())
     if base.peak <= limit:
-        entry["reason"] = (f"the training step already fits: peak {format_bytes(base.peak)} at {at} <= budget "
-                           f"{format_bytes(limit)}; nothing is recomputed")
+        entry["reason"] = (f"declined: the training step already fits: peak {format_bytes(base.peak)} at {at} "
+                           f"<= budget {format_bytes(limit)}; nothing is recomputed")
         return gm, entry
     choices = planner.choices()
     if not choices:
@@ -236,13 +237,15 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
     share = 100.0 * best.flops / planner.forward_flops if planner.forward_flops else 0.0
     entry.update(status="applied", where=_where(best.plan), plan=list(best.plan),
                  train_peak_after=str(best.report.train_peak), peak_at_dims_after=best.peak,
-                 recompute_flops=best.flops,
-                 reason=(f"training-step peak at {at}: {format_bytes(base.peak)} -> {format_bytes(best.peak)} "
-                         f"(budget {format_bytes(limit)}), recomputing {best.flops:,} FLOPs in backward "
-                         f"({share:.1f}% of the forward's {planner.forward_flops:,})"))
+                 bytes_after={"peak": None, "train_peak": best.peak, "inference_peak": None},
+                 recompute_flops=best.flops, verification="passed",
+                 reason=(f"applied: training-step peak {format_bytes(base.peak)} -> {format_bytes(best.peak)} at "
+                         f"{at} (budget {format_bytes(limit)}), {share:.1f}% more FLOPs"),
+                 flops=(f"recomputing {best.flops:,} FLOPs in backward ({share:.1f}% of the forward's "
+                        f"{planner.forward_flops:,})"))
     if planner.uncounted:
-        entry["reason"] += (f"; FLOPs could not be counted on the meta device ({planner.uncounted}), so the plan "
-                            f"recomputes the fewest nodes instead and the FLOP figures count nodes")
+        entry["flops"] += (f"; FLOPs could not be counted on the meta device ({planner.uncounted}), so the plan "
+                           f"recomputes the fewest nodes instead and the FLOP figures count nodes")
     return best.module, entry
 
 

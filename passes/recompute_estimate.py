@@ -134,7 +134,7 @@ class Estimator:
 
     def peak(self, plan: Sequence[tuple[Any, str]]) -> int:
         """Estimated training-step peak (bytes) with each ``(block, "whole" | "selective")`` recomputed."""
-        rec, steps, size = self.rec, self.rec.steps, self.size
+        rec, size = self.rec, self.size
         early: dict = {}  # event index -> storages the forward frees after it
         recompute: dict = {}  # event index -> (dropped, forward events, products kept) to replay before it
         dropped_all: set = set()

@@ -293,27 +293,42 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
              "peak_before": str(old_mem.report.peak), "peak_after": str(new_mem.report.peak),
              "train_peak_before": str(old_mem.report.train_peak), "train_peak_after": str(new_mem.report.train_peak),
              "inference_peak_before": str(old_mem.inference.peak), "inference_peak_after": str(new_mem.inference.peak)}
+    keys = ("peak", "train_peak", "inference_peak")
+    if hasattr(old_mem, "at_hints"):  # the peaks at the example sizes (bytes)
+        entry.update(sizes=dict(sizes), bytes_before=dict(zip(keys, old_mem.at_hints)),
+                     bytes_after=dict(zip(keys, new_mem.at_hints)))
+    found = (f"an order with modelled live bytes {format_bytes(modelled)} instead of {format_bytes(before)} at "
+             f"{at} ({moved} of {len(original)} nodes moved)")
     if not new_mem.lower_than(old_mem):
-        entry["reason"] = (f"an order with modelled live bytes {format_bytes(modelled)} instead of "
-                           f"{format_bytes(before)} at {at} was found, but fxmem's analysis of it finds no lower "
-                           f"peak (or a higher one), so the original order is kept"
-                           + (f": {new_mem.decision(old_mem)}" if hasattr(new_mem, "decision") else ""))
+        entry.update(reason="declined: fxmem's analysis of the new order finds no lower peak (or a higher one); the "
+                            "original order is kept",
+                     details=f"{found} was found, but fxmem's analysis of it finds no lower peak (or a higher one), "
+                             f"so the original order is kept",
+                     decision=new_mem.decision(old_mem) if hasattr(new_mem, "decision") else None)
         return gm, entry
     for at_sizes in also_at:
         higher = _higher(old_mem, new_mem, at_sizes)
         if higher:
-            entry["reason"] = (f"lower at {at}, but {higher} at "
-                               f"{', '.join(f'{k}={v}' for k, v in at_sizes.items())}: which order is lower depends "
-                               f"on the sizes, so the original order is kept")
+            there = ", ".join(f"{k}={v}" for k, v in at_sizes.items())
+            entry.update(reason=f"declined: lower at {at}, higher at {there}: which order is lower depends on the "
+                                f"sizes, so the original order is kept",
+                         details=f"{found}: lower at {at}, but {higher} at {there}: which order is lower depends on "
+                                 f"the sizes, so the original order is kept")
             return gm, entry
     diff = check(new)
     if not diff.ok:
-        entry["reason"] = f"verification failed (max diff {diff.max_abs:.3g} in {diff.where}); original order kept"
+        entry.update(reason=f"declined: verification failed (max diff {diff.max_abs:.3g}); original order kept",
+                     verification=f"failed: max diff {diff.max_abs:.3g} in {diff.where}", details=found)
         return gm, entry
     pairs = list(zip(old_mem.at_hints, new_mem.at_hints))
     names = ("peak", "training-step peak", "inference peak")
-    gains = [f"{k} {a:,} -> {b:,} B ({100 * (b - a) / a:+.1f}%)" for k, (a, b) in zip(names, pairs) if a and a != b]
-    entry.update(status="applied", reason=f"at {at}: " + ", ".join(gains))
+    gains = [(k, a, b) for k, (a, b) in zip(names, pairs) if a and a != b]
+    if gains:  # the largest relative gain at the example sizes
+        k, a, b = min(gains, key=lambda g: (g[2] - g[1]) / g[1])
+        reason = f"applied: {k} {format_bytes(a)} -> {format_bytes(b)} ({100 * (b - a) / a:+.1f}%) at {at}"
+    else:  # lower elsewhere (another size, the other path the data chooses), the same here
+        reason = f"applied: no peak higher, one lower by fxmem's analysis (the same peaks at {at})"
+    entry.update(status="applied", verification="passed", details=found, reason=reason)
     return new, entry
 
 

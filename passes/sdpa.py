@@ -43,8 +43,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from fxmem.passes.base import Finding, Probe
-from fxmem.passes.data_movement import method_name, op_name
-from fxmem.passes.fused_attention import _dropout, _dropout_p, _fallback, _original, _softmax_dim, boxed
+from fxmem.passes.data_movement import op_name
+from fxmem.passes.attention_parts import _dropout, _dropout_p, _softmax_dim
+from fxmem.passes.fused_attention import _fallback, _original, boxed
 from fxmem.passes.sdpa_masks import MaskPlan, fold_chain
 from fxmem.passes.sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 

@@ -36,7 +36,7 @@ import torch.fx
 
 from fxmem.passes.base import Probe
 from fxmem.passes.data_movement import method_name
-from fxmem.passes.fused_attention import _constant
+from fxmem.passes.attention_parts import _constant
 from fxmem.passes.sdpa_parts import SCALES, as_product, cast, constant_built, fixed_cast, peel_scale
 
 _ADDS = frozenset({operator.add, torch.add, "add"})

@@ -92,7 +92,7 @@ def test_a_graph_that_holds_for_some_sizes_only_runs_only_there():
     model = SizeBranch()
     opt = fxmem.optimize(model, ("N", 16), EDGES)
     (entry,) = [e for e in opt.meta["fxmem"] if e["rule"] == "region"]
-    assert entry["status"] == "applied" and "N <= 10" in entry["reason"], entry
+    assert entry["status"] == "applied" and "N <= 10" in entry["reason"] and "N <= 10" in entry["condition"], entry
     for n, e in ((6, 40), (10, 25), (11, 30), (40, 300)):  # both sides of the guard
         x, ei = _inputs(n, e, seed=n)
         torch.testing.assert_close(opt(x, ei), model(x, ei))

@@ -77,7 +77,8 @@ def test_gcn_at_default_hints_gets_both_forms():
     (entry,) = [r for r in opt.meta["fxmem"] if r["rule"] == "switch"]
     assert entry["status"] == "applied", entry
     k = int(re.fullmatch(r"E >= (\d+)\*N", entry["condition"]).group(1))
-    assert "formulas" in entry["reason"] and "hints only chose where to look" in entry["reason"]
+    assert entry["reason"].startswith("applied: the rewritten form where E >=") and entry["verification"] == "passed"
+    assert "formulas" in entry["details"] and "hints only chose where to look" in entry["details"]
     fused = [r for r in opt.meta["fxmem"] if r["rule"] == "fused-message-passing" and r["status"] == "applied"]
     assert len(fused) == 2 and all(r["when"] == entry["condition"] for r in fused)
     assert all("never higher" in r["decision"] for r in fused)

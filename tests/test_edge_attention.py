@@ -137,7 +137,7 @@ def test_optimize_runs_pygat_over_its_edge_list(two_head_gat):
     model, specs, opt = two_head_gat
     applied = [e for e in opt.meta["fxmem"] if e["rule"] == "fused-attention" and e["status"] == "applied"]
     assert len(applied) == 3  # both heads and the output layer
-    assert all("kept entries of adj" in e["reason"] for e in applied)
+    assert all("kept entries of adj" in e["details"] for e in applied)
     assert all("adjacency too dense for an edge list" in e["decision"] for e in applied)  # both paths compared
     sparse, dense = _graph(160, 3, 12, seed=1), _graph(70, 40, 12, seed=2)
     for xs in (sparse, dense):
@@ -326,7 +326,7 @@ def test_optimize_draws_dropout_over_the_edge_list(name):
         specs, make, at = A.DenseGATLike.SPECS, (lambda n, r, s: _batched(n, r, A.FIN, s)), {"B": 2}
     opt = rewritten(fxmem.optimize(model, *specs, settings=EDGES))
     applied = [e for e in opt.meta["fxmem"] if e["rule"] == "fused-attention" and e["status"] == "applied"]
-    assert applied and all("over the edge list it draws the dense weights' numbers" in e["reason"] for e in applied)
+    assert applied and all("over the edge list it draws the dense weights' numbers" in e["details"] for e in applied)
     sparse, dense = make(160, 3, 1), make(50, 30, 2)
     for xs, path in ((sparse, True), (dense, False)):
         for training in (True, False):

@@ -88,7 +88,7 @@ def test_spelling_is_fused_and_computes_the_same(cls, kw):
     opt = optimize(model, *specs)
     (entry,) = fused(opt)
     assert entry["status"] == "applied", entry["reason"]
-    assert "no N x N float tensor" in entry["reason"]
+    assert "no N x N float tensor" in entry["details"]
     for at in ({"B": 2, "N": 5}, {"B": 3, "N": 7}):
         assert_same_in_every_mode(model, opt, inputs(specs, at))
 
@@ -130,7 +130,7 @@ def test_many_blocks_are_exact(monkeypatch):
     model = A.HeadsFirst()
     opt = optimize(model, *A.HeadsFirst.SPECS, settings={"fused-attention": {"block_bytes": 4000}})
     (entry,) = fused(opt)
-    assert entry["status"] == "applied" and "4000 bytes" in entry["reason"]
+    assert entry["status"] == "applied" and "4000 bytes" in entry["details"]
     report = check_against_real_run(opt, A.HeadsFirst.SPECS, [{"B": 2, "N": 23}, {"B": 3, "N": 50}])
     # several blocks (a partial last one at N=23): rows per block from the budget
     assert 1 < block_rows(23, 23, 8, 2 * A.HEADS, 2, 4, 4000) < 23 and 23 % block_rows(23, 23, 8, 6, 2, 4, 4000)
@@ -220,7 +220,7 @@ def test_lookalike_is_declined(cls, words):
     (entry,) = fused(opt)
     assert entry["status"] == "declined"
     for w in words:
-        assert w in entry["reason"], entry["reason"]
+        assert w in entry["details"], entry["details"]
     if not any(r["status"] == "applied" for r in opt.meta["fxmem"]):
         assert opt.code == trace_modes(model).graph_module.code
 
@@ -246,7 +246,7 @@ def test_seed_layer_as_written_is_not_fused():
     torch.manual_seed(0)
     opt = optimize(seed_gat.GraphAttentionLayer(6, 16), *SEED_SPECS)
     (entry,) = fused(opt)
-    assert entry["status"] == "declined" and "LeakyReLU's input is matmul" in entry["reason"]
+    assert entry["status"] == "declined" and "LeakyReLU's input is matmul" in entry["details"]
 
 
 # --- dropout in training ---------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def test_dropout_runs_inside_the_kernel_with_the_models_own_mask(cls, p):
     model = cls(dropout=p)
     opt = optimize(model, *cls.SPECS)
     (entry,) = fused(opt)
-    assert entry["status"] == "applied" and f"dropout (p={p:g}) inside the kernel" in entry["reason"], entry
+    assert entry["status"] == "applied" and f"dropout (p={p:g}) inside the kernel" in entry["details"], entry
     assert entry["train_peak_after"] != entry["train_peak_before"]
     step = check_training_against_real_run(opt.train(), cls.SPECS, [{"B": 2, "N": 23}],
                                            lambda q: torch.optim.SGD(q, lr=0.1))
@@ -281,7 +281,7 @@ def test_where_the_kernel_cannot_draw_the_mask_the_original_runs_while_dropout_i
     model = A.DecomposedHead(dropout=0.6)
     opt = optimize(model, *A.DecomposedHead.SPECS)
     (entry,) = fused(opt)
-    assert entry["status"] == "applied" and "while dropout (p=0.6) is on (train mode) the original" in entry["reason"]
+    assert entry["status"] == "applied" and "while dropout (p=0.6) is on (train mode) the original" in entry["details"]
     # train mode: the same memory as before (the original nodes run); eval mode without grad: less
     assert entry["train_peak_after"] == entry["train_peak_before"]
     assert entry["inference_peak_after"] != entry["inference_peak_before"]
@@ -302,7 +302,7 @@ def test_on_cuda_the_original_attention_runs_while_dropout_is_on():
     model = A.DecomposedHead(dropout=0.6)
     opt = optimize(model, *A.DecomposedHead.SPECS)
     (entry,) = fused(opt)
-    assert entry["status"] == "applied" and "dropout (p=0.6) inside the kernel" in entry["reason"], entry
+    assert entry["status"] == "applied" and "dropout (p=0.6) inside the kernel" in entry["details"], entry
     on_cuda = fxmem.analyze(opt.train(), *A.DecomposedHead.SPECS, device="cuda")
     on_cpu = fxmem.analyze(opt.train(), *A.DecomposedHead.SPECS)
     assert quadratic_float_activations(on_cuda) and not quadratic_float_activations(on_cpu)
@@ -367,7 +367,7 @@ def test_where_bernoulli_does_not_draw_in_order_the_original_runs_while_dropout_
     monkeypatch.setattr(kernel, "DRAWS_IN_PIECES", False)
     opt = optimize(model, *A.DecomposedHead.SPECS)
     (entry,) = fused(opt)
-    assert entry["status"] == "applied" and "draws each call from a stream of its own" in entry["reason"], entry
+    assert entry["status"] == "applied" and "draws each call from a stream of its own" in entry["details"], entry
     assert entry["train_peak_after"] == entry["train_peak_before"]
     assert entry["inference_peak_after"] != entry["inference_peak_before"]
     for module in (opt, drawing):

@@ -38,7 +38,7 @@ def test_gathered_pairs_are_split(cls):
     applied = [e for e in pair_entries(opt) if e["status"] == "applied"]
     assert len(applied) == 1, [e["reason"] for e in pair_entries(opt)]
     (entry,) = applied
-    assert entry["reason"].startswith("gathered pairs") and "edge_index[" in entry["reason"]
+    assert entry["details"].startswith("gathered pairs") and "edge_index[" in entry["details"]
     assert not any(n.target is torch.cat for n in opt.graph.nodes)
     for at in AT:
         assert_same_in_every_mode(model, opt, inputs(cls, at))
@@ -63,7 +63,7 @@ def test_gathered_lookalike_is_declined(cls, node, words):
     entry = next(r for r in pair_entries(opt) if r["where"].split()[0] == node)
     assert entry["status"] == "declined"
     for w in words:
-        assert w in entry["reason"], entry["reason"]
+        assert w in entry["details"], entry["details"]
     assert opt.code == trace_modes(model).graph_module.code
 
 
@@ -73,4 +73,4 @@ def test_gatv2_first_linear_is_split_only_where_it_pays():
     torch.manual_seed(0)
     opt = fxmem.optimize(S.EdgeGATv2(), *S.EdgeGATv2.SPECS)
     entry = next(r for r in pair_entries(opt) if r["where"].startswith("w "))
-    assert entry["status"] == "declined" and entry["reason"].startswith("no memory saved")
+    assert entry["status"] == "declined" and entry["reason"].startswith("declined: exact, but no memory saved")

@@ -60,7 +60,7 @@ def test_message_passing_is_fused(cls):
     opt = fxmem.optimize(model, *cls.SPECS, hints=HINTS)
     found = entries(opt)
     assert found and all(r["status"] == "applied" for r in found), found
-    assert "one sparse-dense product" in found[0]["reason"]
+    assert "one sparse-dense product" in found[0]["details"]
     for at in AT:
         assert_same_in_every_mode(model, opt, inputs(cls.SPECS, at))
     sizes = [{"N": 23, "E": 300}, {"N": 40, "E": 900}]
@@ -97,7 +97,7 @@ def test_message_lookalike_is_declined(cls, words):
     (entry,) = entries(opt)
     assert entry["status"] == "declined"
     for w in words:
-        assert w in entry["reason"]
+        assert w in entry["details"]
 
 
 def test_fused_only_where_it_pays():
@@ -108,6 +108,7 @@ def test_fused_only_where_it_pays():
     opt = fxmem.optimize(S.CopySource(), *S.CopySource.SPECS, hints=hints)
     (entry,) = entries(opt, hints)
     assert entry["status"] == "declined" and "lowers the peak only where E >=" in entry["reason"]
+    assert entry["condition"].startswith("E >=")
     (fused,) = entries(opt, {"N": 10, "E": 10_000})
     assert fused["status"] == "applied"
 

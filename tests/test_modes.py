@@ -180,7 +180,7 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
     opt = fxmem.optimize(model, *BranchOnFlag.SPECS)
     (entry,) = [e for e in opt.meta["fxmem"] if e["status"] != "no match"]  # each rule: "no match", not looked for
     assert entry["status"] == "declined" and entry["rule"] == "train/eval"
-    assert "other things in train and in eval mode" in entry["reason"]
+    assert "other things in train and in eval mode" in entry["details"]
     assert set(opt.state_dict()) == set(model.state_dict())
     assert all(opt.get_parameter(n) is p for n, p in model.named_parameters())
     xs = [torch.randn(2, 5, 6), (torch.rand(2, 5, 5) > 0.5).float()]

@@ -11,7 +11,7 @@ import edge_spellings as S
 from conftest import load_example
 import fxmem
 from fxmem.passes import GRAPH_PASSES, PASSES
-from fxmem.passes.base import LOG_KEYS, STATUSES
+from fxmem.passes.base import FIELDS, LOG_KEYS, REASON_LIMIT, STATUSES
 from fxmem.passes.recompute import BudgetError
 
 
@@ -45,6 +45,7 @@ def _check_schema(log: list[dict]) -> None:
     for e in log:
         assert list(e)[:len(LOG_KEYS)] == list(LOG_KEYS), e
         assert e["status"] in STATUSES and e["reason"], e
+        assert len(e["reason"]) <= REASON_LIMIT and "\n" not in e["reason"], e["reason"]
 
 
 def test_nothing_matched_is_still_said_per_rule():
@@ -207,3 +208,54 @@ def test_a_training_step_fxmem_cannot_analyse_is_said_in_every_decision():
     ga = torch.autograd.grad(model(x, adj).sum(), model.gat.W)[0]
     gb = torch.autograd.grad(opt(x, adj).sum(), model.gat.W)[0]
     assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6)
+
+
+class _Net(nn.Module):
+    """Two blocks a budget can recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+                                      for _ in range(2)])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _formulas(e: dict) -> list[str]:
+    return [e[k] for k in LOG_KEYS if k.endswith(("_before", "_after")) and isinstance(e[k], str)]
+
+
+def test_every_record_has_a_one_line_reason_and_the_formulas_in_their_own_keys():
+    """The reason is one line a user reads (at most REASON_LIMIT characters: what was decided and
+    why, with the peaks at the example sizes); the formulas, condition, verification and grouping
+    are keys of their own (FIELDS says what each holds)."""
+    assert set(FIELDS) == set(LOG_KEYS) and all(FIELDS.values())
+    seed_gat = load_example("seed_gat")
+    specs = (("B", "N", 6), ("B", "N", "N"))
+    torch.manual_seed(0)
+    rewritten = fxmem.optimize(seed_gat.GraphAttentionLayerFixed(6, 16), *specs).meta["fxmem"]
+    declined = fxmem.optimize(seed_gat.GraphAttentionLayer(6, 16), *specs).meta["fxmem"]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    base = fxmem.analyze(_Net(), ("B", 16), optimizer=sgd).evaluate(B=4096)["train_peak"]
+    budgeted = fxmem.optimize(_Net(), ("B", 16), budget=int(base * 0.8), dims={"B": 4096},
+                              optimizer=sgd).meta["fxmem"]
+    for log in (rewritten, declined, budgeted):
+        _check_schema(log)
+        for e in log:  # no formula in the reason: a peak formula has a ** or a * between dims
+            assert not any(f in e["reason"] for f in _formulas(e) if len(f) > 12), e
+    applied = [e for e in rewritten if e["status"] == "applied" and e["rule"] == "pair-linear"]
+    assert applied
+    for e in applied:
+        assert e["reason"].startswith("applied: ") and " -> " in e["reason"] and "B=" in e["reason"], e
+        assert "N**2" in e["peak_before"] and e["peak_after"] and e["verification"] == "passed"
+        assert e["no_longer_built"] and e["details"].startswith("pairs x = [h_i || h_j]")
+        assert e["bytes_after"]["peak"] < e["bytes_before"]["peak"] and set(e["sizes"]) == {"B", "N"}
+    (look_alike,) = [e for e in declined if e["rule"] == "pair-linear"]
+    assert look_alike["reason"].startswith("declined: pairs are not (h_i, h_j)")
+    assert "looks like a bug" in look_alike["details"] and "looks like a bug" not in look_alike["reason"]
+    assert "N**2" in look_alike["peak_before"] and look_alike["peak_after"] is None
+    (recompute,) = [e for e in budgeted if e["rule"] == "recompute"]
+    assert recompute["status"] == "applied" and recompute["reason"].startswith("applied: training-step peak")
+    assert "FLOPs in backward" in recompute["flops"] and recompute["sizes"] == {"B": 4096}
+    assert recompute["bytes_after"]["train_peak"] <= int(base * 0.8) < recompute["bytes_before"]["train_peak"]

@@ -180,7 +180,7 @@ def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there
     (region,) = [e for e in log if e["rule"] == "region" and e["status"] == "applied"]
     assert "the graph captured at" not in region["reason"] and "own forward at every other size" in region["reason"]
     (declined,) = [e for e in log if e["rule"] == "region" and e["status"] == "declined"]
-    assert "made to fail by the test" in declined["reason"] and declined["when"] == "L == 48"
+    assert "made to fail by the test" in declined["details"] and declined["when"] == "L == 48"
     assert_same_in_every_mode(model, opt, [torch.randint(0, 64, (2, 48))], rtol=1e-6, atol=1e-8)
     adamw = lambda p: torch.optim.AdamW(p, lr=1e-4)  # noqa: E731
     step = fxmem.analyze(model, ids, optimizer=adamw).evaluate(B=8, L=48)["train_peak"]

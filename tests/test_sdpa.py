@@ -156,7 +156,7 @@ def test_alike_layers_are_decided_in_one_trial(monkeypatch):
     opt = fxmem.optimize(model, TOKENS)
     entries = sdpa_entries(opt)
     assert [r["status"] for r in entries] == ["applied"] * 6
-    assert all("in one trial" in r["reason"] for r in entries)
+    assert all("in one trial" in r["group"] for r in entries)
     assert calls == {"memory": 2, "compare": 1}  # the original and the trial; the trial's verification
     tokens = torch.randint(0, 50, (3, 11))
     assert_same_in_every_mode(model, opt, [tokens])
@@ -174,7 +174,7 @@ def test_dropout_on_runs_the_original_and_off_runs_sdpa(cls, p):
     opt = optimize(model, *cls.SPECS)
     (entry,) = sdpa_entries(opt)
     assert entry["status"] == "applied"
-    assert f"while dropout (p={p:g}) is on (train mode) the original" in entry["reason"]
+    assert f"while dropout (p={p:g}) is on (train mode) the original" in entry["details"]
     assert entry["train_peak_after"] == entry["train_peak_before"]  # train mode: the original nodes run
     inference = check_against_real_run(opt.eval(), cls.SPECS, [{"B": 3, "L": 37}], grad=False)
     assert quadratic_float_activations(inference) == []
@@ -247,7 +247,7 @@ def test_lookalike_is_declined(cls, words):
     (entry,) = sdpa_entries(opt)
     assert entry["status"] == "declined"
     for w in words:
-        assert w in entry["reason"], entry["reason"]
+        assert w in entry["details"], entry["details"]
     original = trace_modes(model).graph_module
     if any(e["rule"] == "reorder" and e["status"] == "applied" for e in opt.meta["fxmem"]):
         # the reorder pass may run the same nodes in another order: the same nodes, nothing rewritten
@@ -264,7 +264,7 @@ def test_a_query_with_every_key_masked_gets_zeros_as_the_record_says():
     model = S.PaddingMask()
     opt = optimize(model, *model.SPECS)
     (entry,) = sdpa_entries(opt)
-    assert "a query whose keys are all masked gets zeros from SDPA where the original gives NaN" in entry["reason"]
+    assert "a query whose keys are all masked gets zeros from SDPA where the original gives NaN" in entry["details"]
     x, mask = torch.randn(2, 6, S.C), torch.ones(2, 6)
     mask[0] = 0  # every key of the first sequence is padding
     want, got = model(x, mask), opt(x, mask)

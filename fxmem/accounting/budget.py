@@ -16,9 +16,7 @@ inputs, and in training gradients and optimizer state); a 0 also warns with that
 """
 from __future__ import annotations
 
-import re
 import warnings
-from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import SpecError

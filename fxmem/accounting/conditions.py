@@ -15,9 +15,10 @@ here is a proof, never a guess, so the text says exactly what the guards say:
 The region's membership test (:meth:`fxmem.accounting.Region.violations`) keeps the original
 guards; this module only writes them.
 
+>>> from fxmem.parsing import dim_symbol
 >>> B, W = dim_symbol("B"), dim_symbol("W")
 >>> readable({B: 2, W: 6}, {}, [B < 16, sympy.Ne(sympy.floor(sympy.floor(W / 2) / 2 - sympy.Rational(3, 2)) + 1, 1)])
-['B <= 15', 'W >= 10']
+['B >= 2', 'B <= 15', 'W >= 10']
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
 from .. import _torch_compat as tc
+from ..search import first_true
 
 _SEARCH_LIMIT = 1 << 62  # a bound beyond this is not a size anyone has
 GE, NE, EQ = ">=", "!=", "=="
@@ -244,14 +246,7 @@ def _first(pred, start: int, end: int | None) -> int | None:
         if end is not None and cand == end:
             return None
         prev, step = cand, step * 2
-    low, high = prev, cand  # pred(low) false, pred(high) true
-    while high - low > 1:
-        mid = (low + high) // 2
-        if pred(mid):
-            high = mid
-        else:
-            low = mid
-    return high
+    return first_true(pred, prev, cand)  # pred(prev) false, pred(cand) true
 
 
 class _Printer(StrPrinter):

@@ -173,3 +173,20 @@ def test_dtype_device_and_backend_refusals_are_not_blamed_on_the_shapes(message)
     assert "not a problem of the input shapes" in str(err) and "what to do" in str(err)
     shape = failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x4)"), "model.py:12")
     assert isinstance(shape, fxmem.ShapeError)
+
+
+def test_a_recursion_limit_inside_torch_is_not_the_input(monkeypatch):
+    """Python's RecursionError is a RuntimeError, like torch's shape checks, but never one: when sympy
+    or PyTorch's symbolic shapes recurse too deep (a ResNet-18's training step once did), the report
+    says it is a limit of the analysis, not the user's shapes."""
+    from fxmem.simulation import recorder
+
+    def deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded while calling a Python object")
+
+    monkeypatch.setattr(recorder.kernels, "hidden_program", deep)
+    with pytest.raises(InternalError) as info:
+        fxmem.analyze(nn.Linear(6, 4), ("B", 6))
+    text = str(info.value)
+    _not_blaming_the_specs(text)
+    assert "recursion limit" in text

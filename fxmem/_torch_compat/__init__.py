@@ -14,13 +14,17 @@ a torch upgrade touches this folder only, and a break in one subsystem is read i
 * :mod:`.autograd` - saved-tensor hooks, the running backward node, tensor hooks, view metadata,
   the profiler's flag.
 * :mod:`.devices` - CUDA builds and the CUDA caching allocator's history; ATen's CPU capability.
+* :mod:`.conv_backend` - ATen's convolution backend question (``_select_conv_backend``), which
+  torch's fake convolution asks only for the output's memory format: asked without guards where
+  every backend gives the same format, so a CNN's formulas are not cut at batch 16.
 * :mod:`.distributed` - c10d and the fake process group, DTensor, FSDP1/FSDP2, DDP,
   ``FSDPMemTracker``, storage resizes (imported inside functions only: ``torch.distributed`` is
   never loaded by importing fxmem).
 
 Each module's docstring says what it wraps and what breaks there on a torch upgrade. They import
 each other only downwards (``ops``; ``fake`` imports ``ops``; ``fx`` and ``distributed`` import
-``fake``; ``modules``, ``autograd``, ``devices`` import none), never this file.
+``fake``; ``modules``, ``autograd``, ``devices``, ``conv_backend`` import none; ``fake`` uses
+``conv_backend`` too), never this file.
 
 The rest of fxmem imports this package as ``tc`` (``from .. import _torch_compat as tc``) and calls
 ``tc.<name>``: every name is re-exported here, and nothing else is here.

@@ -15,7 +15,8 @@ sizes; ``ShapeEnv``'s constructor arguments, ``create_symbol`` / ``create_symint
 classes of data-dependent outputs; the names of torch's sympy functions (``_CONVERSIONS``) and
 ``bound_sympy``; ``UntypedStorage._expired``; torch.optim's ``_foreach_supported_types``.
 
-Imports :mod:`.ops` (op schemas: which ops write, TensorIterator operands).
+Imports :mod:`.ops` (op schemas: which ops write, TensorIterator operands) and :mod:`.conv_backend`
+(a convolution's backend question, asked without guards where its answer changes nothing).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..output_strides import aten_output_strides
 from ..view_strides import size_one_strides
+from .conv_backend import CONV_OPS, backend_question_unguarded
 from .ops import mutates, tensor_iterator_operands
 
 
@@ -109,7 +111,11 @@ class _FakeMode(FakeTensorMode):
         view = getattr(func, "is_view", False)
         self.cache_enabled = not (view or func in _NOT_CACHED)
         try:
-            out = super().dispatch(func, types, args, kwargs)
+            if func in CONV_OPS:  # ATen's backend question, unguarded where its answer changes nothing
+                with backend_question_unguarded(func):
+                    out = super().dispatch(func, types, args, kwargs)
+            else:
+                out = super().dispatch(func, types, args, kwargs)
         except RuntimeError as exc:
             if _CONCRETE_ONLY in str(exc):
                 out = self._symbolic_inner_calls(func, types, args, kwargs)

@@ -280,6 +280,10 @@ def internal_cause(exc: BaseException) -> tuple[str, str] | None:
         return (f"PyTorch's fake (meta) kernel of {exc.op} rejects a call that its real kernel accepts at the same "
                 f"shapes (run for real at {exc.sizes}): a limit of fake tensors", _OP_ADVICE)
     text = str(exc)
+    if isinstance(exc, RecursionError):  # a RuntimeError, but never a shape check
+        return ("Python's recursion limit was reached inside PyTorch's symbolic shapes or sympy (a size "
+                "expression, or the calls around it, grew too deep): a limit of the symbolic analysis",
+                f"nothing in the input specs; try other example sizes (hints=), or mode='eager'; {_REPORT}")
     if "INTERNAL ASSERT" in text:
         return "an internal assertion of PyTorch failed on fake tensors (a PyTorch bug)", _OP_ADVICE
     if isinstance(exc, NotImplementedError):
@@ -314,8 +318,10 @@ def _in_torch(filename: str) -> bool:
 
 
 def _runner(filename: str) -> bool:
-    """fxmem's frames that only call the model (its errors are the model's)."""
-    return os.path.basename(filename) in ("graph_runner.py", "line_runner.py", "simulate.py", "real_paths.py")
+    """fxmem's frames that only call the model, or a torch function in its place (their errors are the
+    model's or torch's: conv_backend.py calls ATen's convolution checks, which raise for the shapes)."""
+    return os.path.basename(filename) in ("graph_runner.py", "line_runner.py", "simulate.py", "real_paths.py",
+                                          "conv_backend.py")
 
 
 SPARSE_GRADS = ("sparse gradients (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True), torch.optim.SparseAdam) "

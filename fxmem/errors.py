@@ -63,3 +63,14 @@ class AnalysisTimeout(FxMemError, TimeoutError):
 class ProfilerBusyError(FxMemError):
     """fxmem measures the CPU allocator through ``torch.profiler``, one session per process, and the
     user's own profiler session is recording: a session of fxmem's would end theirs."""
+
+
+def recursion_limit_error() -> ModelError:
+    """What a RecursionError anywhere in an analysis means (never a problem of the input shapes)."""
+    import sys
+
+    return ModelError(
+        f"Python's recursion limit ({sys.getrecursionlimit()}) was exceeded: the model is nested too deeply "
+        f"(modules inside modules, thousands deep), its code recurses without end, or a size expression grew "
+        f"too deep for PyTorch's symbolic shapes (sympy); flatten the nesting (an nn.Sequential of the layers), "
+        f"or raise the limit with sys.setrecursionlimit; your input shapes are not the problem")

@@ -287,13 +287,9 @@ def isolated(fn: F) -> F:
             with isolation(tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module))):
                 return fn(*args, **kwargs)
         except RecursionError:
-            from .errors import ModelError
+            from .errors import recursion_limit_error
 
-            raise ModelError(
-                f"Python's recursion limit ({sys.getrecursionlimit()}) was exceeded: the "
-                f"model is nested too deeply (modules inside modules, thousands deep) or its code recurses "
-                f"without end; flatten the nesting (an nn.Sequential of the layers), or raise the limit with "
-                f"sys.setrecursionlimit") from None
+            raise recursion_limit_error() from None
     return wrapper  # type: ignore[return-value]
 
 

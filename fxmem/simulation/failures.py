@@ -25,7 +25,8 @@ import torch
 
 from .. import _torch_compat as tc
 from ..capture.source import is_user_file, short_path
-from ..errors import FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError, UserCodeError
+from ..errors import (FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError, UserCodeError,
+                      recursion_limit_error)
 from ..kernels import FakeKernelFails, KernelRefuses
 
 
@@ -55,6 +56,8 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     writes torch's size symbols as the user's dims."""
     if isinstance(exc, FxMemError):
         return exc
+    if isinstance(exc, RecursionError):  # a RuntimeError, but never a check of the shapes
+        return recursion_limit_error()
     text = rename(str(exc))
     if isinstance(exc, NotModelled):
         return UnsupportedOpError(f"{where}: {text}")
@@ -280,10 +283,6 @@ def internal_cause(exc: BaseException) -> tuple[str, str] | None:
         return (f"PyTorch's fake (meta) kernel of {exc.op} rejects a call that its real kernel accepts at the same "
                 f"shapes (run for real at {exc.sizes}): a limit of fake tensors", _OP_ADVICE)
     text = str(exc)
-    if isinstance(exc, RecursionError):  # a RuntimeError, but never a shape check
-        return ("Python's recursion limit was reached inside PyTorch's symbolic shapes or sympy (a size "
-                "expression, or the calls around it, grew too deep): a limit of the symbolic analysis",
-                f"nothing in the input specs; try other example sizes (hints=), or mode='eager'; {_REPORT}")
     if "INTERNAL ASSERT" in text:
         return "an internal assertion of PyTorch failed on fake tensors (a PyTorch bug)", _OP_ADVICE
     if isinstance(exc, NotImplementedError):

@@ -25,39 +25,19 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from zoo import distributed as models  # noqa: E402 - the shared model zoo
 
 D, H, V, LAYERS, B, L = 60, 170, 250, 4, 4, 32
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln, self.qkv, self.o = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D, bias=False)
-        self.ln2, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x):
-        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
-        x = x + self.o(torch.softmax(q @ k.transpose(1, 2) / 8, dim=-1) @ v)
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+def Decoder() -> nn.Module:
+    """The tests' decoder (tests/zoo/distributed.py) at this benchmark's sizes; a module-level
+    factory, so the spawned gloo processes build it too."""
+    return models.Decoder(LAYERS, D, H, V)
 
 
-class Decoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
-def fsdp(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+fsdp = models.fsdp  # fully_shard per block and on the root
 
 
 def adamw(params):

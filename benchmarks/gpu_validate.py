@@ -30,7 +30,7 @@ def _models() -> list[tuple[str, object, tuple, dict, dict]]:
     import torch
 
     import fxmem
-    from test_exactness import CASES
+    from zoo.cases import CASES
     from corpus.models import CORPUS
 
     out = []

@@ -1,5 +1,5 @@
 """fxmem.optimize on other people's code, at their users' sizes: public GAT, GCN and attention
-implementations (restated in tests/public_impls.py), each optimized without hints, then one
+implementations (restated in tests/zoo/public_impls.py), each optimized without hints, then one
 training step of the original and of the result measured at the user's size, next to PyG's layers.
 
 Sizes: Cora (N=2708 nodes, E=10,556 edges, 1433 input features, 8 heads of 8) for the graph layers;
@@ -52,7 +52,7 @@ def cora(seed: int = 0) -> dict:
 
 def entries() -> list[tuple]:
     """(name, what it restates, build, specs, inputs(graph, tokens))"""
-    import public_impls as P
+    from zoo import public_impls as P
 
     f = CORA["F"]
     node, dense = ("N", f), ("N", "N")

@@ -1,5 +1,5 @@
 """What the reorder pass gains: over the corpus (tests/corpus), the random models of the fuzzer, and
-the examples/ and test-zoo models of tests/test_exactness.py.
+the examples/ and test-zoo models of tests/exactness/test_exactness.py.
 
 For each model that torch.fx can trace: the reorder pass (passes/reorder.py) on the traced graph,
 alone (no other rewrite): whether its liveness model finds a lower order, whether fxmem's exact
@@ -50,7 +50,7 @@ def models() -> list[tuple[str, str, object, tuple, list, dict]]:
     for name, e in CORPUS.items():
         if e.available():
             out.append(("corpus", name, e.build, e.specs, e.sizes, e.makers))
-    from test_exactness import CASES  # the examples' and the test zoo's models, with sizes
+    from zoo.cases import CASES  # the examples' and the test zoo's models, with sizes
 
     for name, (factory, specs, sizes, kw) in CASES.items():
         out.append(("examples+zoo", name, factory, specs, sizes[-1:], kw.get("makers", {})))

@@ -4,7 +4,7 @@ Part "cora" (N=2708 nodes, 10,556 random edges made symmetric, with self loops: 
 1433 input features; attention dropout 0 - part "dropout" below has it on): one training step
 (forward, fxmem's default loss, backward, SGD step, zero_grad) of
 
-  tutorial dense GAT       gordicaleksa/pytorch-GAT implementation #3 (tests/public_impls.py): one
+  tutorial dense GAT       gordicaleksa/pytorch-GAT implementation #3 (tests/zoo/public_impls.py): one
                            projection, 8 heads of 8, a 0/-inf connectivity mask added to the scores
     optimize()             its attention fused in dense row blocks (the default)
     optimize(edge_list)    ``settings={"fused-attention": {"edge_list": True}}``: over the kept entries
@@ -121,7 +121,7 @@ class Projections(torch.nn.Module):
 
 
 def cora_part(repeats: int) -> list[dict]:
-    import public_impls as P
+    from zoo import public_impls as P
     import torch_geometric.nn as gnn
 
     g = cora_like()
@@ -179,7 +179,7 @@ def relative_difference(a: list, b: list) -> float:
 
 
 def dropout_part(repeats: int) -> list[dict]:
-    import public_impls as P
+    from zoo import public_impls as P
     import torch_geometric.nn as gnn
 
     g = cora_like()

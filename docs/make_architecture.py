@@ -9,7 +9,7 @@ Every module of ``fxmem/`` and ``passes/`` (installed as ``fxmem.passes``) belon
 inside a function, imported when it runs; red: the two stages import each other); its label
 counts the importing modules. The foundation
 (errors, units, parsing, records, the private-torch layer) is imported from everywhere, so its
-arrows are left out and it is drawn at the bottom. ``tests/test_architecture.py`` regenerates the
+arrows are left out and it is drawn at the bottom. ``tests/package/test_architecture.py`` regenerates the
 DOT and compares it with the committed one, so the picture cannot drift from the code: a new
 top-level module must be given a stage here, and a new import across stages shows as an arrow.
 

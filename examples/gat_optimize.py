@@ -11,7 +11,7 @@ eval mode. This script prints, at the seed's sizes (B=4, N=500, 6 -> 128 feature
 * fxmem's predicted peak before and after, and the peak measured by the CPU allocator on real
   runs of both graphs (the run before needs about 2 GB of RAM) - in eval mode, and for a training
   step of the same layer without dropout (with dropout p > 0 the fused kernel draws dropout's own
-  mask: tests/test_fused_attention.py);
+  mask: tests/passes/test_fused_attention.py);
 * the largest batch that fits a 32 GiB card, for inference and for a training step with Adam;
 * what ``optimize`` says about the seed's original layer (cat on dim=1), and the 9-layer network.
 

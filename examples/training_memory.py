@@ -44,7 +44,7 @@ What the rule of thumb misses:
     (the for-loop version one tensor at a time, the foreach version for all parameters at once);
   * inputs, and gradients of intermediate tensors during backward.
 fxmem's train_peak is the exact peak of one steady-state step (forward, loss, backward,
-optimizer.step, zero_grad), checked against real steps in tests/test_training.py.""")
+optimizer.step, zero_grad), checked against real steps in tests/simulation/test_training.py.""")
 
 
 if __name__ == "__main__":

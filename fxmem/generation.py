@@ -479,7 +479,7 @@ def _kv_line(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int, c
 #    P + T - 1) positions after a decode step; after the prefill alone (T = 1) all P positions.
 #  * StaticSlidingWindowLayer is allocated min(window, P + T - 1) positions up front.
 # Which layer is which is read off the cache transformers builds for the config (no tensors are
-# allocated before the first update). Checked against real caches in tests/test_generation_caches.py;
+# allocated before the first update). Checked against real caches in tests/llm/test_generation_caches.py;
 # generation() counts the cache as the run allocates it.
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _REFUSED_CACHES = {"offloaded": "the offloaded cache moves layers between the GPU and the CPU (transformers asks "

@@ -7,7 +7,7 @@ the reference. It is not cosmetic: kernels read every stride to choose a memory 
 (``suggest_memory_format``). At batch 1 the real tensor is then contiguous-by-default and the fake
 one channels-last, so the real GroupNorm copies it to NCHW and its convolution takes another path,
 which the simulation never shows (a diffusers UNet's attention block was 32,768 B high at B=1).
-``tests/test_output_strides.py`` checks every rule against real ATen outputs.
+``tests/simulation/test_output_strides.py`` checks every rule against real ATen outputs.
 
 The knowledge is a registry keyed by op packet; each rule gives the strides ATen would give:
 
@@ -271,7 +271,7 @@ def _strides_like_channels_last(shape: Sequence[Any], strides: Sequence[Any]) ->
 
 
 # op packet -> (rule, whether it may change strides at dims of any size, not only size-1 ones). Read
-# off ATen's kernels; tests/test_output_strides.py checks each against real outputs.
+# off ATen's kernels; tests/simulation/test_output_strides.py checks each against real outputs.
 RULES: dict[Any, tuple[Callable[..., list | None], bool]] = {
     **{p: (_like, True) for p in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
                                   aten.randn_like, aten.randint_like, aten.clone, aten._to_copy)},

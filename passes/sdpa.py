@@ -6,7 +6,7 @@
 On CPU the fused kernel (flash attention) works on blocks of queries and keys and keeps the row
 logsumexp for backward, where the naive form builds and keeps B·H·L·S scores, weights (and a
 mask): seed 002 measured them. The rule matches by meaning, not spelling (every spelling of
-inductor's ``fuse_attention.py`` list, ``tests/sdpa_spellings.py``): the two products may be
+inductor's ``fuse_attention.py`` list, ``tests/zoo/sdpa_spellings.py``): the two products may be
 ``matmul``/``@``/``bmm`` or ``einsum`` with the axes in any order; ``k`` arrives transposed
 (``transpose``, ``permute``, ``.mT``) or already laid out ``[.., D, S]``; the scale multiplies or
 divides the scores, ``q`` or ``k`` (numbers, ``d ** -0.5`` from a size, a 0-dim constant tensor);

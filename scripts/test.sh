@@ -31,7 +31,7 @@ if ! command -v dot >/dev/null 2>&1; then
 fi
 
 # a headless browser, so the memory-viewer page is opened offline as a user's browser would open it
-# (tests/test_memory_viz.py; without one that test says so and skips, the page's content is still checked)
+# (tests/views/test_memory_viz.py; without one that test says so and skips, the page's content is still checked)
 if ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1 \
     && command -v apt-get >/dev/null 2>&1; then
   echo "setup: installing chromium-headless-shell (apt-get; the memory-viewer test opens its page offline) ..." >&2

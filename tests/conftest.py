@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import pathlib
 import sys
 from typing import Any, Callable, Mapping
@@ -175,3 +176,13 @@ def pytest_collection_modifyitems(config: Any, items: list) -> None:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA build of torch (CI runs these in a second venv)"))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def global_state() -> dict:
+    """torch's and Python's global state an analysis must leave as it was (tests/package/test_global_state.py)."""
+    return {"cpu rng": torch.get_rng_state().tolist(), "python rng": random.getstate(),
+            "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
+            "dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))}

@@ -28,7 +28,7 @@ each other only downwards (``ops``; ``fake`` imports ``ops``; ``fx`` and ``distr
 
 The rest of fxmem imports this package as ``tc`` (``from .. import _torch_compat as tc``) and calls
 ``tc.<name>``: every name is re-exported here, and nothing else is here.
-``tests/test_torch_compat.py`` fails when any module outside this folder touches private torch API,
+``tests/package/test_torch_compat.py`` fails when any module outside this folder touches private torch API,
 and when this file holds anything but re-exports.
 
 Supported: torch 2.5 and newer.

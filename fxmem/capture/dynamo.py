@@ -48,7 +48,7 @@ class DynamoGraph:
 
 
 # higher-order operators whose graphs fxmem runs as Dynamo made them, checked against real runs
-# (tests/test_backend.py: torch.utils.checkpoint, forward and a training step)
+# (tests/capture/test_backend.py: torch.utils.checkpoint, forward and a training step)
 CHECKED_HOPS = ("tag_activation_checkpoint",)
 _PART = re.compile(r"_(modules|parameters|buffers)_")
 

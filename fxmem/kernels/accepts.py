@@ -112,7 +112,7 @@ def first_line(exc: BaseException) -> str:
 # fxmem's fused attention with dropout draws from the generator (a run on stand-ins would move the
 # user's random stream) or from a generator state it was given (a stand-in is no valid state); its
 # blocks are those of fxmem::masked_attention, which is run. The edge list's dropout likewise (its
-# sorted edge list is no stand-in either; tests/test_edge_attention.py runs it against the allocator)
+# sorted edge list is no stand-in either; tests/kernels/test_edge_attention.py runs it against the allocator)
 _SKIP_NAMES = frozenset({"fxmem::masked_attention_dropout", "fxmem::masked_attention_dropout_backward",
                          "fxmem::edge_dropout", "fxmem::edge_dropout_backward"})
 

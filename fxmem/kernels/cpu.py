@@ -1,7 +1,7 @@
 """Hidden allocations of CPU kernels, one small rule per kernel family.
 
 Each rule was read off a real run with the profiler and is re-checked against real runs at several
-sizes by ``tests/test_kernels.py``. Arguments are read by their schema names (checked at import:
+sizes by ``tests/kernels/test_kernels.py``. Arguments are read by their schema names (checked at import:
 a schema change fails loudly here, not silently in a user's numbers).
 
 >>> hidden_rule(torch.ops.aten.repeat.default).why                    # doctest: +SKIP

@@ -5,7 +5,7 @@ fake kernels allocate only the outputs. These rules give the real kernels' progr
 contiguous copies of their operands, then one block's temporaries in the order the kernel makes
 and frees them. Every block frees what it made before the next one starts, and the first block is
 the largest, so one block's program has the kernel's peak. Each entry below names the line of the
-kernel it mirrors; ``tests/test_fused_attention.py`` and ``tests/test_message_passing.py`` compare
+kernel it mirrors; ``tests/passes/test_fused_attention.py`` and ``tests/passes/test_message_passing.py`` compare
 them with the CPU allocator on real runs (one block, several blocks, a last partial block).
 
 A comparison with a Python number wraps the number in a tensor on CPU and casts it (and an

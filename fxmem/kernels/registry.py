@@ -6,7 +6,7 @@ is one :class:`Rule`, registered once, keyed by the op's *object* (``torch.ops.a
 or the packet ``torch.ops.aten.repeat``; a Python function such as ``F.linear`` for
 :data:`Kind.REAL_PATH`), so a renamed or removed op fails at import instead of silently no longer
 matching. Each rule states the torch versions it was checked against real runs on
-(``tests/test_kernels.py`` re-checks them on every version CI runs).
+(``tests/kernels/test_kernels.py`` re-checks them on every version CI runs).
 
 Kinds of knowledge (:class:`Kind`):
 
@@ -72,7 +72,7 @@ class OutAt:
 
     index: int
 
-# The torch releases CI checks every built-in rule against (tests/test_kernels.py, both phases).
+# The torch releases CI checks every built-in rule against (tests/kernels/test_kernels.py, both phases).
 CHECKED = ("2.13", "2.14")
 
 

@@ -5,7 +5,7 @@ input into a number, and PyTorch then fixes the user's dims at their example siz
 the formulas would hold at one size only (``Report.region`` says so, and ``evaluate`` elsewhere
 re-analyses). For the ops below fxmem computes the result on the fake tensors itself, with the
 same allocations as the real kernel (one output, in the layout the real kernel picks), so the
-dims stay free. ``tests/test_kernels.py`` checks each against real runs.
+dims stay free. ``tests/kernels/test_kernels.py`` checks each against real runs.
 
 A SYMBOLIC rule is ``fn(*args, **kwargs)`` called instead of the op on fake tensors (the
 recorder still records the call as the op itself).

@@ -256,7 +256,7 @@ masked_attention_op.register_autograd(_backward, setup_context=_setup)
 # --- with dropout on the attention weights --------------------------------------------------------------
 # F.dropout(a, p) on the CPU draws one Bernoulli number per element of ``a`` in memory order from the
 # default generator, and a tensor drawn in pieces, in order, gets the same numbers as drawn whole
-# (tests/test_fused_attention.py checks it). So the kernel gets the model's own dropout mask when it
+# (tests/passes/test_fused_attention.py checks it). So the kernel gets the model's own dropout mask when it
 # visits the weights in their memory order: group by group, rows in order within a group - or, where
 # the model lays its weights out heads last ([B, N, M, H], PyG's DenseGATConv), mask group by mask
 # group, rows in order, all Gh heads of a row block at once (the rewrite checks at its probes that

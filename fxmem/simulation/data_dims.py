@@ -27,7 +27,7 @@ from .. import data_paths
 from .failures import NotModelled
 
 # ops whose data-dependent output size fxmem names, and whose real kernels' allocations are
-# checked against real runs (tests/test_data_dims.py); others are refused rather than guessed
+# checked against real runs (tests/simulation/test_data_dims.py); others are refused rather than guessed
 NAMED = ("aten.nonzero", "aten.index.Tensor")
 
 

@@ -193,7 +193,7 @@ def test_an_inexact_recording_is_not_read_in_another_regime():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, where the corpus lives
     from corpus.models import SpatialReductionAttention
 
     torch.manual_seed(0)

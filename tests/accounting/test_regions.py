@@ -96,7 +96,7 @@ class CNN(nn.Module):
 def test_small_batches_are_analysed_once_per_region_and_exact():
     """B=1, 2, 3, 5 are far below the example size (B=97): B=1 is PyTorch's own case (one more
     analysis); B=2, 3 and 5 lie in the formulas' region (ATen's backend question, which compares the
-    batch with 16, no longer cuts it: tests/test_conv_backend.py), so they are answered without a new
+    batch with 16, no longer cuts it: tests/kernels/test_conv_backend.py), so they are answered without a new
     analysis; every number equals the real run's."""
     torch.manual_seed(0)
     model = CNN()

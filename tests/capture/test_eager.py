@@ -13,7 +13,7 @@ import fxmem
 from conftest import check_training_against_real_run, load_example, real_inputs, real_resident
 from fxmem.views import format_lines
 from fxmem.measure import measure
-from test_exactness import CASES
+from zoo.cases import CASES
 
 attention = load_example("seed_attention")
 gat = load_example("seed_gat")

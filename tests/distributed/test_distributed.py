@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxmem
-from distributed_models import (D, Decoder, Elementwise, PartlyUsed, adamw, analyse_wrapped, ddp_small, ddp_static,
+from zoo.distributed import (D, Decoder, Elementwise, PartlyUsed, adamw, analyse_wrapped, ddp_small, ddp_static,
                                 ddp_unused, ddp_view, fsdp, fsdp_bf16, fsdp_keep, fsdp_offload, fsdp_reshard_2,
                                 fsdp_tuned)
 from fxmem.distributed.parallel import late_bytes

@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 import fxmem
 import fxmem.cli
-from test_global_state import state as global_state
+from conftest import global_state
 
 
 class Stateful(nn.Module):

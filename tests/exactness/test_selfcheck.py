@@ -262,7 +262,7 @@ def test_a_storage_counted_resident_by_mistake_is_caught(monkeypatch):
     # resident bytes stays right, so only the absolute numbers tell
     from fxmem.kernels import engine
     from fxmem.simulation.storages import StorageTable
-    from test_training import ParallelResidual
+    from zoo import ParallelResidual
 
     monkeypatch.setattr(engine, "_engine_holds_the_last_reference", lambda old, new: True)
     model = nn.Sequential(nn.Linear(16, 16), ParallelResidual(), ParallelResidual())

@@ -17,7 +17,7 @@ import pytest
 from fxmem.kernels import calibration_cache as cc
 from fxmem.kernels.registry import OUT, OutAt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # counts the calibrations through the documented ``fxmem`` logger, prints them and the formulas
 SCRIPT = """

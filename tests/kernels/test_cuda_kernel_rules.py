@@ -22,7 +22,7 @@ from fxmem.kernels.registry import OUT, REGISTRY, Call, Kind, OutAt, Unknown
 
 pytestmark = pytest.mark.cuda_sim
 aten = torch.ops.aten
-SWEEP = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda_kernels.json"
+SWEEP = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cuda_kernels.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -21,8 +21,8 @@ from fxmem.ops import attention as kernel
 from fxmem.ops.edge_attention import edge_attention, kept_edges
 from fxmem.training import default_loss, train_step
 
-import attention_spellings as A
-import public_impls as P
+from zoo import attention_spellings as A
+from zoo import public_impls as P
 from equivalence import rewritten
 
 EDGES = {"fused-attention": {"edge_list": True}}

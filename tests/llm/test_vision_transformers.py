@@ -202,7 +202,7 @@ def test_a_cache_of_the_models_own_code_is_analysed_in_its_steady_state(cls):
 def test_a_forward_that_stores_anew_on_every_call_says_it_is_a_first_call():
     """Not a cache (``self.last = h * 2`` replaced by every call): a first call is analysed, and the
     note says why."""
-    from test_stateful_forward import CachesActivation  # stores self.last = h * 2 on every call
+    from zoo import CachesActivation  # stores self.last = h * 2 on every call
 
     report = fxmem.analyze(CachesActivation(), ("B", 16), check=False)
     assert any("self.last anew on every call: analysed is a first call" in n for n in report.notes), report.notes

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED = str(ROOT / "examples" / "seed_gat.py") + ":GraphAttentionLayer"
 GOOD = ["--input", "B,N,6", "--input", "B,N,N"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxmem
-from conftest import check_against_real_run, check_training_against_real_run
+from conftest import check_against_real_run, check_training_against_real_run, global_state
 
 
 class Net(torch.nn.Module):
@@ -28,15 +28,6 @@ class Net(torch.nn.Module):
 
 def adam(p):
     return torch.optim.Adam(p, lr=1e-3)
-
-
-def state() -> dict:
-    return {"cpu rng": torch.get_rng_state().tolist(), "python rng": random.getstate(),
-            "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
-            "dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
-            "deterministic": (torch.are_deterministic_algorithms_enabled(),
-                              torch.is_deterministic_algorithms_warn_only_enabled()),
-            "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))}
 
 
 ENTRY_POINTS = {
@@ -58,9 +49,9 @@ def test_entry_point_leaves_global_state_as_it_was(name):
     model = Net()
     torch.manual_seed(1234)
     random.seed(5)
-    before = state()
+    before = global_state()
     ENTRY_POINTS[name](model)
-    assert state() == before
+    assert global_state() == before
 
 
 def _seeded_training(analysis=None) -> list[float]:

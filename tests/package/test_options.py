@@ -12,7 +12,7 @@ import torch
 import fxmem
 from fxmem.measure import measure
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_unknown_option_is_refused_with_the_closest_name():

@@ -10,7 +10,7 @@ import sysconfig
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK = ("import importlib.util, fxmem, fxmem.passes, fxmem.passes.pair_linear; "
          "print(fxmem.__file__); print(fxmem.passes.__file__); print(importlib.util.find_spec('passes'))\n"
          "try:\n    import passes\nexcept ImportError as e:\n    print(e)\nelse:\n    print('imported')")

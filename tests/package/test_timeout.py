@@ -17,9 +17,9 @@ import torch
 
 import fxmem
 from fxmem.options import AnalysisOptions
-from test_global_state import state
+from conftest import global_state as state
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Loops(torch.nn.Module):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "fxmem" / "_torch_compat"
 SOURCES = sorted(p for folder in ("fxmem", "passes") for p in (ROOT / folder).rglob("*.py")
                  if COMPAT not in p.parents)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import attention_spellings as A
+from zoo import attention_spellings as A
 import fxmem
 from equivalence import assert_same_in_every_mode, rewritten
 from fxmem.measure import measure

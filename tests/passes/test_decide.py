@@ -17,7 +17,7 @@ import re
 import sympy
 import torch
 
-import edge_spellings as S
+from zoo import edge_spellings as S
 import fxmem
 from conftest import check_against_real_run
 from equivalence import assert_same_in_every_mode
@@ -125,7 +125,7 @@ def test_a_candidate_under_the_max_of_two_but_neither_alone_is_kept():
 
 
 def test_graphsage_by_hand_gets_the_fused_sum():
-    import public_impls as P
+    from zoo import public_impls as P
 
     torch.manual_seed(0)
     model = P.HandSAGE(16, 5)  # 16 features: a message (64 B) outweighs the CSR's per-edge bytes

@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.nn as nn
 
-import attention_spellings as A
+from zoo import attention_spellings as A
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run, load_example
 from equivalence import assert_same_in_every_mode, rewritten

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import edge_spellings as S
+from zoo import edge_spellings as S
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run
 from equivalence import assert_same_in_every_mode

@@ -17,7 +17,7 @@ import fxmem
 from conftest import check_against_real_run, check_training_against_real_run, load_example
 from fxmem.passes import linear_maps
 from fxmem.passes.modes import trace_modes
-import pair_spellings as P
+from zoo import pair_spellings as P
 
 seed_gat = load_example("seed_gat")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import edge_spellings as S
+from zoo import edge_spellings as S
 from conftest import load_example
 import fxmem
 from fxmem.passes import GRAPH_PASSES, PASSES

@@ -1,6 +1,6 @@
 """``fxmem.passes.pair_layout``: each half of a pair tensor as a recipe over its operand that holds at every size.
 
-For GAT pair spellings (``pair_spellings.py``, batched and unbatched, and seed 000's corrected
+For GAT pair spellings (``zoo/pair_spellings.py``, batched and unbatched, and seed 000's corrected
 layer), the two probes' provenance goes through ``half_strides`` and ``arrangement``; the
 arrangement is emitted with ``emit_arrangement`` into a fresh fx graph and run on the operand at a
 third size the probes never saw: broadcast, it must equal the real pair tensor's half exactly,
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import pair_spellings as P
+from zoo import pair_spellings as P
 from conftest import load_example
 from fxmem.capture import trace
 from fxmem.passes import Probe

@@ -1,4 +1,4 @@
-"""fxmem.optimize on public implementations (tests/public_impls.py, restated from their published
+"""fxmem.optimize on public implementations (tests/zoo/public_impls.py, restated from their published
 form): the rewrites they get, verified against the original; and what a TorchDynamo capture must
 keep of the model's behaviour (its dtype after ``.double()`` and under autocast).
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxmem
-import public_impls as P
+from zoo import public_impls as P
 from equivalence import assert_same_in_every_mode
 
 EDGES = fxmem.TensorSpec((2, "E"), dtype=torch.int64)

@@ -1,6 +1,6 @@
 """The SDPA pass (``passes/sdpa.py``): naive dot-product attention -> F.scaled_dot_product_attention.
 
-* every spelling (``sdpa_spellings.py``: inductor's list, seed 002's rearrange, causal masks from
+* every spelling (``zoo/sdpa_spellings.py``: inductor's list, seed 002's rearrange, causal masks from
   triu/tril, buffers and additive -inf) is rewritten: same outputs, gradients and buffers as the
   original in train/eval mode with and without grad (``equivalence.py``, independent of the pass's
   own check), at sizes the pass never saw, with real padding in the masks;
@@ -16,7 +16,7 @@ import sympy
 import torch
 
 import fxmem
-import sdpa_spellings as S
+from zoo import sdpa_spellings as S
 from conftest import check_against_real_run, check_training_against_real_run, load_example
 from equivalence import assert_same_in_every_mode, rewritten
 
@@ -136,7 +136,7 @@ def test_alike_layers_are_decided_in_one_trial(monkeypatch):
     one each); the original graph is analysed once. The result is still exact and the same."""
     import importlib
 
-    from test_repeats import GPT, TOKENS
+    from zoo.transformers import GPT, TOKENS
 
     driver = importlib.import_module("fxmem.passes.optimize")  # the module, not the function it exports
 
@@ -190,7 +190,7 @@ def test_a_model_in_eval_mode_gets_a_fallback_whose_dropout_follows_train():
     copy's flag stayed off, and verification declined the rewrite), also in a deep copy."""
     import copy
 
-    from test_repeats import GPT, TOKENS
+    from zoo.transformers import GPT, TOKENS
 
     torch.manual_seed(0)
     model = GPT(2).eval()  # an nn.Dropout module, read by the attention and the MLP

@@ -3,6 +3,7 @@ number (issue #10), checked against the allocator on real runs at sizes the anal
 or checked to be refused with an error naming the op and where it is."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -72,9 +73,9 @@ def test_a_model_that_runs_only_at_size_1_is_analysed_there_and_says_so():
 
 
 def test_cli_with_a_special_hint_prints_the_real_figure():
-    out = subprocess.run([sys.executable, "-m", "fxmem", "analyze", "tests/test_divergences.py:Linear6x4", "--input",
+    out = subprocess.run([sys.executable, "-m", "fxmem", "analyze", "tests/simulation/test_divergences.py:Linear6x4", "--input",
                           "B,6", "--hints", "B=1", "--dims", "B=1000"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=600)
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})  # its conftest import
     assert out.returncode == 0, out.stderr
     assert "40,112 B" in out.stdout
 

@@ -122,7 +122,7 @@ def test_hf_llama_forward_equals_every_block_simulated():
 
 def test_generate_with_a_kv_cache_equals_every_block_simulated():
     """generate() runs the forward once per token: each run's layers repeat, the KV cache each
-    layer keeps from run to run is that layer's (tests/test_generation.py: exact against real calls)."""
+    layer keeps from run to run is that layer's (tests/llm/test_generation.py: exact against real calls)."""
     model = hf_llama(6).eval()
     fast = fxmem.generation(model, ("B", "P"), new_tokens=3)
     slow = fxmem.generation(model, ("B", "P"), new_tokens=3, options=fxmem.AnalysisOptions(repeats=False))

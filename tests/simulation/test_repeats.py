@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxmem
+from zoo.transformers import GPT, TOKENS
 from conftest import check_against_real_run, check_training_against_real_run, load_example
 from fxmem.capture import trace
 from fxmem.records import FREE, STEP, Placed
@@ -84,41 +84,6 @@ def assert_same(fast, slow, count: int):
     for dims in ({"B": 2, "L": 9}, {"B": 5, "L": 33}):
         assert dict(fast.evaluate(**dims)) == dict(slow.evaluate(**dims))
     assert [n.name for n in fast.nodes] == [n.name for n in slow.nodes]
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, dim: int = 32, heads: int = 4, p: float = 0.1):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, L, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        a = self.drop((q @ k.transpose(-1, -2) * (C // self.heads) ** -0.5).softmax(-1))
-        x = x + self.drop(self.proj((a @ v).transpose(1, 2).reshape(B, L, C)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class GPT(nn.Module):
-    def __init__(self, depth: int = 6, dim: int = 32, vocab: int = 50):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim) for _ in range(depth))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-TOKENS = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
 
 
 def tiny_llama(layers: int = 6) -> nn.Module:
@@ -282,7 +247,7 @@ def test_reanalysis_outside_the_region_keeps_repeating_blocks():
 
 
 @pytest.mark.slow  # ~60 s; in CI the shortcut is checked by the GPT and Llama tests above, optimize on alike
-# layers by tests/test_sdpa.py::test_alike_layers_are_decided_in_one_trial
+# layers by tests/passes/test_sdpa.py::test_alike_layers_are_decided_in_one_trial
 def test_blocks_rewritten_by_optimize_still_repeat_and_match_real_steps():
     """A rewrite holds a graph per site (the original attention that runs while dropout is on): the
     held graphs compute the same in every block, so the rewritten model's blocks still repeat."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import fxmem
+from zoo import ParallelResidual
 from conftest import check_training_against_real_run, load_example
 from fxmem.measure import measure
 from test_exactness import CASES
@@ -93,20 +94,6 @@ def test_custom_loss():
     report = check_training_against_real_run(
         model, (("B", 6),), [dict(B=5), dict(B=12)], OPTIMIZERS["sgd"], loss=lambda out: (out**2).mean())
     assert report.training
-
-
-class ParallelResidual(nn.Module):
-    """GPT-NeoX's parallel residual, ``mlp(ln2(x)) + attn(ln1(x)) + x``: the sum's backward hands one
-    gradient tensor, unchanged, to all three summands."""
-
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn, self.mlp = nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x):
-        x = x * 2
-        return self.mlp(self.ln2(x)) + self.attn(self.ln1(x)) + x
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])

@@ -181,3 +181,29 @@ class TorchMHA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.mha(x, x, x, need_weights=False)
         return out
+
+
+class CachesActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.last = None
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.last = h * 2  # kept alive by the module after the call: B*64 bytes
+        return h.relu()
+
+
+class ParallelResidual(nn.Module):
+    """GPT-NeoX's parallel residual, ``mlp(ln2(x)) + attn(ln1(x)) + x``: the sum's backward hands one
+    gradient tensor, unchanged, to all three summands."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn, self.mlp = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x * 2
+        return self.mlp(self.ln2(x)) + self.attn(self.ln1(x)) + x

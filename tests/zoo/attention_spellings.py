@@ -169,7 +169,7 @@ class GATv2Attention(nn.Module):
 
 class AdditiveMask(DecomposedHead):
     """The mask added to the scores (-1e9 where there is no edge) instead of filled in: fused, the
-    mask added block by block (tests/test_fused_attention.py)."""
+    mask added block by block (tests/passes/test_fused_attention.py)."""
 
     def forward(self, x, adj):
         h = torch.matmul(x, self.W)

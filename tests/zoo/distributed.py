@@ -1,4 +1,4 @@
-"""Models and parallelisations for tests/test_distributed.py, at module level so that the gloo
+"""Models and parallelisations for tests/distributed/test_distributed.py, at module level so that the gloo
 processes (spawned) can import them. Sizes divide by no world size (uneven shards, padding)."""
 import torch
 import torch.nn as nn
@@ -9,10 +9,10 @@ D, H, V = 13, 22, 17
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, d: int = D, h: int = H):
         super().__init__()
-        self.ln, self.qkv, self.o = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D, bias=False)
-        self.ln2, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
+        self.ln, self.qkv, self.o = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d, bias=False)
+        self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
 
     def forward(self, x):
         q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
@@ -22,10 +22,12 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, n=3):
+    """``n`` pre-norm blocks, a norm and a head (benchmarks/fsdp.py uses it at larger sizes)."""
+
+    def __init__(self, n: int = 3, d: int = D, h: int = H, v: int = V):
         super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(n)])
-        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+        self.layers = nn.ModuleList([Block(d, h) for _ in range(n)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, v)
 
     def forward(self, x):
         for layer in self.layers:

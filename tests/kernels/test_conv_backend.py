@@ -56,7 +56,9 @@ def test_a_single_threaded_1x1_convolution_keeps_its_batch_regime():
     try:
         report = check_against_real_run(SmallCNN(), (SPEC,), [dict(B=20, H=12, W=13), dict(B=6, H=12, W=13)],
                                         grad=False)
-        assert any("B >= 16" in c for c in report.region), report.region
+        # the batch's lower bound is 16 or more (a fit may start a size or two higher on another CPU)
+        bounds = [int(c.split(">=")[1]) for c in report.region if c.replace(" ", "").startswith("B>=")]
+        assert bounds and max(bounds) >= 16, report.region
     finally:
         torch.set_num_threads(threads)
 

@@ -11,9 +11,11 @@ Cases, each in this one process:
   ``evaluate`` at 1,000 random sizes (B 2..16, L 2..2048: every flash-attention regime) and
   ``max_size("B", "64MiB", train=True, L=...)`` at 20 lengths. How many simulations ran is counted.
 * ``cnn``: a small ResNet-like CNN with ``("B", 3, "H", "W")`` and AdamW: the same, 1,000 random
-  sizes (B 2..16, H and W 32..128). oneDNN's convolution scratch is not stated as pieces yet, so
-  sizes outside the first region are analysed again: the row says how many simulations that took
-  (within a time limit ``--cnn-limit`` seconds; the rest are left out and counted).
+  sizes (B 2..16, H and W 32..128). oneDNN's convolution scratch is not stated as formulas yet:
+  where no fit holds it is measured (one real run of that kernel alone per new size,
+  :mod:`fxmem.kernels.measured`), and sizes outside the first region are analysed again; the row
+  says how many simulations that took (within a time limit ``--cnn-limit`` seconds; sizes left
+  are counted).
 
 Medians of ``--reps`` repetitions of the evaluate sweep (fresh random sizes each time, same seed
 sequence), with the CPU model (lscpu), torch version, threads and the command.

@@ -26,7 +26,7 @@ from typing import Any
 from ._layout import ensure_passes
 from .errors import (AnalysisTimeout, DeviceError, FxMemError, InternalError, KernelError, ModelError,  # noqa: F401
                      NothingToTrainError, ShapeError, SpecError, TraceError, UnsupportedOpError,
-                     UserCodeError, ProfilerBusyError)
+                     UserCodeError, ProfilerBusyError, MeasureError)
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,7 @@ __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
     "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer", "generation",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
-    "KernelError", "InternalError", "NothingToTrainError", "UserCodeError", "ProfilerBusyError",
+    "KernelError", "InternalError", "NothingToTrainError", "UserCodeError", "ProfilerBusyError", "MeasureError",
     "AnalysisTimeout",
 ]
 

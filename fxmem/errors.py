@@ -60,6 +60,12 @@ class AnalysisTimeout(FxMemError, TimeoutError):
     ``TimeoutError``."""
 
 
+class MeasureError(FxMemError):
+    """A size at which a kernel's workspace, measured by one real run of that kernel alone (oneDNN
+    scratch no formula describes, :mod:`fxmem.kernels.measured`), would need a run larger than fxmem
+    makes: refused, never guessed."""
+
+
 class ProfilerBusyError(FxMemError):
     """fxmem measures the CPU allocator through ``torch.profiler``, one session per process, and the
     user's own profiler session is recording: a session of fxmem's would end theirs."""

@@ -25,6 +25,7 @@ from .accounting.symbolic import evaluate
 from .capture import Capture
 from .errors import SpecError
 from .kernels import environment
+from .kernels.measured import StructureChanged
 from .options import AnalysisOptions
 from .records import INEXACT
 from .parsing import parse_expression
@@ -200,13 +201,24 @@ class Report:
                 report = self._reanalysed(values)
         if not report._fits_hold(values):  # a fitted kernel keeps other buffers there: analysed there
             report = self._reanalysed(values, ("fits",) + tuple(sorted(values.items())))
+        elif values != report.hints and any(f.fitted is None for f in report._plan.rec.fits):
+            # a calibrated kernel's workspace was unknown at the example sizes (too large to measure
+            # there, no fit holds): these formulas lack it, so the sizes asked are analysed, where it
+            # may be measured (kernels.measured); never a number known to miss a buffer
+            report = self._reanalysed(values, ("unknown",) + tuple(sorted(values.items())))
         here = environment(self.device)
         if any(self.facts.get(k) != v for k, v in here.items()):
             # made under another thread count (or oneDNN setting): kernels would allocate otherwise now
             report = self._reanalysed(values, path_key + tuple(sorted(here.items())))
         key = tuple(sorted(values.items()))
         if key not in report._evaluations:
-            report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
+            try:
+                report._evaluations[key] = report._plan.evaluate({report.symbols[k]: v for k, v in values.items()})
+            except StructureChanged as changed:  # a measured kernel orders its outputs otherwise here
+                if report.hints == values:  # recorded at these very sizes: not a question of order
+                    raise
+                _log.info("%s: analysing there", changed)
+                return self._reanalysed(values, ("measured",) + key)._at(values, check)
         return report, report._evaluations[key]
 
     def _reanalysed(self, values: dict, environment_key: tuple = ()) -> "Report":

@@ -139,6 +139,10 @@ def validate(model: torch.nn.Module, *input_specs: Any, dims: Mapping[str, int],
                         f"e.g. 0.01 for 1 %")
     if optimized is not None and not isinstance(optimized, torch.nn.Module):
         raise SpecError(f"validate(optimized=...) takes the module fxmem.optimize returned, got {type(optimized).__name__}")
+    if analyze_kw.get("grad", True) is not True:
+        raise SpecError(f"validate(grad={analyze_kw['grad']!r}): validate measures the forward and a training step, "
+                        f"which needs grad=True; to check an inference analysis, compare report.evaluate(...) with "
+                        f"fxmem.measure.measure(lambda: model(x)) under torch.no_grad()")
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3))
     loss_fn = loss or default_loss
     # (no self-check: validate's own real run, at the sizes asked for, is the check)

@@ -22,6 +22,8 @@ from typing import Callable, Mapping, Sequence
 
 import sympy
 
+from ..kernels.measured import MeasuredBytes, value_of
+
 Terms = dict  # {monomial: coefficient}, as fxmem.accounting.symbolic keeps formulas
 
 __all__ = ["compile_terms", "compile_conditions"]
@@ -57,6 +59,9 @@ def _py(e: sympy.Basic, names: Mapping[sympy.Symbol, str]) -> str:
         return f"(not {_py(e.args[0], names)})"
     if e is sympy.true or e is sympy.false:
         return str(bool(e))
+    if isinstance(e, MeasuredBytes):  # one real run of a kernel per size (fxmem.kernels.measured)
+        key, stretch, which, *dims = e.args
+        return f"_measured({int(key)}, {int(stretch)}, {int(which)}, ({''.join(_py(d, names) + ', ' for d in dims)}))"
     if isinstance(e, (sympy.Max, sympy.Min)):
         return f"{'max' if isinstance(e, sympy.Max) else 'min'}({', '.join(_py(a, names) for a in e.args)})"
     raise NotImplementedError(type(e).__name__)
@@ -81,7 +86,7 @@ def compile_terms(formulas: Sequence[Terms], symbols: Sequence[sympy.Symbol]) ->
     body = ", ".join(_source(t, names) for t in formulas)
     code = compile(f"def _f({args}):\n    return [{body}{',' if len(formulas) == 1 else ''}]\n", "<fxmem formulas>",
                    "exec")
-    scope: dict = {"_F": Fraction, "_floor": math.floor, "_ceil": math.ceil}
+    scope: dict = {"_F": Fraction, "_floor": math.floor, "_ceil": math.ceil, "_measured": value_of}
     exec(code, scope)  # noqa: S102 - source generated above from sympy formulas, names d0, d1, ...
     fn = scope["_f"]
 

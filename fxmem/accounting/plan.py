@@ -25,6 +25,7 @@ import sympy
 
 from .. import _torch_compat as tc
 from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
+from ..kernels.measured import MeasuredBytes
 from ..specs import dim_symbol
 from . import cuda_blocks
 from .cuda_blocks import AllocatorConfig, block_slack
@@ -35,6 +36,12 @@ from .symbolic import Evaluator, Region, add_terms, build_max, evaluate, max_of,
 CUDA_BLOCK = 512  # bytes; the caching allocator rounds every block up to a multiple of this
 FORMULA_KEYS = ("resident", "peak", "retained", "saved", "output")
 TRAIN_KEYS = ("train_resident", "train_peak", "grads", "optimizer_state")
+
+
+def _grows(t: dict) -> bool:
+    """Whether a hidden delta adds a measured kernel's bytes (:mod:`fxmem.kernels.measured`): an
+    allocation wherever that is more than 0, so a moment the peak may be at, whatever it is at the hints."""
+    return any(c > 0 and sympy.sympify(m).has(MeasuredBytes) for m, c in t.items())
 
 
 def cuda_block_bytes(n: int) -> int:
@@ -207,7 +214,7 @@ class MemoryPlan:
 
         at_hint = Evaluator(self.hint_values)
         w = walk(rec, lambda i: self._terms[i], lambda p: terms(self.to_user(p)), {}, add_terms,
-                 lambda t: {m: -c for m, c in t.items()}, lambda t: at_hint(t) > 0, mark=rec.forward_end)
+                 lambda t: {m: -c for m, c in t.items()}, lambda t: at_hint(t) > 0 or _grows(t), mark=rec.forward_end)
         storages = rec.storages
         self.resident_terms = add_terms(*[self._terms[s.index] for s in storages if s.step is None
                                           and s.role != Role.OPTIMIZER_STATE])

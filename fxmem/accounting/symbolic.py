@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import sympy
 
 from .. import _torch_compat as tc
+from ..kernels.measured import MeasuredBytes
 from ..specs import dim_symbol
 from .compiled import compile_conditions
 from .conditions import readable
@@ -184,7 +185,10 @@ class Region:
 
     def _atom(self, atom: sympy.Expr) -> sympy.Expr:
         if atom not in self._atoms:
-            low = tc.lower_bound(atom, {s: (lo, None) for s, lo in self.lower.items()})
+            if isinstance(atom, MeasuredBytes):  # a measured kernel's bytes: >= 0, nothing else known
+                low = 0
+            else:
+                low = tc.lower_bound(atom, {s: (lo, None) for s, lo in self.lower.items()})
             k = len(self._atoms)
             if low is None:  # unknown sign: monomials holding it must cancel exactly
                 self._atoms[atom] = sympy.Symbol(f"_w{k}", real=True)
@@ -194,7 +198,10 @@ class Region:
 
     def shifted_monomial(self, mono: sympy.Expr) -> Terms:
         if mono not in self._shifted:
-            atoms = sorted(mono.atoms(sympy.floor, sympy.ceiling, sympy.Mod), key=sympy.default_sort_key)
+            measured = mono.atoms(MeasuredBytes)  # opaque: the floors inside its arguments are its own
+            atoms = sorted(measured | {a for a in mono.atoms(sympy.floor, sympy.ceiling, sympy.Mod)
+                                       if not any(a in m.args or m.has(a) for m in measured)},
+                           key=sympy.default_sort_key)
             expr = mono.xreplace({a: self._atom(a) for a in atoms})
             shift = {s: lo + sympy.Symbol(f"_u_{s}", nonnegative=True) for s, lo in self.lower.items()}
             self._shifted[mono] = terms(expr.xreplace(shift))

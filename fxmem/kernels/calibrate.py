@@ -12,10 +12,12 @@ strides, dtype and memory layout, reads the allocator's events, and fits every h
 on a few shapes, then checks the fit on the others, and once more on a real run toward the
 example sizes (scaled down to at most 2**20 elements): oneDNN picks its scratch by size and thread
 count, so small samples alone can miss a buffer the user's sizes get. Where the kernel behaves
-otherwise there, the fit is redone from there on (a guard in the region) or pinned to a real run at
-the example sizes (every other size is re-analysed). The guarantee: exact wherever the kernel keeps
-the behaviour it showed at the sampled and checked shapes; a fit that fails its checks is not used
-and the report says the op's workspace is unknown instead of guessing.
+otherwise there, its workspace becomes a *measured function* of its input's sizes
+(:mod:`fxmem.kernels.measured`: one real run of the kernel alone at each size asked, cached), or,
+where the example sizes are too large to run once, the fit is redone from there on (a guard in the
+region). The guarantee: exact wherever the kernel keeps the behaviour it showed at the sampled and
+checked shapes, and at every size a measured kernel is measured; a fit that fails its checks is not
+used and the report says the op's workspace is unknown instead of guessing.
 
 Each op has an *adapter* (data): which argument (by schema name) drives the symbolic sizes, how
 to build the real call at a sampled shape, and which number plays "output". Adapters exist for
@@ -43,6 +45,8 @@ from .. import _torch_compat as tc
 from ..progress import phased
 from ..measure import allocator_events, cpu_memory_profile
 from . import calibration_cache
+from . import measured
+from .measured import measured_program, register_kernel, summarize
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
 log = logging.getLogger(__name__)  # progress: a calibration runs real kernels for a few seconds
@@ -538,16 +542,35 @@ def fit_holds(fit: Fit, shape: tuple) -> bool | None:
 
 
 def _below_samples(call: Call, frozen_items: tuple, x: torch.Tensor, hint: tuple, free: list) -> list | Unknown:
-    """The example sizes lie below the smallest sizes a fit samples: run the kernel there and pin
-    the dims (exact at these sizes; every other size is re-analysed), or, too large to run, unknown."""
-    if _numel(hint) > EXACT_RUN_ELEMENTS:
-        return Unknown(call.op, f"its input at the example sizes ({'x'.join(map(str, hint))}) is smaller along a "
-                                f"dim than the sizes its buffers are measured at, and too large to run once; give "
-                                f"concrete sizes for exact numbers")
-    program = _program_at(call.func, frozen_items, hint, torch.get_num_threads())
-    for i in free:  # pinned: exact at these sizes only
-        bool(x.shape[i] == hint[i])
-    return list(program)
+    """The example sizes lie below the smallest sizes a fit samples: the kernel's workspace as a
+    measured function of its input's sizes (:mod:`fxmem.kernels.measured`), or, too large to run
+    once, unknown."""
+    found = _measured(call, frozen_items, x)
+    if found is not None:
+        return found
+    return Unknown(call.op, f"its input at the example sizes ({'x'.join(map(str, hint))}) is smaller along a "
+                            f"dim than the sizes its buffers are measured at, and too large to run once; give "
+                            f"concrete sizes for exact numbers")
+
+
+def _measured(call: Call, frozen_items: tuple, x: torch.Tensor) -> list | None:
+    """The kernel's hidden program as measured functions of its input's sizes: one real run at the
+    example sizes gives the order of its outputs (and the values there); every other size is one
+    real run of this kernel alone when asked (cached). None where the example sizes are too large
+    to run (:data:`fxmem.kernels.measured.MEASURE_ELEMENTS`)."""
+    hint = tuple(tc.size_hint(d) for d in x.shape)
+    if _numel(hint) > measured.MEASURE_ELEMENTS:  # read here: a test may lower it
+        return None
+    threads = torch.get_num_threads()
+    markers, _ = summarize(_sample_at(call.func, frozen_items, hint, threads).program)
+    key = register_kernel((call.func, frozen_items, threads, markers), call.op, markers,
+                          functools.partial(_program_of, call.func, frozen_items, threads))
+    return measured_program(key, markers, [d if isinstance(d, int) else tc.raw_expr(d) for d in x.shape])
+
+
+def _program_of(op: Any, frozen_items: tuple, threads: int, shape: tuple) -> tuple:
+    """The real program of ``op`` with its driver at ``shape`` (one run, cached): a measured term's value."""
+    return _sample_at(op, frozen_items, tuple(shape), threads).program
 
 
 CHECK_ELEMENTS = 1 << 20  # the driver of the run that checks a fit toward the example sizes: at most this many elements
@@ -589,20 +612,17 @@ def _numel(shape: Sequence[int]) -> int:
 def _larger_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, min_shape: tuple,
                    check: tuple) -> list | Unknown:
     """The fit from small samples is wrong toward the example sizes: the kernel keeps other buffers
-    there. Where a real run at the example sizes is small enough, pin the dims there (exact there;
-    every other size is re-analysed, and checked there in turn). Else fit again from the checked
-    shape up, guarded (the region then says ``B >= 10, H >= 55, ...``), and check that fit once more
-    nearer the example sizes; a fit that fails is not used: the workspace is unknown (the report
-    says so) rather than a fit known to be wrong."""
-    hint = tuple(tc.size_hint(d) for d in x.shape)
+    there. Where a real run at the example sizes is small enough, its workspace becomes a measured
+    function of its input's sizes (exact at every size, one real run of this kernel alone per size
+    asked: :mod:`fxmem.kernels.measured`). Else fit again from the checked shape up, guarded (the
+    region then says ``B >= 10, H >= 55, ...``), and check that fit once more nearer the example
+    sizes; a fit that fails is not used: the workspace is unknown (the report says so) rather than
+    a fit known to be wrong."""
     items = tuple(frozen.items())
     threads = torch.get_num_threads()
-    if _numel(hint) <= EXACT_RUN_ELEMENTS:
-        program = _program_at(call.func, items, hint, threads)
-        for i, d in enumerate(x.shape):  # pinned: exact at these sizes only
-            if not isinstance(d, int):
-                bool(d == hint[i])
-        return list(program)
+    found = _measured(call, items, x)
+    if found is not None:
+        return found
     fitted = _fit_cached(call.func, items, check, threads)
     further = _check_shape(x, check, limit=4 * CHECK_ELEMENTS)
     if fitted is not None and (further is None or _holds_at(fitted, _sample_at(call.func, items, further, threads))):
@@ -613,7 +633,7 @@ def _larger_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor, 
     names = "x".join(str(d) for d in check)
     return Unknown(call.op, f"its kernel keeps different buffers at different sizes (no one fit holds from small "
                             f"sizes to a {names} input, nor from there to nearer the example sizes); give example "
-                            f"sizes (hints=) near the sizes you ask about, with at most {EXACT_RUN_ELEMENTS:,} "
+                            f"sizes (hints=) near the sizes you ask about, with at most {measured.MEASURE_ELEMENTS:,} "
                             f"elements in its input, or concrete sizes, for exact numbers")
 
 
@@ -659,15 +679,12 @@ def _holds_at(fitted: list, sample: Sample) -> bool:
     return True
 
 
-EXACT_RUN_ELEMENTS = 1 << 20  # a real run at the example sizes when the driver is this small
-
-
 def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
                   min_shape: tuple) -> list | Unknown | None:
     """The kernel behaved differently across the smallest sampled shapes (oneDNN and batch norm pick
     paths by size and thread count). Fit from larger sizes on, guarded (the region then says
-    ``B >= 4``); or else run it once at the example sizes and pin the dims there (the region says
-    ``B == 97``, and every other size is re-analysed, exactly). None if neither is possible."""
+    ``B >= 4``); or else measure it (:func:`_measured`: one real run at the example sizes, then one
+    per size asked). None if neither is possible."""
     free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
     hint = [tc.size_hint(d) for d in x.shape]
     items = tuple(frozen.items())
@@ -684,28 +701,11 @@ def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
             for i in free:  # a guard: the formula holds from here on
                 bool(x.shape[i] >= shifted[i])
             return _fitted(call, frozen, x, fitted)
-    if _numel(hint) > EXACT_RUN_ELEMENTS:  # too large to run at the example sizes: fit from nearer them
-        check = _check_shape(x, min_shape)
-        return None if check is None else _larger_regime(call, adapter, frozen, x, min_shape, check)
-    program = _program_at(call.func, items, tuple(hint), threads)
-    for i in free:  # pinned: exact at these sizes only
-        bool(x.shape[i] == hint[i])
-    return list(program)
-
-
-@functools.lru_cache(maxsize=512)
-def _program_at(op: Any, frozen_items: tuple, shape: tuple, threads: int) -> tuple:
-    key = calibration_cache.entry_key("at", op, frozen_items, shape, threads)
-    cached = calibration_cache.load(key)
-    if cached is not None:
-        return tuple(cached)
-    program = _measure_at(op, frozen_items, shape)
-    calibration_cache.store(key, program)
-    return program
-
-
-def _measure_at(op: Any, frozen_items: tuple, shape: tuple) -> tuple:
-    return _real_sample(op, frozen_items, shape, "calibrating %s on a real run at the example sizes").program
+    found = _measured(call, items, x)
+    if found is not None:
+        return found
+    check = _check_shape(x, min_shape)  # too large to run at the example sizes: fit from nearer them
+    return None if check is None else _larger_regime(call, adapter, frozen, x, min_shape, check)
 
 
 @hidden(*ADAPTERS, device="cpu")

@@ -1,17 +1,19 @@
 """Calibrations kept on disk, so a new process does not re-run the real kernels another one ran.
 
 A calibration (see :mod:`fxmem.kernels.calibrate`) runs oneDNN convolutions and batch norms for
-real on small tensors for seconds (a ResNet's first analysis: ~20 s of them). What it measures
-depends only on the machine and the software, so it is kept in one JSON file per
+real on small tensors for seconds (a ResNet's first analysis: ~20 s of them), and a measured
+kernel (:mod:`fxmem.kernels.measured`) runs once per size a user asks. What they measure depends
+only on the machine and the software, so each entry is kept in a folder per
 
     CPU model + ISA flags + torch version (+ oneDNN on/off, + the calibration code's digest)
 
-under the user's cache directory (``$XDG_CACHE_HOME/fxmem``, else ``~/.cache/fxmem``), each entry
-keyed by the op, its frozen arguments, the sampled sizes and the thread count (the calibration's
-own key). Writers replace the file atomically (write a private temporary file, then
-``os.replace``) after merging with what is there, under an advisory lock where the OS has one, so
-concurrent processes never leave a half-written file; a file that does not parse, or an entry
-that does not decode, is ignored (the kernel is calibrated again and the file rewritten).
+under the user's cache directory (``$XDG_CACHE_HOME/fxmem``, else ``~/.cache/fxmem``), one small
+JSON file per entry, named by the calibration's own key (the op, its frozen arguments, the sampled
+sizes and the thread count). One file per entry, because a sweep over sizes adds thousands of
+entries and rewriting one growing file per entry made each new size cost more than the last.
+Writers replace an entry atomically (write a private temporary file, then ``os.replace``), so
+concurrent processes never leave a half-written entry; an entry that does not parse or decode is
+ignored (the kernel is run again and the entry rewritten).
 
 >>> decode(encode([OUT, OutAt(1), (1, Fraction(1, 2), Fraction(0), Fraction(64))])) == \\
 ...     [OUT, OutAt(1), (1, Fraction(1, 2), Fraction(0), Fraction(64))]
@@ -29,7 +31,7 @@ import platform
 import tempfile
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -80,9 +82,14 @@ def _method() -> str:
         return getattr(__import__("fxmem"), "__version__", "")
 
 
-def cache_file() -> Path:
+def cache_folder() -> Path:
+    """The folder of this machine's and software's entries (see the module docstring)."""
     blob = json.dumps(machine(), sort_keys=True).encode()
-    return cache_dir() / f"calibrations-{hashlib.sha256(blob).hexdigest()[:16]}.json"
+    return cache_dir() / f"calibrations-{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def entry_file(key: str) -> Path:
+    return cache_folder() / f"{key}.json"
 
 
 def entry_key(*parts: Any) -> str | None:
@@ -129,68 +136,35 @@ def decode(data: Any) -> list:
     return out
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, UnicodeDecodeError):
-        log.info("ignoring the unreadable calibration cache %s", path)
-        return {}
-    if not isinstance(data, dict) or data.get("machine") != machine() or not isinstance(data.get("entries"), dict):
-        return {}
-    return data["entries"]
-
-
 def load(key: str | None) -> list | None:
     """The cached program for ``key``, or None (absent, unreadable, or made elsewhere)."""
     if key is None:
         return None
-    raw = _read(cache_file()).get(key)
-    if raw is None:
-        return None
     try:
-        return decode(raw)
-    except (ValueError, TypeError, ZeroDivisionError):
+        return decode(json.loads(entry_file(key).read_text()))
+    except FileNotFoundError:
         return None
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An advisory lock on ``path`` + '.lock' where the OS has fcntl (merges are then not lost);
-    without one the atomic replace still keeps the file whole."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(str(path) + ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    except (OSError, ValueError, TypeError, UnicodeDecodeError, ZeroDivisionError):
+        log.info("ignoring the unreadable calibration cache entry %s", entry_file(key))
+        return None
 
 
 def store(key: str | None, program: Any) -> None:
-    """Add ``key``'s program to the cache file; a cache that cannot be written is skipped quietly
+    """Write ``key``'s program to its entry; a cache that cannot be written is skipped quietly
     (a read-only home directory must not fail an analysis)."""
     if key is None:
         return
-    path = cache_file()
+    path = entry_file(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
-            entries = _read(path)
-            entries[key] = encode(program)
-            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as handle:
-                    json.dump({"machine": machine(), "entries": entries}, handle)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(encode(program), handle)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as e:
         log.info("calibration cache not written (%s): %s", path, e)

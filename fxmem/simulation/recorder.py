@@ -22,6 +22,7 @@ from .. import kernels
 from ..capture import running_line
 from ..distributed.labels import collective_name
 from ..kernels import OUT, Call, Keep, OutAt, Unknown
+from ..kernels.measured import MeasuredBytes
 from ..records import INEXACT, Placed, Role, SavedBy, Storage
 from .autograd import Autograd
 from .events import EventLog
@@ -270,6 +271,11 @@ class Recorder(tc.DispatchMode):
                                           saved_by=[SavedBy(log.node, name)], module=table.module_now()))
             new.append(index)
             kept.append(index)
+        if any(isinstance(p, sympy.Basic) and p.has(MeasuredBytes) for p in program):
+            log.note_at(f"'{log.node}'", f"{name}'s workspace (scratch no formula describes: it changes with the "
+                                         f"sizes in no pattern a fit from samples holds to) is measured by one real "
+                                         f"run of that kernel alone at each size asked, cached (the ws<k>_up<i> "
+                                         f"and ws<k>_down<i> terms of the formulas, functions of its input's dims)")
         for unknown in [p for p in program if isinstance(p, Unknown)]:
             log.note_at(f"'{log.node}'", f"{unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
                                          f"{INEXACT}")

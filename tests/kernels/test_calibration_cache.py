@@ -1,7 +1,7 @@
 """The on-disk calibration cache (fxmem.kernels.calibration_cache): a second process on the same
 CPU and torch does not re-run the real kernels a first one calibrated, and gets the same formulas
-as a process that calibrated for itself; a corrupt cache file is ignored and rewritten; writers
-running at once leave one whole file with every entry."""
+as a process that calibrated for itself; a corrupt entry is ignored and rewritten; writers
+running at once leave every entry whole."""
 from __future__ import annotations
 
 import json
@@ -51,15 +51,16 @@ def _run(cache: Path) -> tuple[int, str, str]:
 def test_second_process_reads_the_cache_and_a_corrupt_file_is_ignored(tmp_path):
     first = _run(tmp_path)
     assert first[0] > 0  # a conv and a batch norm: calibrated for real
-    files = list((tmp_path / "fxmem").glob("calibrations-*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["entries"]
+    files = list((tmp_path / "fxmem").glob("calibrations-*/*.json"))
+    assert files and all(cc.decode(json.loads(f.read_text())) is not None for f in files)
     second = _run(tmp_path)
     assert second[0] == 0  # nothing re-run
     assert second[1:] == first[1:]  # the same formulas as calibrating afresh
-    files[0].write_text('{"machine": {"cpu": ')  # half a file
+    for f in files:
+        f.write_text('["OUT", ')  # half an entry
     third = _run(tmp_path)
     assert third[0] > 0 and third[1:] == first[1:]
-    assert json.loads(files[0].read_text())["entries"]  # rewritten whole
+    assert all(cc.decode(json.loads(f.read_text())) is not None for f in files)  # rewritten whole
 
 
 def test_entries_round_trip_and_garbage_is_refused(tmp_path, monkeypatch):
@@ -69,11 +70,13 @@ def test_entries_round_trip_and_garbage_is_refused(tmp_path, monkeypatch):
     for bad in ({"x": 1}, [True], [[2, "1", "0", "0"]], ["OUT", "nope"]):
         with pytest.raises(ValueError):
             cc.decode(bad)
-    cc.cache_file().parent.mkdir(parents=True)
-    cc.cache_file().write_text(json.dumps({"machine": cc.machine(), "entries": {"k": ["OUT", "nope"]}}))
+    cc.store("k", [OUT, 1])
+    cc.entry_file("k").write_text(json.dumps(["OUT", "nope"]))
     assert cc.load("k") is None  # an entry that does not decode is a miss, not an error
-    cc.cache_file().write_text(json.dumps({"machine": {**cc.machine(), "torch": "0.0"}, "entries": {"k": [1]}}))
-    assert cc.load("k") is None  # made under another torch: not read
+    cc.store("k", [OUT, 1])
+    assert cc.load("k") == [OUT, 1]
+    monkeypatch.setattr(cc, "machine", lambda: {"torch": "0.0"})
+    assert cc.load("k") is None  # made under another torch (another folder): not read
 
 
 def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
@@ -84,7 +87,6 @@ def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    entries = json.loads(cc.cache_file().read_text())["entries"]
-    assert sorted(entries) == sorted(keys)
+    assert sorted(f.stem for f in cc.cache_folder().glob("*.json")) == sorted(keys)
     assert all(cc.load(k) == [OUT, i] for i, k in enumerate(keys))
-    assert not list(cc.cache_dir().glob("*.tmp"))
+    assert not list(cc.cache_folder().glob("*.tmp"))

@@ -175,6 +175,8 @@ API = [
      fxmem.SpecError, ["same size in every probe"]),
     ("optimize probe_sizes bool", lambda: fxmem.optimize(lin(), ("B", 6), probe_sizes=[{"B": True}, {"B": 3}]),
      fxmem.SpecError, ["not an integer"]),
+    ("validate grad=False", lambda: fxmem.validate(lin(), ("B", 6), dims={"B": 4}, device="cpu", grad=False),
+     fxmem.SpecError, ["grad=False", "training step", "no_grad"]),
     ("validate no dims", lambda: fxmem.validate(lin(), ("B", 6), dims={}, device="cpu"), fxmem.SpecError, ["dims="]),
     ("validate dims a list", lambda: fxmem.validate(lin(), ("B", 6), dims=[4], device="cpu"), fxmem.SpecError, ["dims="]),
     ("validate negative tolerance", lambda: fxmem.validate(lin(), ("B", 6), dims={"B": 4}, device="cpu", tolerance=-1),

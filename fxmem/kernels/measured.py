@@ -1,0 +1,146 @@
+"""A kernel's hidden buffers as *measured functions* of its input's sizes, not as a guess or a pin.
+
+Some kernels keep scratch no formula describes: oneDNN's convolution backward on 2 AVX2 threads keeps
+a buffer of 61,488 B at a 6x6 or 16x26 image, 127,024 B at 32x32, 360,496 B at 96x41 and 323,632 B
+at 96x42 (the same output width), and adds a 26,880-byte reduction buffer past some batch x image
+size. Where no fit from small samples holds (:mod:`fxmem.kernels.calibrate`), the kernel's hidden
+program becomes, per stretch between its outputs' births, two numbers of its input's shape:
+
+    [+up_0(shape), -down_0(shape), OUT, +up_1(shape), -down_1(shape), OutAt(2), ...]
+
+``up_k`` is the most that stretch holds above where it started (>= 0) and ``down_k`` what it gives
+back before the next output (>= 0): the live bytes at every moment of the call, and so every peak,
+are those of the real kernel (its buffers are never visible outside the call). Each is a sympy
+function, :class:`MeasuredBytes`, of the input's dims in the user's names - a formula term like
+``ws1_up0(B, 16, H, W)`` - whose value at concrete sizes is one real run of that kernel alone at that
+shape (milliseconds; cached in memory and on disk). So the analysis holds at every size, without
+guards or a new simulation; a size whose input would be larger than :data:`MEASURE_ELEMENTS` is
+refused (:class:`MeasureError`), never guessed, and a size where the kernel orders its outputs
+otherwise raises :class:`StructureChanged` (the report then analyses that size).
+
+>>> m = measured_program(key, (OUT,), (B, 16, H, W))                       # doctest: +SKIP
+[ws1_up0(B, 16, H, W), -ws1_down0(B, 16, H, W), OUT, ws1_up1(B, 16, H, W), -ws1_down1(B, 16, H, W)]
+>>> int(m[0].xreplace({B: 2, H: 6, W: 6}))                                  # doctest: +SKIP
+84784
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import sympy
+
+from ..errors import FxMemError, MeasureError
+from .registry import OUT, OutAt
+
+__all__ = ["MeasuredBytes", "MeasureError", "StructureChanged", "register_kernel", "measured_program",
+           "value_of", "MEASURE_ELEMENTS", "summarize"]
+
+MEASURE_ELEMENTS = 1 << 24  # elements in the kernel's input: the largest one real run measures (64 MiB float32)
+
+
+class StructureChanged(FxMemError):
+    """At these sizes the measured kernel allocates its outputs in another order than where it was
+    recorded: its program cannot be read into the recorded one (the report analyses those sizes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One measured kernel configuration: what runs it at a shape and the outputs' order it showed."""
+
+    label: str  # the op, for messages
+    markers: tuple  # OUT / OutAt(i) in the order the kernel allocated its outputs
+    measure: Callable[[tuple], tuple]  # driver shape -> the real program (allocator deltas and markers)
+
+
+_KERNELS: list[Kernel] = []
+_KEYS: dict[tuple, int] = {}
+_LOCK = threading.Lock()
+
+
+def register_kernel(identity: tuple, label: str, markers: tuple, measure: Callable[[tuple], tuple]) -> int:
+    """The key of the kernel configuration ``identity`` (op, frozen arguments, thread count, output
+    order), registered once per process: equal configurations share their measurements."""
+    with _LOCK:
+        if identity not in _KEYS:
+            _KEYS[identity] = len(_KERNELS)
+            _KERNELS.append(Kernel(label, tuple(markers), measure))
+        return _KEYS[identity]
+
+
+def _is_marker(p: Any) -> bool:
+    return p is OUT or p == OUT or isinstance(p, OutAt)
+
+
+def summarize(program: Sequence) -> tuple[tuple, list[tuple[int, int]]]:
+    """A real program as its output markers and, per stretch around them, ``(up, down)``: the most
+    held above the stretch's start and what it gives back by its end (both >= 0)."""
+    markers, stretches = [], []
+    level = start = high = 0
+    for p in list(program) + [None]:
+        if p is None or _is_marker(p):
+            stretches.append((high - start, high - level))
+            start = high = level
+            if p is not None:
+                markers.append(p)
+            continue
+        level += int(p)
+        high = max(high, level)
+    return tuple(markers), stretches
+
+
+def value_of(key: int, stretch: int, which: int, shape: Sequence[int]) -> int:
+    """``up`` (which=0) or ``down`` (which=1) of stretch ``stretch`` of kernel ``key`` at ``shape``."""
+    kernel = _KERNELS[key]
+    shape = tuple(int(d) for d in shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > MEASURE_ELEMENTS:
+        raise MeasureError(
+            f"at these sizes {kernel.label}'s input is {'x'.join(map(str, shape))} ({numel:,} elements): its "
+            f"workspace (oneDNN's scratch, which no formula describes) is measured by one real run of that kernel "
+            f"alone, and fxmem runs kernels up to {MEASURE_ELEMENTS:,} elements; ask at smaller sizes, or analyse "
+            f"with concrete sizes (hints=) there and read report.exact")
+    if min(shape, default=1) < 1:
+        return 0
+    markers, stretches = summarize(kernel.measure(shape))
+    if markers != kernel.markers:
+        raise StructureChanged(f"{kernel.label} allocates its outputs in another order at input "
+                               f"{'x'.join(map(str, shape))} than where it was recorded")
+    return stretches[stretch][which]
+
+
+class MeasuredBytes(sympy.Function):
+    """Bytes of a measured kernel stretch at the input shape given by its arguments (see the module
+    docstring): ``MeasuredBytes(key, stretch, which, *dims)``; a number once every dim is one."""
+
+    is_integer = True
+    is_nonnegative = True
+
+    @classmethod
+    def eval(cls, key: Any, stretch: Any, which: Any, *dims: Any) -> Any:
+        if all(isinstance(d, sympy.Integer) for d in (key, stretch, which, *dims)):
+            return sympy.Integer(value_of(int(key), int(stretch), int(which), [int(d) for d in dims]))
+        return None
+
+    def _sympystr(self, printer: Any) -> str:
+        key, stretch, which, *dims = self.args
+        return f"ws{key}_{'down' if int(which) else 'up'}{stretch}({', '.join(printer._print(d) for d in dims)})"
+
+    def _latex(self, printer: Any) -> str:
+        key, stretch, which, *dims = self.args
+        return (r"\mathrm{ws}_{%s,%s%s}(%s)" % (key, "down" if int(which) else "up", stretch,
+                                                ", ".join(printer._print(d) for d in dims)))
+
+
+def measured_program(key: int, markers: Sequence, dims: Sequence[Any]) -> list:
+    """The symbolic program of kernel ``key``: per stretch ``+up, -down``, then its marker."""
+    out: list = []
+    args = [sympy.sympify(d) for d in dims]
+    for k in range(len(markers) + 1):
+        out += [MeasuredBytes(key, k, 0, *args), -MeasuredBytes(key, k, 1, *args)]
+        if k < len(markers):
+            out.append(markers[k])
+    return out

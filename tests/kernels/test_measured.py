@@ -1,0 +1,105 @@
+"""Measured kernel workspaces (fxmem.kernels.measured): where no fit from small samples describes a
+oneDNN kernel's scratch, it is a function of the kernel's input sizes whose value is one real run of
+that kernel alone. Checked against real training steps at sizes the analysis never saw, from the
+one simulation; on every CPU (the fits are switched off here, so the measured path is taken
+whichever oneDNN path this CPU has)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxmem
+from conftest import check_steps_against_report
+from fxmem.kernels import calibrate, measured
+from fxmem.kernels.measured import MeasuredBytes, MeasureError, summarize
+from fxmem.kernels.registry import OUT, OutAt
+
+
+class StridedNet(nn.Module):
+    """Two convolutions (one strided) with batch norm: the model of the wrong -27 % before."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.b2(self.c2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@pytest.fixture
+def no_fits(monkeypatch):
+    """Every calibrated kernel (convolutions, batch norms) measured instead of fitted."""
+    monkeypatch.setattr(calibrate, "_fit_cached", lambda *a, **k: None)
+
+
+def test_stretches_keep_every_moment_of_the_call():
+    """A real convolution backward's program (2 threads, AVX2) read as (up, down) per stretch between
+    its outputs: the live bytes at every moment are the real ones."""
+    program = (2304, 18432, 4608, 61488, -61488, -18432, -2304, 4608, OUT, -4608, -4608, 2304, 4608, 18432, 128,
+               -4608, -2304, OutAt(2), OutAt(1), -18432, -128)
+    markers, stretches = summarize(program)
+    assert markers == (OUT, OutAt(2), OutAt(1))
+    assert stretches == [(86832, 77616), (16256, 6912), (0, 0), (0, 18560)]
+    # the most held at any moment of each stretch, and where each ends, as in the real program
+    level, real_high = 0, []
+    for k, part in enumerate([program[:8], program[9:17], (), program[19:]]):
+        start, high = level, level
+        for p in part:
+            level += p
+            high = max(high, level)
+        assert (high - start, high - level) == stretches[k]
+        real_high.append(high)
+    assert level == 0
+
+
+def test_measured_training_step_is_exact_at_unseen_sizes_from_one_simulation(no_fits):
+    torch.manual_seed(0)
+    model = StridedNet().train()
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw, check=False, hints=dict(B=7, H=41, W=37))
+    assert report.exact, report.notes
+    assert report.formulas()["train_peak"].has(MeasuredBytes)
+    assert any("measured by one real run" in n for n in report.notes)
+    assert "ws" in report.summary()
+    sizes = [dict(B=2, H=96, W=80), dict(B=5, H=13, W=70), dict(B=3, H=64, W=64), dict(B=2, H=17, W=9)]
+    inside = [d for d in sizes if report._holds_at(d)]
+    assert len(inside) >= 3, report.region
+    check_steps_against_report(model, report, sizes, adamw)
+    for d in inside:  # answered from the same recording: no new simulation
+        assert report._at(d)[0]._plan.rec is report._plan.rec, d
+    # and a size PyTorch treats apart (B=1): its own analysis, measured and exact in turn
+    check_steps_against_report(model, report, [dict(B=1, H=20, W=24)], adamw)
+
+
+def test_a_size_too_large_to_measure_is_refused_not_guessed(no_fits, monkeypatch):
+    torch.manual_seed(0)
+    model = StridedNet().train()
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw, check=False, hints=dict(B=3, H=20, W=20))
+    monkeypatch.setattr(measured, "MEASURE_ELEMENTS", 10_000)
+    with pytest.raises(MeasureError, match=r"convolution.*real run"):
+        report.evaluate(B=40, H=64, W=64)
+    with pytest.raises(MeasureError):
+        report.max_size("B", "1GiB", train=True, H=64, W=64)
+
+
+def test_a_workspace_unknown_at_the_example_sizes_sends_other_sizes_to_their_own_analysis(no_fits, monkeypatch):
+    """Example sizes too large to measure there and no fit: the workspace is unknown, the report
+    says so, and a size asked is analysed where the kernel can be measured - never a number from
+    formulas known to lack a buffer (before: 27 % under a real step, silently)."""
+    torch.manual_seed(0)
+    model = StridedNet().train()
+    monkeypatch.setattr(measured, "MEASURE_ELEMENTS", 1000)
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw, check=False, hints=dict(B=7, H=41, W=37))
+    assert not report.exact and any("cannot predict" in n for n in report.notes)
+    monkeypatch.setattr(measured, "MEASURE_ELEMENTS", 1 << 24)
+    sizes = [dict(B=2, H=96, W=80), dict(B=3, H=30, W=31)]
+    check_steps_against_report(model, report, sizes, adamw)
+    assert all(report._at(d)[0] is not report for d in sizes)

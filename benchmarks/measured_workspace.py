@@ -15,6 +15,11 @@ Two parts, in this one process, on this CPU:
   of the measured kernels (and the fitted kernels' checks), then the same sizes again (cached);
   and the predictions next to real steps at three of them (``fxmem.validate``). With an empty
   calibration cache (a temporary ``XDG_CACHE_HOME``), so the first pass measures everything.
+* ``resnet18``: torchvision's ResNet-18 architecture (``tests/zoo/resnet.py``, width 64, 1,000
+  classes) with AdamW, analysed once with ``("B", 3, "H", "W")``: the analysis' time, then the 11
+  sizes of ``tests/zoo/resnet.py`` that ``tests/exactness/test_resnet18.py`` checks (batch 1 to 6, images 7x9 to 128x96) evaluated and
+  run for real (training steps, peak above start against the allocator), and how many simulations
+  all of that took.
 """
 from __future__ import annotations
 
@@ -90,6 +95,42 @@ def answer_rows(count: int) -> dict:
             "analyses": simulations, "checks": checks}
 
 
+def resnet18_rows() -> dict:
+    import importlib
+
+    import torch
+
+    import fxmem
+    from conftest import check_steps_against_report
+    from zoo.resnet import SIZES, ResNet18
+
+    module = importlib.import_module("fxmem.analyze")
+    runs: list = []
+    simulate = module.simulate
+
+    def counted(*a, **k):
+        runs.append(1)
+        return simulate(*a, **k)
+
+    module.simulate = counted
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    torch.manual_seed(0)
+    model = ResNet18(width=64, num_classes=1000).train()
+    t = time.perf_counter()
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw)
+    analysis = time.perf_counter() - t
+    t = time.perf_counter()
+    for d in SIZES:
+        report.evaluate(**d)
+    answers = time.perf_counter() - t
+    check_steps_against_report(model, report, SIZES, adamw)  # raises unless every size is exact
+    return {"analysis_s": analysis, "exact": report.exact, "sizes": len(SIZES), "evaluate_s": answers,
+            "simulations": len(runs), "all_equal_to_real_steps": True}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, default=100)
@@ -101,6 +142,7 @@ def main() -> None:
         os.environ["XDG_CACHE_HOME"] = cache
         scratch = scratch_rows()
         answers = answer_rows(args.sizes)
+        resnet = resnet18_rows()
     meta = {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/measured_workspace.py"
             + (f" --sizes {args.sizes}" if args.sizes != 100 else "")}
@@ -121,13 +163,19 @@ def main() -> None:
               "| sizes | training step peak above resident: predicted | measured |", "|---|---|---|"]
     lines += [f"| {c['dims']} | {c['train_peak_above_resident'][0]:,} | {c['train_peak_above_resident'][1]:,} |"
               for c in a["checks"]]
+    r = resnet
+    lines += ["", "## torchvision's ResNet-18 (width 64), AdamW, analysed once", "",
+              f"analysis {r['analysis_s']:.1f} s, exact {r['exact']}; {r['sizes']} sizes (B 1..6, images 7x9..128x96) "
+              f"evaluated in {r['evaluate_s']:.1f} s (pieces of the one recording, their self-checks and kernel runs); "
+              f"simulations in all: {r['simulations']} (B=1 is PyTorch's own case); every size equal to a real "
+              f"training step (peak above start, retained, optimizer state, resident): {r['all_equal_to_real_steps']}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
         out = HERE / "results"
         (out / "measured_workspace.md").write_text(text)
-        (out / "measured_workspace.json").write_text(json.dumps({"meta": meta, "scratch": scratch,
-                                                                 "answers": answers}, indent=1, default=str))
+        (out / "measured_workspace.json").write_text(json.dumps({"meta": meta, "scratch": scratch, "answers": answers,
+                                                                 "resnet18": resnet}, indent=1, default=str))
 
 
 if __name__ == "__main__":

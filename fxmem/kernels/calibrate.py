@@ -47,6 +47,7 @@ from ..measure import allocator_events, cpu_memory_profile
 from . import calibration_cache
 from . import measured
 from .measured import measured_program, register_kernel, summarize
+from .regimes import condition, either
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
 log = logging.getLogger(__name__)  # progress: a calibration runs real kernels for a few seconds
@@ -484,11 +485,18 @@ def program_for_call(call: Call) -> list | Unknown | None:
     check = _check_shape(x, min_shape)
     if check is not None and not _holds_at(fitted, _sample_at(call.func, key[1], check, key[3])):
         return _larger_regime(call, adapter, frozen, x, min_shape, check)
-    # a guard: the fit holds from the smallest sampled sizes on (a 3x3 convolution on AVX2 takes
-    # another oneDNN path at H = 2 than at the sampled H = 4..7: smaller sizes are analysed again)
-    for i in free:
-        bool(x.shape[i] >= min_shape[i])
-    return _fitted(call, frozen, x, fitted)
+    # the fit holds from the smallest sampled sizes on (a 3x3 convolution on AVX2 takes another oneDNN
+    # path at H = 2 than at the sampled H = 4..7); below them the kernel is measured: a regime of the
+    # formulas (kernels.regimes), not a guard - a ResNet's last stage samples 4x4 inputs, and as a
+    # guard that read H >= 97 for the image, every smaller image a new simulation
+    program = _fitted(call, frozen, x, fitted, minimum=min_shape)
+    below = [x.shape[i] >= min_shape[i] for i in free]
+    if any(condition(c) is not True for c in below):
+        markers = tuple(p for p in fitted if _marker(p))
+        found = _measured(call, key[1], x, markers)
+        for c in below:
+            program = either(c, program, found)
+    return program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +510,7 @@ class Fit:
     threads: int
     shape: tuple
     fitted: tuple | None
+    minimum: tuple = ()  # the smallest sampled driver: below it the kernel is measured, not fitted
 
 
 _FITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxmem_fits", default=None)
@@ -518,13 +527,13 @@ def recording_fits() -> Iterator[list]:
         _FITS.reset(token)
 
 
-def _fitted(call: Call, frozen: dict, x: torch.Tensor, fitted: list) -> list:
+def _fitted(call: Call, frozen: dict, x: torch.Tensor, fitted: list, minimum: tuple = ()) -> list:
     """The fitted program at the call's symbolic sizes, recorded (a fit is checked at the sampled
     sizes and toward the example sizes only: see :func:`fit_holds`)."""
     fits = _FITS.get()
     if fits is not None:
         fits.append(Fit(call.func, tuple(frozen.items()), torch.get_num_threads(),
-                        tuple(tc.raw_expr(d) for d in x.shape), tuple(fitted)))
+                        tuple(tc.raw_expr(d) for d in x.shape), tuple(fitted), tuple(minimum)))
     return symbolic_program(fitted, tc.raw_expr(x.numel()), tc.raw_expr(ADAPTERS[call.func].feature(call)))
 
 
@@ -538,6 +547,8 @@ def fit_holds(fit: Fit, shape: tuple) -> bool | None:
     and checked toward the example sizes is not proven between them."""
     if fit.fitted is None or _numel(shape) > VERIFY_ELEMENTS or min(shape, default=1) < 1:
         return None
+    if fit.minimum and any(d < m for d, m in zip(shape, fit.minimum)):
+        return None  # below the samples: the kernel is measured there, not fitted
     return _holds_at(list(fit.fitted), _sample_at(fit.op, fit.items, tuple(shape), fit.threads))
 
 
@@ -553,16 +564,19 @@ def _below_samples(call: Call, frozen_items: tuple, x: torch.Tensor, hint: tuple
                             f"concrete sizes for exact numbers")
 
 
-def _measured(call: Call, frozen_items: tuple, x: torch.Tensor) -> list | None:
+def _measured(call: Call, frozen_items: tuple, x: torch.Tensor, markers: tuple | None = None) -> list | None:
     """The kernel's hidden program as measured functions of its input's sizes: one real run at the
     example sizes gives the order of its outputs (and the values there); every other size is one
     real run of this kernel alone when asked (cached). None where the example sizes are too large
-    to run (:data:`fxmem.kernels.measured.MEASURE_ELEMENTS`)."""
-    hint = tuple(tc.size_hint(d) for d in x.shape)
-    if _numel(hint) > measured.MEASURE_ELEMENTS:  # read here: a test may lower it
-        return None
+    to run (:data:`fxmem.kernels.measured.MEASURE_ELEMENTS`). With ``markers`` (the outputs' order
+    a fit showed) no run at the example sizes is needed: a size where the kernel orders them
+    otherwise is found when it is asked (:class:`~fxmem.kernels.measured.StructureChanged`)."""
     threads = torch.get_num_threads()
-    markers, _ = summarize(_sample_at(call.func, frozen_items, hint, threads).program)
+    if markers is None:
+        hint = tuple(tc.size_hint(d) for d in x.shape)
+        if _numel(hint) > measured.MEASURE_ELEMENTS:  # read here: a test may lower it
+            return None
+        markers, _ = summarize(_sample_at(call.func, frozen_items, hint, threads).program)
     key = register_kernel((call.func, frozen_items, threads, markers), call.op, markers,
                           functools.partial(_program_of, call.func, frozen_items, threads))
     return measured_program(key, markers, [d if isinstance(d, int) else tc.raw_expr(d) for d in x.shape])
@@ -682,13 +696,18 @@ def _holds_at(fitted: list, sample: Sample) -> bool:
 def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
                   min_shape: tuple) -> list | Unknown | None:
     """The kernel behaved differently across the smallest sampled shapes (oneDNN and batch norm pick
-    paths by size and thread count). Fit from larger sizes on, guarded (the region then says
-    ``B >= 4``); or else measure it (:func:`_measured`: one real run at the example sizes, then one
-    per size asked). None if neither is possible."""
+    paths by size and thread count). Measure it (:func:`_measured`: one real run at the example
+    sizes, then one per size asked); where the example sizes are too large to run, fit from larger
+    sizes on, guarded (the region then says ``B >= 4``). None if neither is possible."""
     free = [i for i, d in enumerate(x.shape) if not isinstance(d, int)]
     hint = [tc.size_hint(d) for d in x.shape]
     items = tuple(frozen.items())
     threads = torch.get_num_threads()
+    # measured first: a fit from a shifted start holds only from there on, a guard that, for a deep
+    # layer's input, reads as the image's example size (a ResNet-18's region was H >= 97)
+    found = _measured(call, items, x)
+    if found is not None:
+        return found
     for shift in (1, 2):
         shifted = tuple(m + shift if i in free else m for i, m in enumerate(min_shape))
         if any(hint[i] < shifted[i] for i in free):
@@ -701,9 +720,6 @@ def _other_regime(call: Call, adapter: Adapter, frozen: dict, x: torch.Tensor,
             for i in free:  # a guard: the formula holds from here on
                 bool(x.shape[i] >= shifted[i])
             return _fitted(call, frozen, x, fitted)
-    found = _measured(call, items, x)
-    if found is not None:
-        return found
     check = _check_shape(x, min_shape)  # too large to run at the example sizes: fit from nearer them
     return None if check is None else _larger_regime(call, adapter, frozen, x, min_shape, check)
 

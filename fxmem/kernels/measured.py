@@ -1,10 +1,11 @@
 """A kernel's hidden buffers as *measured functions* of its input's sizes, not as a guess or a pin.
 
-Some kernels keep scratch no formula describes: oneDNN's convolution backward on 2 AVX2 threads keeps
-a buffer of 61,488 B at a 6x6 or 16x26 image, 127,024 B at 32x32, 360,496 B at 96x41 and 323,632 B
-at 96x42 (the same output width), and adds a 26,880-byte reduction buffer past some batch x image
-size. Where no fit from small samples holds (:mod:`fxmem.kernels.calibrate`), the kernel's hidden
-program becomes, per stretch between its outputs' births, two numbers of its input's shape:
+Some kernels keep scratch no formula describes: oneDNN's convolution backward (2 threads of an AMD
+EPYC) keeps a buffer that grows with the image in no pattern a fit holds to - more at 96x41 than at
+96x42, the same output width - and adds a reduction buffer past some batch x image size
+(``benchmarks/measured_workspace.py`` prints them). Where no fit from small samples holds, or below
+the sizes a fit sampled (:mod:`fxmem.kernels.calibrate`), the kernel's hidden program becomes, per
+stretch between its outputs' births, two numbers of its input's shape:
 
     [+up_0(shape), -down_0(shape), OUT, +up_1(shape), -down_1(shape), OutAt(2), ...]
 
@@ -20,8 +21,8 @@ otherwise raises :class:`StructureChanged` (the report then analyses that size).
 
 >>> m = measured_program(key, (OUT,), (B, 16, H, W))                       # doctest: +SKIP
 [ws1_up0(B, 16, H, W), -ws1_down0(B, 16, H, W), OUT, ws1_up1(B, 16, H, W), -ws1_down1(B, 16, H, W)]
->>> int(m[0].xreplace({B: 2, H: 6, W: 6}))                                  # doctest: +SKIP
-84784
+>>> int(m[0].xreplace({B: 2, H: 6, W: 6}))      # one real run of that kernel   # doctest: +SKIP
+86832
 """
 from __future__ import annotations
 

@@ -272,10 +272,11 @@ class Recorder(tc.DispatchMode):
             new.append(index)
             kept.append(index)
         if any(isinstance(p, sympy.Basic) and p.has(MeasuredBytes) for p in program):
-            log.note_at(f"'{log.node}'", f"{name}'s workspace (scratch no formula describes: it changes with the "
-                                         f"sizes in no pattern a fit from samples holds to) is measured by one real "
-                                         f"run of that kernel alone at each size asked, cached (the ws<k>_up<i> "
-                                         f"and ws<k>_down<i> terms of the formulas, functions of its input's dims)")
+            log.note_at(f"'{log.node}'", f"{name}'s workspace, where no fit from samples describes it (oneDNN "
+                                         f"scratch that changes with the sizes in no pattern, or sizes below the "
+                                         f"samples), is measured by one real run of that kernel alone at each size "
+                                         f"asked, cached: the ws<k>_up<i> and ws<k>_down<i> terms of the formulas, "
+                                         f"functions of its input's dims")
         for unknown in [p for p in program if isinstance(p, Unknown)]:
             log.note_at(f"'{log.node}'", f"{unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
                                          f"{INEXACT}")

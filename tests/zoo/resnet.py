@@ -7,6 +7,14 @@ import torch
 import torch.nn as nn
 
 
+# 11 sizes a training analysis is checked at (tests/exactness/test_resnet18.py, benchmarks): batch 1 to
+# 6, images 7x9 to 128x96; B=1 needs layer4's map to have 2 or more values per channel for batch norm
+# in training (H, W >= 33)
+SIZES = [dict(B=1, H=64, W=64), dict(B=2, H=40, W=56), dict(B=3, H=33, W=33), dict(B=4, H=64, W=64),
+         dict(B=2, H=97, W=97), dict(B=5, H=100, W=120), dict(B=2, H=128, W=96), dict(B=3, H=17, W=23),
+         dict(B=6, H=50, W=70), dict(B=1, H=80, W=64), dict(B=2, H=7, W=9)]
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()

@@ -7,9 +7,8 @@
 Two parts, in this one process, on this CPU:
 
 * ``scratch``: a 16 -> 32 channel, 3x3, stride-2 convolution's backward (the strided layer of
-  ``tests/kernels/test_measured.py``'s model) run for real at a few input shapes: the largest
-  hidden buffer it allocates at each (the one no fit from samples describes on some CPUs) and its
-  whole program's peak above its start. The numbers depend on the CPU and the thread count.
+  ``tests/zoo``'s StridedNet, which ``tests/kernels/test_measured.py`` checks) run for real at a few input shapes: the largest
+  hidden buffer it allocates at each and the most it holds before its first output (grad_input) is born. The numbers depend on the CPU and the thread count.
 * ``answers``: that model's AdamW training step analysed once at the default example sizes; then
   ``evaluate`` at ``--sizes`` random sizes (B 2..32, H and W 6..128), each new size costing real runs
   of the measured kernels (and the fitted kernels' checks), then the same sizes again (cached);
@@ -56,7 +55,7 @@ def scratch_rows() -> list[dict]:
         program, _ = run_and_read(lambda: torch.ops.aten.convolution_backward(
             g, x, w, [32], [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]))
         _, stretches = summarize(program)
-        rows.append({"input": f"{b}x16x{h}x{wd}", "largest_buffer": max(p for p in program if isinstance(p, int)),
+        rows.append({"input": f"{b}x16x{h}x{wd}", "buffers": sum(1 for p in program if isinstance(p, int) and p > 0),
                      "peak_above_start_before_grad_input": stretches[0][0]})
     return rows
 
@@ -65,7 +64,10 @@ def answer_rows(count: int) -> dict:
     import torch
 
     import fxmem
-    from kernels.test_measured import StridedNet, adamw  # the test's model, not restated
+    from zoo import StridedNet  # the tests' model, not restated
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3)
 
     torch.manual_seed(0)
     model = StridedNet().train()
@@ -150,8 +152,8 @@ def main() -> None:
              f"Machine: {meta['cpu']} (shared with other jobs), {meta['threads']} threads; torch {meta['torch']}; "
              f"{meta['date']}. Command: `{meta['command']}`.", "",
              "## A strided convolution's backward, run for real (bytes)", "",
-             "| input | largest hidden buffer | most held before grad_input is born |", "|---|---|---|"]
-    lines += [f"| {r['input']} | {r['largest_buffer']:,} | {r['peak_above_start_before_grad_input']:,} |"
+             "| input | hidden buffers it allocates | most held before grad_input is born |", "|---|---|---|"]
+    lines += [f"| {r['input']} | {r['buffers']} | {r['peak_above_start_before_grad_input']:,} |"
               for r in scratch]
     a = answers
     lines += ["", "## Answering sizes after one analysis (the model of tests/kernels/test_measured.py, AdamW)", "",
@@ -167,7 +169,8 @@ def main() -> None:
     lines += ["", "## torchvision's ResNet-18 (width 64), AdamW, analysed once", "",
               f"analysis {r['analysis_s']:.1f} s, exact {r['exact']}; {r['sizes']} sizes (B 1..6, images 7x9..128x96) "
               f"evaluated in {r['evaluate_s']:.1f} s (pieces of the one recording, their self-checks and kernel runs); "
-              f"simulations in all: {r['simulations']} (B=1 is PyTorch's own case); every size equal to a real "
+              f"simulations in all: {r['simulations']} (the first, and one per size-1 case PyTorch treats apart: B=1, and "
+              f"images whose last stage is a 1x1 map, H or W <= 32); every size equal to a real "
               f"training step (peak above start, retained, optimizer state, resident): {r['all_equal_to_real_steps']}."]
     text = "\n".join(lines) + "\n"
     print(text)

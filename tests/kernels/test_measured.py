@@ -7,28 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxmem
 from conftest import check_steps_against_report
 from fxmem.kernels import calibrate, measured
 from fxmem.kernels.measured import MeasuredBytes, MeasureError, summarize
 from fxmem.kernels.registry import OUT, OutAt
-
-
-class StridedNet(nn.Module):
-    """Two convolutions (one strided) with batch norm: the model of the wrong -27 % before."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
-        self.c2, self.b2 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32)
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = torch.relu(self.b1(self.c1(x)))
-        x = torch.relu(self.b2(self.c2(x)))
-        return self.head(x.mean((2, 3)))
+from zoo import StridedNet
 
 
 def adamw(params):

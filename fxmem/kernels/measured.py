@@ -15,8 +15,10 @@ are those of the real kernel (its buffers are never visible outside the call). E
 function, :class:`MeasuredBytes`, of the input's dims in the user's names - a formula term like
 ``ws1_up0(B, 16, H, W)`` - whose value at concrete sizes is one real run of that kernel alone at that
 shape (milliseconds; cached in memory and on disk). So the analysis holds at every size, without
-guards or a new simulation; a size whose input would be larger than :data:`MEASURE_ELEMENTS` is
-refused (:class:`MeasureError`), never guessed, and a size where the kernel orders its outputs
+guards or a new simulation. A size whose input would be larger than :data:`MEASURE_ELEMENTS` is
+measured at three batch sizes up to that and each buffer extended linearly in the batch where the
+three runs lie exactly on one line (as a fit from samples is: checked at the points it was made from), else refused
+(:class:`~fxmem.errors.MeasureError`), never guessed; a size where the kernel orders its outputs
 otherwise raises :class:`StructureChanged` (the report then analyses that size).
 
 >>> m = measured_program(key, (OUT,), (B, 16, H, W))                       # doctest: +SKIP
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import sympy
@@ -95,22 +98,72 @@ def value_of(key: int, stretch: int, which: int, shape: Sequence[int]) -> int:
     """``up`` (which=0) or ``down`` (which=1) of stretch ``stretch`` of kernel ``key`` at ``shape``."""
     kernel = _KERNELS[key]
     shape = tuple(int(d) for d in shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel > MEASURE_ELEMENTS:
-        raise MeasureError(
-            f"at these sizes {kernel.label}'s input is {'x'.join(map(str, shape))} ({numel:,} elements): its "
-            f"workspace (oneDNN's scratch, which no formula describes) is measured by one real run of that kernel "
-            f"alone, and fxmem runs kernels up to {MEASURE_ELEMENTS:,} elements; ask at smaller sizes, or analyse "
-            f"with concrete sizes (hints=) there and read report.exact")
     if min(shape, default=1) < 1:
         return 0
+    if _numel(shape) > MEASURE_ELEMENTS:
+        return _along_batch(key, shape)[stretch][which]
+    return _stretches(kernel, shape)[stretch][which]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stretches(kernel: Kernel, shape: tuple) -> list[tuple[int, int]]:
     markers, stretches = summarize(kernel.measure(shape))
     if markers != kernel.markers:
         raise StructureChanged(f"{kernel.label} allocates its outputs in another order at input "
                                f"{'x'.join(map(str, shape))} than where it was recorded")
-    return stretches[stretch][which]
+    return stretches
+
+
+def _along_batch(key: int, shape: tuple) -> list[tuple[int, int]]:
+    """A shape too large to run once: the kernel at three batch sizes (its first dim) up to
+    :data:`MEASURE_ELEMENTS` elements, and each of its buffers extended linearly in the batch where
+    the three runs allocate the same buffers and each lies exactly on one line (oneDNN's reorders
+    and per-image buffers grow with the batch; its per-thread scratch does not) - else refused
+    (:class:`~fxmem.errors.MeasureError`). The moments are then read off the extended program (the
+    most held in a stretch moves from a per-thread buffer to a per-image one as the batch grows)."""
+    kernel = _KERNELS[key]
+    per = _numel(shape[1:])
+    top = MEASURE_ELEMENTS // max(per, 1)
+
+    def refuse(why: str) -> MeasureError:
+        return MeasureError(
+            f"at these sizes {kernel.label}'s input is {'x'.join(map(str, shape))} ({_numel(shape):,} elements): its "
+            f"workspace (scratch no formula describes) is measured by real runs of that kernel alone, up to "
+            f"{MEASURE_ELEMENTS:,} elements, and {why}; ask at smaller sizes, or analyse with concrete sizes "
+            f"(hints=) there and read report.exact")
+
+    if top < 8:
+        raise refuse(f"a batch of {top} is too small to tell how it grows with the batch")
+    step = max(1, top // 8)  # the largest runs: oneDNN's batch thresholds (threads splitting it) lie lower
+    batches = (top - 2 * step, top - step, top)
+    programs = [tuple(kernel.measure((b, *shape[1:]))) for b in batches]
+    if len({len(p) for p in programs}) != 1:
+        raise refuse(f"at batch {', '.join(map(str, batches))} it allocates different buffers")
+    program: list = []
+    for items in zip(*programs):
+        if any(_is_marker(p) for p in items):
+            if not all(p == items[0] for p in items):
+                raise refuse(f"at batch {', '.join(map(str, batches))} it allocates its outputs in another order")
+            program.append(items[0])
+            continue
+        slope = Fraction(items[2] - items[0], batches[2] - batches[0])
+        if items[0] + slope * (batches[1] - batches[0]) != items[1]:
+            raise refuse(f"at batch {', '.join(map(str, batches))} a buffer of it does not grow along one line")
+        value = items[0] + slope * (shape[0] - batches[0])
+        if value.denominator != 1 or (value > 0) != (items[0] > 0):
+            raise refuse("its buffers do not extend to this batch in whole bytes")
+        program.append(int(value))
+    markers, stretches = summarize(program)
+    if markers != kernel.markers:
+        raise StructureChanged(f"{kernel.label} allocates its outputs in another order at input "
+                               f"{'x'.join(map(str, shape))} than where it was recorded")
+    return stretches
 
 
 class MeasuredBytes(sympy.Function):

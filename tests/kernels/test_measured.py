@@ -88,3 +88,18 @@ def test_a_workspace_unknown_at_the_example_sizes_sends_other_sizes_to_their_own
     sizes = [dict(B=2, H=96, W=80), dict(B=3, H=30, W=31)]
     check_steps_against_report(model, report, sizes, adamw)
     assert all(report._at(d)[0] is not report for d in sizes)
+
+
+def test_past_the_largest_run_a_workspace_is_extended_along_the_batch_or_refused(no_fits, monkeypatch):
+    """A size whose kernel input is larger than one real run may be: the kernel is measured at three
+    batch sizes up to that size and extended along the batch where the three lie on one line. The
+    answer is the real step's (a batch of 100 against the allocator), or, on a CPU whose buffers do
+    not grow along one line, a refusal - never a number from a guess."""
+    torch.manual_seed(0)
+    model = StridedNet().train()
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw, check=False, hints=dict(B=7, H=41, W=37))
+    monkeypatch.setattr(measured, "MEASURE_ELEMENTS", 16 * 24 * 24 * 20)  # c2's input: a batch of 20 at most
+    try:
+        check_steps_against_report(model, report, [dict(B=100, H=24, W=24)], adamw)
+    except MeasureError as refused:
+        assert "one line" in str(refused) or "whole bytes" in str(refused)

@@ -17,8 +17,9 @@ Two parts, in this one process, on this CPU:
 * ``resnet18``: torchvision's ResNet-18 architecture (``tests/zoo/resnet.py``, width 64, 1,000
   classes) with AdamW, analysed once with ``("B", 3, "H", "W")``: the analysis' time, then the 11
   sizes of ``tests/zoo/resnet.py`` that ``tests/exactness/test_resnet18.py`` checks (batch 1 to 6, images 7x9 to 128x96) evaluated and
-  run for real (training steps, peak above start against the allocator), and how many simulations
-  all of that took.
+  run for real (training steps, peak above start against the allocator), how many simulations
+  all of that took, and the largest batch at 224x224 within 4 GiB (``--real-max``: checked
+  against a real training step at that batch).
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def answer_rows(count: int) -> dict:
             "analyses": simulations, "checks": checks}
 
 
-def resnet18_rows() -> dict:
+def resnet18_rows(real_max: bool) -> dict:
     import importlib
 
     import torch
@@ -129,14 +130,25 @@ def resnet18_rows() -> dict:
         report.evaluate(**d)
     answers = time.perf_counter() - t
     check_steps_against_report(model, report, SIZES, adamw)  # raises unless every size is exact
-    return {"analysis_s": analysis, "exact": report.exact, "sizes": len(SIZES), "evaluate_s": answers,
-            "simulations": len(runs), "all_equal_to_real_steps": True}
+    t = time.perf_counter()
+    largest = report.max_size("B", "4GiB", train=True, H=224, W=224)
+    search = time.perf_counter() - t
+    out = {"analysis_s": analysis, "exact": report.exact, "sizes": len(SIZES), "evaluate_s": answers,
+           "simulations": len(runs), "all_equal_to_real_steps": True, "max_batch_4GiB_224": largest,
+           "max_size_s": search, "train_peak_at_it": report.evaluate(B=largest, H=224, W=224)["train_peak"],
+           "train_peak_one_more": report.evaluate(B=largest + 1, H=224, W=224)["train_peak"]}
+    if real_max:  # the answer against a real step there (about 4 GiB of memory)
+        check_steps_against_report(model, report, [dict(B=largest, H=224, W=224)], adamw)
+        out["answer_equal_to_real_step"] = True
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, default=100)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--real-max", action="store_true",
+                        help="also run a real training step at the largest batch found (about 4 GiB of memory)")
     args = parser.parse_args()
     import torch
 
@@ -144,10 +156,10 @@ def main() -> None:
         os.environ["XDG_CACHE_HOME"] = cache
         scratch = scratch_rows()
         answers = answer_rows(args.sizes)
-        resnet = resnet18_rows()
+        resnet = resnet18_rows(args.real_max)
     meta = {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/measured_workspace.py"
-            + (f" --sizes {args.sizes}" if args.sizes != 100 else "")}
+            + (f" --sizes {args.sizes}" if args.sizes != 100 else "") + (" --real-max" if args.real_max else "")}
     lines = ["# Measured kernel workspaces", "",
              f"Machine: {meta['cpu']} (shared with other jobs), {meta['threads']} threads; torch {meta['torch']}; "
              f"{meta['date']}. Command: `{meta['command']}`.", "",
@@ -171,7 +183,11 @@ def main() -> None:
               f"evaluated in {r['evaluate_s']:.1f} s (pieces of the one recording, their self-checks and kernel runs); "
               f"simulations in all: {r['simulations']} (the first, and one per size-1 case PyTorch treats apart: B=1, and "
               f"images whose last stage is a 1x1 map, H or W <= 32); every size equal to a real "
-              f"training step (peak above start, retained, optimizer state, resident): {r['all_equal_to_real_steps']}."]
+              f"training step (peak above start, retained, optimizer state, resident): {r['all_equal_to_real_steps']}.", "",
+              f"`max_size('B', '4GiB', train=True, H=224, W=224)`: {r['max_batch_4GiB_224']} in {r['max_size_s']:.1f} s "
+              f"(train_peak {r['train_peak_at_it']:,} B there, {r['train_peak_one_more']:,} B at one more; past "
+              f"2**24 elements the measured kernels are extended along the batch); against a real step there: "
+              f"{r.get('answer_equal_to_real_step', 'not run (--real-max)')}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

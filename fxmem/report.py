@@ -228,15 +228,19 @@ class Report:
         other path (:func:`fxmem.data_paths.beyond`)."""
         key = (environment_key, tuple(sorted(values.items())))
         if not environment_key and key not in self._regions and self._other_piece_holds(values):
-            self._regions[key] = self._piece_at(values)  # another piece of the same simulation
+            piece = self._piece_or_none(values)  # another piece of the same simulation
+            if piece is not None:
+                self._regions[key] = piece
         if key not in self._regions:
             for (env_key, _), report in list(self._regions.items()):
                 if env_key == environment_key and report._holds_at(values):
                     self._regions[key] = report
                     break
                 if env_key == environment_key and report._other_piece_holds(values):
-                    self._regions[key] = report._piece_at(values)  # another piece of that simulation
-                    break
+                    piece = report._piece_or_none(values)  # another piece of that simulation
+                    if piece is not None:
+                        self._regions[key] = piece
+                        break
             else:
                 with progress_to_stderr() if getattr(self.options, "verbose", False) and not showing() \
                         else contextlib.nullcontext():
@@ -303,6 +307,15 @@ class Report:
             if self._check is not None:
                 self._check(piece)
         return self._pieces[key]
+
+    def _piece_or_none(self, values: dict) -> "Report | None":
+        """:meth:`_piece_at`, or None where a measured kernel (kernels.measured) allocates its
+        outputs in another order at ``values`` than where it was recorded: those sizes are analysed."""
+        try:
+            return self._piece_at(values)
+        except StructureChanged as changed:
+            _log.info("%s: analysing there", changed)
+            return None
 
     def _holds_at(self, values: Mapping[str, int]) -> bool:
         """Whether this analysis' formulas hold at ``values`` (the dims lie in its region)."""

@@ -103,3 +103,26 @@ def test_past_the_largest_run_a_workspace_is_extended_along_the_batch_or_refused
         check_steps_against_report(model, report, [dict(B=100, H=24, W=24)], adamw)
     except MeasureError as refused:
         assert "one line" in str(refused) or "whole bytes" in str(refused)
+
+
+def test_a_kernel_that_orders_its_outputs_otherwise_sends_that_size_to_its_own_analysis(no_fits, monkeypatch):
+    """Where a measured kernel allocates its outputs in another order than where it was recorded,
+    its program cannot be read into the recorded one: that size is analysed (and exact), not
+    answered from a program of another shape."""
+    from fxmem.accounting.plan import MemoryPlan
+    from fxmem.kernels.measured import StructureChanged
+
+    torch.manual_seed(0)
+    model = StridedNet().train()
+    report = fxmem.analyze(model, ("B", 3, "H", "W"), optimizer=adamw, check=False, hints=dict(B=7, H=41, W=37))
+    evaluate = MemoryPlan.evaluate
+
+    def changed(plan, values):
+        if plan is report._plan:
+            raise StructureChanged("aten.convolution_backward allocates its outputs in another order")
+        return evaluate(plan, values)
+
+    monkeypatch.setattr(MemoryPlan, "evaluate", changed)
+    size = dict(B=3, H=30, W=31)
+    check_steps_against_report(model, report, [size], adamw)
+    assert report._at(size)[0] is not report

@@ -71,12 +71,25 @@ def corpus_rows() -> tuple[list[dict], list[str]]:
             continue
         costs.append((name, *_analysis_seconds(entry)))
         for r in found:
-            diff = [p - m for p, m in zip(r.predicted, r.measured)]
             rows.append({"model": name, "mode": r.mode, "what": r.what, "sizes": r.sizes,
-                         "predicted": list(r.predicted), "measured": list(r.measured), "difference": diff,
-                         "status": "exact" if r.exact else "flagged" if r.says_inexact else "MISMATCH"})
+                         "predicted": _numbers(r.predicted), "measured": _numbers(r.measured),
+                         "difference": None if isinstance(r.measured, str) else
+                         [p - m for p, m in zip(r.predicted, r.measured)], "status": _status(r)})
         print(f"{name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return rows, skipped
+
+
+def _numbers(value):
+    """A row's bytes as a list, or the refusal's text (a size the real model rejects)."""
+    return value if isinstance(value, str) else list(value)
+
+
+def _status(r) -> str:
+    """exact, flagged (the report says it may not be), MISMATCH (silent), or, at a size the real
+    model rejects, "refused as the model" (fxmem refused too) / MISMATCH (fxmem answered)."""
+    if isinstance(r.measured, str):
+        return "refused as the model" if r.exact else "MISMATCH"
+    return "exact" if r.exact else "flagged" if r.says_inexact else "MISMATCH"
 
 
 def between_sizes(entry, count: int, seed: int) -> list[dict]:
@@ -130,10 +143,10 @@ def between_rows(count: int, models: str | None, budget: float) -> tuple[list[di
             continue
         statuses = collections.Counter()
         for r in found:
-            status = "exact" if r.exact else "flagged" if r.says_inexact else "MISMATCH"
+            status = _status(r)
             statuses[status] += 1
-            rows.append({"model": name, "mode": r.mode, "what": r.what, "sizes": r.sizes, "predicted": list(r.predicted),
-                         "measured": list(r.measured), "status": status})
+            rows.append({"model": name, "mode": r.mode, "what": r.what, "sizes": r.sizes,
+                         "predicted": _numbers(r.predicted), "measured": _numbers(r.measured), "status": status})
         per_model.append({"model": name, "seconds": round(time.perf_counter() - t, 1), "simulations": len(runs),
                           "status": ", ".join(f"{v} {k}" for k, v in sorted(statuses.items()))})
         print(f"{name}: {per_model[-1]}", file=sys.stderr, flush=True)
@@ -155,6 +168,7 @@ def write_between(rows: list[dict], per_model: list[dict], meta: dict, count: in
              f"against the CPU allocator. `simulations` counts the analyses that took (the first of each kind, and "
              f"one per region a size fell outside of).", "",
              f"Rows: {counts.get('exact', 0)} exact, {counts.get('flagged', 0)} flagged by their report, "
+             f"{counts.get('refused as the model', 0)} refused at sizes the real model rejects too, "
              f"**{counts.get('MISMATCH', 0)} silent mismatches**.", "",
              "| model | seconds | simulations | rows |", "|---|---|---|---|"]
     lines += [f"| {m['model']} | {m['seconds']} | {m['simulations']} | {m['status']} |" for m in per_model]

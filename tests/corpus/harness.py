@@ -32,7 +32,19 @@ class Row:
 
     @property
     def exact(self) -> bool:
+        if isinstance(self.measured, str):  # the real model rejects these sizes: fxmem must refuse them too
+            return isinstance(self.predicted, str) and self.predicted.startswith("refused")
         return self.predicted == self.measured
+
+
+def _rejects(model: Any, xs: list) -> str | None:
+    """Why the real model rejects ``xs`` (a size it does not accept), or None where it runs."""
+    try:
+        with torch.no_grad():
+            model(*xs)
+    except (RuntimeError, ValueError) as exc:
+        return str(exc).splitlines()[0][:200]
+    return None
 
 
 def _storage_bytes(tensors: Any) -> int:
@@ -62,6 +74,15 @@ def compare(name: str, build: Callable[[], torch.nn.Module], specs: tuple, sizes
         xs = random_inputs(forward.specs, dims, makers=makers)
         real = forward.graph_module if mode == "graph" else model
         values = {**dims, **(data(xs) if data else {})}
+        rejected = _rejects(real, xs)
+        if rejected is not None:  # the model does not accept these sizes: fxmem must refuse them too
+            try:
+                forward.evaluate(**values)
+            except fxmem.FxMemError as refused:
+                rows.append(Row(name, mode, "forward", dims, f"refused: {refused}", f"refused: {rejected}"))
+                continue
+            rows.append(Row(name, mode, "forward", dims, "answered", f"refused: {rejected}"))
+            continue
         ev = forward.evaluate(**values)
         m = measure(lambda: real(*xs))
         # resident too: the real parameters', buffers' and inputs' storages, each once

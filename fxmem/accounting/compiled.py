@@ -9,6 +9,7 @@ of a plan's formulas become one function returning their values in order.
 The generated source names the dims ``d0, d1, ...``: no name the user chose is ever part of code
 that runs.
 
+>>> from fxmem.specs import dim_symbol
 >>> B, N = dim_symbol("B"), dim_symbol("N")
 >>> f = compile_terms([{B * N: 4, sympy.floor(N / 2): 8}], [B, N])
 >>> f({B: 3, N: 5})

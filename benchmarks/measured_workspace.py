@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from llm_speed import cpu_model  # noqa: E402 - lscpu's model name, as every benchmark prints it
+from pieces_speed import counting_simulations  # noqa: E402 - counts fxmem's simulations from here on
 
 SHAPES = [(2, 6, 6), (2, 16, 26), (2, 32, 32), (2, 96, 41), (2, 96, 42), (2, 96, 80), (16, 96, 80)]
 
@@ -99,23 +100,13 @@ def answer_rows(count: int) -> dict:
 
 
 def resnet18_rows(real_max: bool) -> dict:
-    import importlib
-
     import torch
 
     import fxmem
     from conftest import check_steps_against_report
     from zoo.resnet import SIZES, ResNet18
 
-    module = importlib.import_module("fxmem.analyze")
-    runs: list = []
-    simulate = module.simulate
-
-    def counted(*a, **k):
-        runs.append(1)
-        return simulate(*a, **k)
-
-    module.simulate = counted
+    runs = counting_simulations()
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3)

@@ -111,6 +111,27 @@ def threads(n: int | None):
         torch.set_num_threads(old)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (the profiler hears only the calling thread's allocations)."""
+    with threads(1):
+        yield
+
+
+def quadratic_float_activations(report: fxmem.Report, dim: str) -> list:
+    """Float storages the run makes whose size grows with ``dim``**2 (inputs excluded): the N x N
+    scores and weights a fused attention rewrite must not build."""
+    import sympy
+
+    found = []
+    for s in report.storages:
+        n = next((x for x in s.bytes.free_symbols if x.name == dim), None)
+        if n is not None and s.kind in ("activation", "gradient") and s.dtype.is_floating_point \
+                and sympy.Poly(sympy.expand(s.bytes), n).degree() >= 2:
+            found.append(s)
+    return found
+
+
 def check_training_against_real_run(model: torch.nn.Module, specs: tuple, sizes: list[dict], optimizer,
                                     *, makers: Mapping[str, Callable] | None = None, num_threads: int | None = None,
                                     **analyze_kw: Any) -> fxmem.Report:

@@ -192,10 +192,10 @@ class UNetAttentionBlock(nn.Module):
 
     def __init__(self, c: int = 32):
         super().__init__()
-        self.norm = nn.GroupNorm(8, c)
+        self.norm = nn.GroupNorm(c // 4, c)
         self.qkv = nn.Linear(c, 3 * c)
         self.out = nn.Linear(c, c)
-        self.norm2 = nn.GroupNorm(8, c)
+        self.norm2 = nn.GroupNorm(c // 4, c)
         self.conv = nn.Conv2d(c, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,7 @@ from fxmem.measure import allocator_events, machine_name, measure, measure_lines
 FLOAT = 4  # bytes of a float32 element
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 def test_result_alive_while_measured_is_retained():

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import check_against_real_run, check_training_against_real_run
-
-
-class Op(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.w = nn.Parameter(torch.randn(6))
-
-    def forward(self, x):
-        return self.fn(x * self.w, self.w)
+from zoo import ScaledOp as Op
 
 
 def _attend(x, **kw):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run
+from corpus.models import PatchifyStem  # ConvNeXt's stem
 from fxmem.kernels.isolated import can_isolate, run_isolated
 
 needs_fork = pytest.mark.skipif(not can_isolate(), reason="isolated probes need os.fork")
@@ -79,21 +80,6 @@ class ImageKeyAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, -1, c))
 
 
-class ConvNeXtStem(nn.Module):
-    """ConvNeXt's stem and first channels-last step: patchify, permute, LayerNorm, Linear."""
-
-    def __init__(self, dim: int = 8):
-        super().__init__()
-        self.stem = nn.Conv2d(3, dim, 4, stride=4)
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 2 * dim)
-
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        x = self.stem(image).permute(0, 2, 3, 1)
-        x = self.fc(self.norm(x))
-        return x.reshape(x.shape[0], -1, x.shape[-1])  # tokens: (S//4)**2 of them
-
-
 def test_reduced_key_attention_with_a_symbolic_image_size_is_exact():
     # at "every dim 1" the keys are empty: the probe must not hand them to the real kernel
     check_against_real_run(ImageKeyAttention(), (("B", 16, "S", "S"),), [dict(B=2, S=48), dict(B=3, S=20)])
@@ -104,7 +90,7 @@ def test_reduced_key_attention_training_step_is_exact():
                                     lambda p: torch.optim.Adam(p), num_threads=1)
 
 
-@pytest.mark.parametrize("model", [PatchifyPVT, ConvNeXtStem])
+@pytest.mark.parametrize("model", [PatchifyPVT, PatchifyStem])
 def test_patchify_stem_with_a_symbolic_image_size_is_exact(model):
     # tokens made into an image again: (S//4)**2 // (S//4) divides by zero at S=1, outside the model
     check_against_real_run(model(), (("B", 3, "S", "S"),), [dict(B=2, S=64), dict(B=3, S=96)])

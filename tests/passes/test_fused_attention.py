@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import pytest
-import sympy
 import torch
 import torch.nn as nn
 
 from zoo import attention_spellings as A
 import fxmem
 from conftest import check_against_real_run, check_training_against_real_run, load_example
+from conftest import quadratic_float_activations as quadratic
 from equivalence import assert_same_in_every_mode, rewritten
 
 
@@ -60,15 +60,9 @@ def fused(opt: torch.fx.GraphModule) -> list[dict]:
     return [r for r in opt.meta["fxmem"] if r["rule"] == "fused-attention"]
 
 
-def quadratic_float_activations(report: fxmem.Report, dim: str = "N") -> list:
-    """Float storages made by the run whose size grows with dim**2 (inputs excluded)."""
-    found = []
-    for s in report.storages:
-        n = next((x for x in s.bytes.free_symbols if x.name == dim), None)
-        if n is not None and s.kind in ("activation", "gradient") and s.dtype.is_floating_point \
-                and sympy.Poly(sympy.expand(s.bytes), n).degree() >= 2:
-            found.append(s)
-    return found
+def quadratic_float_activations(report: fxmem.Report) -> list:
+    """Float storages growing with N**2 (conftest's quadratic_float_activations)."""
+    return quadratic(report, "N")
 
 
 # --- every spelling is fused -------------------------------------------------------------------------

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import pytest
-import sympy
 import torch
 
 import fxmem
 from zoo import sdpa_spellings as S
 from conftest import check_against_real_run, check_training_against_real_run, load_example
+from conftest import quadratic_float_activations as quadratic
 from equivalence import assert_same_in_every_mode, rewritten
 
 
@@ -47,15 +47,9 @@ def inputs(cls, sizes: dict, seed: int = 0) -> list:
     return out
 
 
-def quadratic_float_activations(report: fxmem.Report, dim: str = "L") -> list:
-    """Float storages the run makes whose size grows with L**2 (inputs excluded)."""
-    found = []
-    for s in report.storages:
-        n = next((x for x in s.bytes.free_symbols if x.name == dim), None)
-        if n is not None and s.kind in ("activation", "gradient") and s.dtype.is_floating_point \
-                and sympy.Poly(sympy.expand(s.bytes), n).degree() >= 2:
-            found.append(s)
-    return found
+def quadratic_float_activations(report: fxmem.Report) -> list:
+    """Float storages growing with L**2 (conftest's quadratic_float_activations)."""
+    return quadratic(report, "L")
 
 
 # --- every spelling becomes SDPA -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmem
+from corpus.models import UNetAttentionBlock  # a diffusers UNet's attention block
 from fxmem._torch_compat import _FakeMode, new_fake_mode
 from fxmem.inputs import random_inputs
 from fxmem.measure import measure
@@ -91,29 +92,6 @@ def test_the_rules_agree_with_aten_on_random_layouts():
     assert not wrong, "\n".join(wrong[:10])
 
 
-class AttentionOnAnImage(nn.Module):
-    """A diffusers UNet's attention block: the image made tokens, attention, tokens made an image
-    again (at batch 1 a view ATen lays out as neither NCHW nor channels-last), a residual, a scale,
-    then GroupNorm and a convolution that choose their path by that layout."""
-
-    def __init__(self, c: int = 16):
-        super().__init__()
-        self.norm = nn.GroupNorm(4, c)
-        self.qkv = nn.Linear(c, 3 * c)
-        self.out = nn.Linear(c, c)
-        self.norm2 = nn.GroupNorm(4, c)
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x.shape
-        h = self.norm(x).view(B, C, H * W).transpose(1, 2)
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
-        h = self.out(F.scaled_dot_product_attention(q, k, v))
-        h = h.transpose(-1, -2).reshape(B, C, H, W) + x
-        h = h / 1.0
-        return self.conv(F.silu(self.norm2(h)))
-
-
 class OneHotFeatures(nn.Module):
     """Class ids made one-hot features (the fuzzer's one_hot family)."""
 
@@ -127,7 +105,7 @@ class OneHotFeatures(nn.Module):
 
 
 @pytest.mark.parametrize("model, specs, sizes", [
-    (AttentionOnAnImage, (("B", 16, "S", "S"),), [dict(B=1, S=6), dict(B=1, S=9), dict(B=2, S=5)]),
+    (lambda: UNetAttentionBlock(16), (("B", 16, "S", "S"),), [dict(B=1, S=6), dict(B=1, S=9), dict(B=2, S=5)]),
     (OneHotFeatures, (("B", "N"),), [dict(B=1, N=1), dict(B=1, N=7), dict(B=3, N=4)]),
 ], ids=["attention-on-an-image", "one-hot"])
 def test_models_whose_layouts_differ_at_size_1_are_exact(model, specs, sizes):

@@ -26,12 +26,7 @@ def parts():
     return table, log, Recorder(table, log, Autograd(table, log), "cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 def test_views_share_a_storage_and_deaths_are_seen_once(parts):

@@ -223,3 +223,16 @@ class StridedNet(nn.Module):
         x = torch.relu(self.b1(self.c1(x)))
         x = torch.relu(self.b2(self.c2(x)))
         return self.head(x.mean((2, 3)))
+
+
+class ScaledOp(nn.Module):
+    """``fn(x * w, w)`` with a parameter ``w`` of 6 features: an op under test on a tensor that
+    autograd records, as in training."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        return self.fn(x * self.w, self.w)

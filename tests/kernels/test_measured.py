@@ -35,14 +35,13 @@ def test_stretches_keep_every_moment_of_the_call():
     assert markers == (OUT, OutAt(2), OutAt(1))
     assert stretches == [(86832, 77616), (16256, 6912), (0, 0), (0, 18560)]
     # the most held at any moment of each stretch, and where each ends, as in the real program
-    level, real_high = 0, []
+    level = 0
     for k, part in enumerate([program[:8], program[9:17], (), program[19:]]):
         start, high = level, level
         for p in part:
             level += p
             high = max(high, level)
         assert (high - start, high - level) == stretches[k]
-        real_high.append(high)
     assert level == 0
 
 

@@ -11,11 +11,16 @@ Cases, each in this one process:
   ``evaluate`` at 1,000 random sizes (B 2..16, L 2..2048: every flash-attention regime) and
   ``max_size("B", "64MiB", train=True, L=...)`` at 20 lengths. How many simulations ran is counted.
 * ``cnn``: a small ResNet-like CNN with ``("B", 3, "H", "W")`` and AdamW: the same, 1,000 random
-  sizes (B 2..16, H and W 32..128). oneDNN's convolution scratch is not stated as formulas yet:
-  where no fit holds it is measured (one real run of that kernel alone per new size,
-  :mod:`fxmem.kernels.measured`), and sizes outside the first region are analysed again; the row
-  says how many simulations that took (within a time limit ``--cnn-limit`` seconds; sizes left
-  are counted).
+  sizes (B 2..16, H and W 32..128). oneDNN's convolution and batch-norm scratch is no formula: it is
+  measured (one real run of each such kernel alone per new size, :mod:`fxmem.kernels.measured`),
+  and sizes outside the first region are analysed again; the row says how many simulations that
+  took (within a time limit ``--cnn-limit`` seconds; sizes left are counted).
+* ``resnet18``: torchvision's ResNet-18 architecture (``tests/zoo/resnet.py``) at width 16, the
+  same, at B 2..8 and H, W 33..160 (the model's own guards: a batch of 1 and a last map of 1x1 are
+  other branches, see ``tests/exactness/test_resnet18.py`` for those).
+
+``analyses`` counts the formulas' regions the sweeps used (:meth:`fxmem.Report.regions`: the first
+analysis, its other pieces, and any re-analysis); ``simulations`` how many of them ran the model.
 
 Medians of ``--reps`` repetitions of the evaluate sweep (fresh random sizes each time, same seed
 sequence), with the CPU model (lscpu), torch version, threads and the command.
@@ -79,7 +84,19 @@ def cnn():
         ("B", "H", (32, 128))
 
 
-CASES = {"llama": llama, "cnn": cnn}
+def resnet18():
+    import torch
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from zoo.resnet import ResNet18  # the tests' model, not restated
+
+    torch.manual_seed(0)
+    return ResNet18(width=16, num_classes=10).train(), (("B", 3, "H", "W"),), {}, \
+        lambda rng: {"B": rng.randint(2, 8), "H": rng.randint(33, 160), "W": rng.randint(33, 160)}, \
+        ("B", "H", (33, 160))
+
+
+CASES = {"llama": llama, "cnn": cnn, "resnet18": resnet18}
 
 
 def run_case(name: str, reps: int, limit: float) -> dict:
@@ -115,7 +132,8 @@ def run_case(name: str, reps: int, limit: float) -> dict:
     return {"case": name, "analysis s": round(analysis, 2), "pieces": len(pieces), "pieces s": round(piece_time, 2),
             "sizes answered per sweep": round((reps * 1000 - left_out) / reps),
             "sweep s (median)": round(statistics.median(times), 3), "left out (time limit)": left_out,
-            "20 max_size s": round(search, 3), "simulations": len(runs), "largest B found": max(found),
+            "20 max_size s": round(search, 3), "analyses": len(report.regions()), "simulations": len(runs),
+            "largest B found": max(found),
             "region": ", ".join(report.region)}
 
 

@@ -254,13 +254,15 @@ class Report:
         """Whether this simulation has other pieces (a kernel's other regimes) read off its recording.
         Not where a calibrated kernel's workspace was unknown at the example sizes (a oneDNN
         convolution no fit holds for there): the sizes asked are simulated, where that kernel is
-        measured. Fitted programs (oneDNN convolutions, batch norm) are checked at each size asked
-        (:meth:`_fits_hold`): where one is off, that size is simulated."""
+        measured. Fitted programs (oneDNN convolutions and batch norms whose example sizes are too
+        large to run once) are checked at each size asked (:meth:`_fits_hold`): where one is off,
+        that size is simulated."""
         return bool(self._plan.piecewise) and not any(f.fitted is None for f in self._plan.rec.fits)
 
     def _fits_hold(self, values: Mapping[str, int]) -> bool:
-        """Whether every fitted kernel program of this recording (oneDNN convolutions, batch norm:
-        fitted on small samples, checked toward the example sizes) gives what a real run of that
+        """Whether every fitted kernel program of this recording (oneDNN convolutions, batch norm
+        where the example sizes are too large to run once: fitted on small samples, checked toward
+        the example sizes) gives what a real run of that
         kernel alone keeps at ``values`` - one real run per kernel and size, cached; a driver too
         large to run is not checked (:func:`fxmem.kernels.calibrate.fit_holds`)."""
         from .kernels.calibrate import fit_holds
@@ -328,9 +330,10 @@ class Report:
         two-pass buffer from 32,768 elements), one simulation gives each side its own formulas.
         Each piece is checked against a real run at its smallest point (as the first one). Sizes
         that are not in any of them - a dim at 1, which PyTorch treats specially - are analysed
-        when asked (``evaluate``): see :meth:`regions` for every analysis made so far. Fitted oneDNN
-        and batch-norm programs are checked by a real run of their kernel at each size asked; where
-        one is off, that size is simulated.
+        when asked (``evaluate``): see :meth:`regions` for every analysis made so far. oneDNN
+        convolutions and batch norms are measured at each size asked (one real run of each kernel
+        alone, cached), or, where the example sizes were too large to run, fitted and checked by
+        such a run; where a fit is off, that size is simulated.
 
         >>> for conditions, piece in fxmem.analyze(llama, ("B", "L"), dtype=torch.int64).pieces():   # doctest: +SKIP
         ...     print(", ".join(conditions), piece.peak)

@@ -118,6 +118,17 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def fitted_kernels(monkeypatch):
+    """Calibrated kernels (oneDNN convolution, batch norm) take their fitted path, as where the example
+    sizes are too large to run once (fxmem.kernels.calibrate): no measurement at the example sizes."""
+    from fxmem.kernels import calibrate
+
+    measured = calibrate._measured
+    monkeypatch.setattr(calibrate, "_measured", lambda call, items, x, markers=None:
+                        None if markers is None else measured(call, items, x, markers))
+
+
 def quadratic_float_activations(report: fxmem.Report, dim: str) -> list:
     """Float storages the run makes whose size grows with ``dim``**2 (inputs excluded): the N x N
     scores and weights a fused attention rewrite must not build."""

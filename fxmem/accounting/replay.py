@@ -87,10 +87,20 @@ def walk(rec: Recording, size: Callable[[int], Any], delta: Callable[[Any], Any]
                         scratch.append((("scratch", i, made), d))
                         made += 1
                         hear("alloc", scratch[-1][0], d, i)
-                    elif trace is not None and scratch:
-                        same = [n for n, (_, b) in enumerate(scratch) if b == neg(d)]
-                        key, b = scratch.pop(same[-1] if same else -1)
-                        hear("free", key, b, i)
+                    elif trace is not None:
+                        # the buffer of exactly that size, else the newest ones; a measured stretch
+                        # gives back part of what it held (kernels.measured: up, then down), so the
+                        # rest of a buffer freed in part is heard as a buffer of its own
+                        remaining = neg(d)
+                        while remaining > 0 and scratch:
+                            same = [n for n, (_, b) in enumerate(scratch) if b == remaining]
+                            key, b = scratch.pop(same[-1] if same else -1)
+                            hear("free", key, b, i)
+                            if b > remaining:
+                                scratch.append((("scratch", i, made), b - remaining))
+                                made += 1
+                                hear("alloc", scratch[-1][0], b - remaining, i)
+                            remaining -= min(b, remaining)
             for key, b in reversed(scratch):  # what the call did not free itself is gone when it returns
                 hear("free", key, b, i)
             live = add(live, total)

@@ -3,9 +3,10 @@
 Some kernels keep scratch no formula describes: oneDNN's convolution backward (2 threads of an AMD
 EPYC) keeps a buffer that grows with the image in no pattern a fit holds to - more at 96x41 than at
 96x42, the same output width - and adds a reduction buffer past some batch x image size
-(``benchmarks/measured_workspace.py`` prints them). Where no fit from small samples holds, or below
-the sizes a fit sampled (:mod:`fxmem.kernels.calibrate`), the kernel's hidden program becomes, per
-stretch between its outputs' births, two numbers of its input's shape:
+(``benchmarks/measured_workspace.py`` prints them). Wherever the example sizes can be run once
+(:mod:`fxmem.kernels.calibrate`: a fit is used only where they cannot, and below the sizes a fit
+sampled), the kernel's hidden program becomes, per stretch between its outputs' births, two
+numbers of its input's shape:
 
     [+up_0(shape), -down_0(shape), OUT, +up_1(shape), -down_1(shape), OutAt(2), ...]
 

@@ -272,10 +272,9 @@ class Recorder(tc.DispatchMode):
             new.append(index)
             kept.append(index)
         if any(isinstance(p, sympy.Basic) and p.has(MeasuredBytes) for p in program):
-            log.note_at(f"'{log.node}'", f"{name}'s workspace, where no fit from samples describes it (oneDNN "
-                                         f"scratch that changes with the sizes in no pattern, or sizes below the "
-                                         f"samples), is measured by one real run of that kernel alone at each size "
-                                         f"asked, cached: the ws<k>_up<i> and ws<k>_down<i> terms of the formulas, "
+            log.note_at(f"'{log.node}'", f"{name}'s hidden buffers (oneDNN's reorders and scratch, which change "
+                                         f"with the sizes in no pattern a formula states) are measured by one real "
+                                         f"run of that kernel alone at each size asked, cached: the ws<k>_up<i> and ws<k>_down<i> terms of the formulas, "
                                          f"functions of its input's dims")
         for unknown in [p for p in program if isinstance(p, Unknown)]:
             log.note_at(f"'{log.node}'", f"{unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "

@@ -230,9 +230,10 @@ class ConvBlock(torch.nn.Module):
         return torch.relu(self.bn(self.conv(x)))
 
 
-def test_fitted_programs_are_checked_where_they_are_used():
-    """Each fitted program (oneDNN convolution, batch norm) is checked by a real run of its kernel
-    at each size asked; every size answered is exact against the allocator, whichever way."""
+def test_fitted_programs_are_checked_where_they_are_used(fitted_kernels):
+    """Where the example sizes are too large to run once, each fitted program (oneDNN convolution,
+    batch norm) is checked by a real run of its kernel at each size asked; every size answered is
+    exact against the allocator, whichever way."""
     torch.manual_seed(0)
     model = ConvBlock().train()
     report = fxmem.analyze(model, ("B", 8, "H", "W"), optimizer=adamw, check=False)
@@ -247,7 +248,7 @@ def test_fitted_programs_are_checked_where_they_are_used():
         assert ev["train_peak"] - ev["train_resident"] == real.peak_above_start, (B, H, W)
 
 
-def test_a_fit_that_is_off_at_the_size_asked_is_caught():
+def test_a_fit_that_is_off_at_the_size_asked_is_caught(fitted_kernels):
     """fit_holds compares a fitted program with a real run of its kernel at the size asked: the
     recorded fits agree with the allocator there, and a fit altered by 8 bytes does not; a size
     fitted programs are off at is simulated (the report there is another recording)."""

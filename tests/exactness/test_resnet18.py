@@ -23,3 +23,7 @@ def test_resnet18_training_step_is_exact_from_batch_1_and_tiny_to_large_images()
     assert report.exact, report.notes
     assert {str(s) for s in report.formulas()["train_peak"].free_symbols} == {"B", "H", "W"}
     check_steps_against_report(model, report, SIZES, adamw)
+    # every size on the first analysis' side of the model's own guards (a batch of 1, a last map of
+    # 1x1) is answered from its formulas: oneDNN's buffers are measured there, never re-simulated
+    same = [d for d in SIZES if d["B"] >= 2 and min(d["H"], d["W"]) >= 33]
+    assert len(same) >= 6 and all(report._at(d)[0] is report for d in same), report.regions()

@@ -8,8 +8,8 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   ``self.training`` while tracing);
 * :mod:`.verify` - same outputs, gradients and buffers as the original, in train and eval mode,
   with and without grad;
-* :mod:`.registry` - the passes, as data: the rules (``PASSES``) and the whole-graph passes
-  (``GRAPH_PASSES``: reorder, recompute); :mod:`.base` - what a pass is and what it is given;
+* :mod:`.registry` - the passes, as data: the rules (``PASSES``; ``register(rule)`` adds yours) and
+  the whole-graph passes (``GRAPH_PASSES``: reorder, recompute); :mod:`.base` - what a pass is and what it is given;
 * the pair-linear rule: :mod:`.pair_linear` (the rule), :mod:`.data_movement` (which nodes only
   copy elements, and the id probe), :mod:`.linear_maps` (what counts as a linear map),
   :mod:`.pair_layout` (how the pair tensor is laid out), :mod:`.pair_reasons` (why a look-alike
@@ -33,8 +33,8 @@ if __name__ != "fxmem.passes":  # a source checkout's root on sys.path makes thi
 from fxmem.passes.base import Finding, GraphPass, Line, Pass, Probe  # noqa: E402
 from fxmem.passes.optimize import optimize  # noqa: E402
 from fxmem.passes.recompute import BudgetError, max_size  # noqa: E402
-from fxmem.passes.registry import GRAPH_PASSES, PASSES  # noqa: E402
+from fxmem.passes.registry import GRAPH_PASSES, PASSES, register, unregister  # noqa: E402
 from fxmem.passes.verify import Difference, compare  # noqa: E402
 
-__all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "GRAPH_PASSES", "Pass", "GraphPass", "Line",
-           "Finding", "Probe", "BudgetError"]
+__all__ = ["optimize", "max_size", "compare", "Difference", "PASSES", "GRAPH_PASSES", "register", "unregister",
+           "Pass", "GraphPass", "Line", "Finding", "Probe", "BudgetError"]

@@ -105,7 +105,7 @@ class GraphPass:
 # apply; a pass may add its own after them (recompute: "plan", "budget"). Formulas are strings of
 # sympy expressions in the user's dims (bytes); ``bytes_*`` are ints (bytes).
 FIELDS = {
-    "rule": "the pass that wrote the entry (a rule's name, 'reorder', 'recompute', 'switch', 'region', 'train/eval')",
+    "rule": "the pass that wrote the entry (a rule's name, 'reorder', 'recompute', 'switch', 'region', 'train/eval', 'use_cache')",
     "status": "'applied' (in the returned module), 'declined' (found, not kept) or 'no match' (nothing of the "
               "kind in the graph)",
     "where": "the node and the user's file:line of the site (the model's name for whole-graph entries; "

@@ -63,8 +63,9 @@ def trace_modes(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
         return Traced(model)
     capture = None
     try:
-        train = trace(in_mode(model, True), leaf_modules, concrete_args)
-        evals = trace(in_mode(model, False), leaf_modules, concrete_args)
+        # what the forward stores on its submodules (self.attn = p_attn) the result stores too
+        train = trace(in_mode(model, True), leaf_modules, concrete_args, keep_stores=True)
+        evals = trace(in_mode(model, False), leaf_modules, concrete_args, keep_stores=True)
     except TraceError as exc:
         if fallback is None:
             raise

@@ -53,6 +53,7 @@ from fxmem.specs import InputSpec, TensorSpec, check_dims, check_input_sizes, ch
 from fxmem.passes.base import LOG_KEYS, REASON_LIMIT, STATUSES, Finding, Line, Pass, Probe, brief, log_entry
 from fxmem.units import format_bytes, parse_bytes
 from fxmem.passes.modes import in_mode, trace_modes
+from fxmem.passes.model_cache import without_cache
 from fxmem.passes.recompute import BudgetError
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
@@ -290,6 +291,8 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     specs, symbols = parse_specs(input_specs, params, dtype, name)
     if budget is not None:  # {dim: int}, every dim named: where the budget must hold
         dims = dims
+    model, cache_entry = without_cache(model, params.names[len(specs):], name)  # transformers' use_cache=True
+    first = [cache_entry] if cache_entry is not None else []
     try:
         traced = trace_modes(model, leaf_modules, {n: params.defaults[n] for n in params.names[len(specs):]},
                              fallback=lambda m: capture(m, specs, params.names[:len(specs)]))
@@ -346,7 +349,8 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
                       dims,
                       f"{traced.reason}; what to do: make the model compute the same graph in train and eval mode, "
                       f"or a larger budget")
-        log = [log_entry("train/eval", "declined", name, f"declined: {traced.reason}", details=traced.reason)] + [
+        log = first + [log_entry("train/eval", "declined", name, f"declined: {traced.reason}",
+                                 details=traced.reason)] + [
             log_entry(p.name, "no match", name, f"not looked for: {traced.reason}", details=traced.reason)
             for p in PASSES]
         if region is not None:
@@ -387,7 +391,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         best, entry = _within(region, best, model, name, elsewhere, point if elsewhere is not None else None)
         log += _tagged([entry], None) + more
     _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
-    best.meta["fxmem"] = log
+    best.meta["fxmem"] = first + log
     if traced.capture:  # what the rewritten graph is a graph of
         best.meta["fxmem_capture"] = traced.capture
     return best

@@ -102,6 +102,7 @@ from .fx import (
     forget_compiled,
     is_compiled_function,
     is_higher_order_op,
+    side_effect,
 )
 from .modules import (
     add_hook,
@@ -169,7 +170,7 @@ __all__ = [
     "symbol_lower_bound", "symbol_upper_bound", "unbacked_symbols", "watch_storage",
     # fx
     "dynamo_cache_entries", "dynamo_example_value", "dynamo_input_sizes", "dynamo_shape_guards",
-    "dynamo_wrapped_number", "forget_compiled", "is_compiled_function", "is_higher_order_op",
+    "dynamo_wrapped_number", "forget_compiled", "is_compiled_function", "is_higher_order_op", "side_effect",
     # modules
     "add_hook", "fake_module_copy", "global_hook_tables", "hook_tables", "module_attribute_values", "module_hooks",
     "non_persistent_buffers", "order_like", "pop_child", "skip_parameter_init", "tensor_attributes",

@@ -96,3 +96,10 @@ def is_higher_order_op(target: Any) -> bool:
     from torch._ops import HigherOrderOperator
 
     return isinstance(target, HigherOrderOperator)
+
+
+def side_effect(fn: Any) -> Any:
+    """``fn`` marked as an fx call with a side effect, so dead-code elimination keeps its node (an
+    attribute the forward stores): ``torch.fx.node.has_side_effect``."""
+    mark = getattr(torch.fx.node, "has_side_effect", None)
+    return mark(fn) if mark is not None else fn

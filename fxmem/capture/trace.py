@@ -90,11 +90,14 @@ def check_leaf_modules(leaf_modules: Any) -> tuple[type, ...]:
 @isolated
 @phased("capture")
 def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
-          concrete_args: Mapping[str, Any] | None = None) -> torch.fx.GraphModule:
+          concrete_args: Mapping[str, Any] | None = None, keep_stores: bool = False) -> torch.fx.GraphModule:
     """Symbolically trace ``model`` (as it is called, hooks included) into a GraphModule that
     shares its parameters and buffers; ``model`` itself is left as it was.
 
     ``concrete_args`` fixes arguments the analysis gives no input for (``mask=None``).
+    ``keep_stores``: a value the forward stores on a submodule (``self.attn = p_attn``) is stored
+    by the graph too (a :func:`store` node), on the modules the graph then has - what a rewrite
+    of the model must keep (``fxmem.optimize``); without it such a forward is refused.
     Raises :class:`TraceError` naming the user's ``file:line`` when fx cannot trace it.
     """
     if isinstance(model, torch.fx.GraphModule):
@@ -113,7 +116,12 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
         raise
     except Exception as exc:  # fx raises many types; all of them mean "cannot trace"
         raise _trace_error(model, exc) from exc
-    _check_state(model, twin)
+    kept = _check_state(model, twin, keep_stores)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for name, proxy in kept:  # stored again when the graph runs, after what it stores is computed
+        path, _, attr = name.rpartition(".")
+        with graph.inserting_before(output):
+            graph.call_function(store, (graph.get_attr(path), attr, proxy.node))
     cached = [c.where for c in caches if c.entries]
     if cached:  # a graph would build on every call what the model builds on its first only
         raise TraceError(f"cannot trace {type(model).__name__} faithfully: its forward calls functools.lru_cache "
@@ -155,17 +163,28 @@ def _keep_unread_tensors(gm: torch.fx.GraphModule, root: torch.nn.Module) -> Non
                 owner.register_buffer(leaf, t, persistent=False)
 
 
-def _check_state(model: torch.nn.Module, twin: torch.nn.Module) -> None:
+@tc.side_effect
+def store(module: torch.nn.Module, name: str, value: Any) -> None:
+    """``module.name = value``, as the traced forward did (``self.attn = p_attn``): a graph node
+    that dead-code elimination keeps (:func:`trace` with ``keep_stores``)."""
+    setattr(module, name, value)
+
+
+def _check_state(model: torch.nn.Module, twin: torch.nn.Module, keep: bool = False) -> list:
     """Refuse a trace whose forward stored a newly computed tensor on a module (``self.seen += 1``
     on a buffer, ``self.cache = h * 2``): the graph does not record the assignment, so it neither
     keeps the stored tensor alive after the call (the model does) nor updates it. Raises
-    :class:`TraceError` (mode='auto' then analyses the original forward).
+    :class:`TraceError` (mode='auto' then analyses the original forward). With ``keep``, a traced
+    value stored as it is on a submodule is returned as ``(name, proxy)`` instead, for the graph
+    to store (on the root module, or inside a container, it is refused all the same).
 
     What costs no memory is allowed - an input kept (``self.last_input = x``), a size or dtype
     (``self.history.append(x.shape[0])``) - and the module gets its value from before the call
     back, so that no proxy of the finished trace is left for the graph to read."""
     stored = [(name, value) for name, value in tc.module_attribute_values(twin) if _proxies(value)]
-    allocating = [(name, p) for name, value in stored for p in _proxies(value) if not _costs_nothing(p.node)]
+    kept = [(name, value) for name, value in stored if keep and "." in name and isinstance(value, torch.fx.Proxy)]
+    allocating = [(name, p) for name, value in stored for p in _proxies(value)
+                  if not _costs_nothing(p.node) and all(name != k for k, _ in kept)]
     if allocating:
         name, proxy = allocating[0]
         line = _user_line(proxy.node.stack_trace or "")
@@ -184,6 +203,7 @@ def _check_state(model: torch.nn.Module, twin: torch.nn.Module) -> None:
             setattr(owner, attr, originals[name])
         else:
             delattr(owner, attr)
+    return kept
 
 
 # a node whose value is a Python size or a tensor's metadata (no storage of its own)
@@ -260,9 +280,9 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
     if at is None or library or " (called from " in at:
         # fx fails on the root forward (a wrapped forward) or inside a library: no leaf or wrap of the
         # user's can help
-        advice = f"fx symbolic tracing cannot follow this code; analyse the original forward with mode='eager' " \
-                 f"(the default mode='auto' falls back to it by itself), or capture with torch.compile and " \
-                 f"fxmem.backend(...)"
+        advice = "fx symbolic tracing cannot follow this code; analyse the original forward with mode='eager' " \
+                 "(the default mode='auto' falls back to it by itself), or capture with torch.compile and " \
+                 "fxmem.backend(...)"
     elif "control flow" in text or "bool" in text.lower() and "proxy" in text.lower():
         advice = ("Python control flow depends on a tensor's value or size. Make the branch a leaf module "
                   f"(analyze(..., leaf_modules=[MyBlock])), rewrite it with tensor ops (torch.where), {eager}.")

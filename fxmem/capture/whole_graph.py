@@ -36,7 +36,8 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     or 1, so Dynamo neither merges dims nor fixes them. The graph's flat outputs are then put back
     in the structure ``forward`` returned. Raises :class:`TraceError` with Dynamo's reason when it
     cannot capture one graph (a graph break, Python that decides on tensor values), fixes one of
-    the user's dims to a number, or the model returns what a graph cannot (a class).
+    the user's dims to a number, the forward stores a tensor on a module (the graph would not), or
+    the model returns what a graph cannot (a class).
 
     >>> gm = capture(layer, specs, ["x", "edge_index"])      # doctest: +SKIP
     """
@@ -52,7 +53,16 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     inputs = random_inputs(specs, sizes, device=str(device))
     twin = private_copy(model)  # its Python state is its own; its tensors are the model's
+    before = {name: id(v) for name, v in tc.module_attribute_values(twin)}
     graph, out, flat = _compiled(twin, inputs, names, order, type(model).__name__)
+    stored = [name for name, v in tc.module_attribute_values(twin)
+              if isinstance(v, torch.Tensor) and before.get(name) != id(v)]
+    if stored:  # Dynamo replays such a store itself; the graph it hands a backend does not hold it
+        raise TraceError(f"{type(model).__name__}'s forward stores a tensor on a module "
+                         f"({', '.join('self.' + n for n in stored)}), which the graph TorchDynamo captures does "
+                         f"not record (it computes the outputs only), so a rewrite of it would not store it. What "
+                         f"to do: store it in a submodule's forward that torch.fx can trace (the rewrite then "
+                         f"stores it too), or analyse with fxmem.analyze (the original forward)")
     if graph.specialised:
         raise TraceError(f"TorchDynamo fixed {', '.join(graph.specialised)} in the graph it captured of "
                          f"{type(model).__name__}, so it holds at that size only")

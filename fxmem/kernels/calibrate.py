@@ -12,7 +12,7 @@ a kernel's hidden buffers are *measured functions* of its input's sizes
 from small samples would need that same run at every size asked to be trusted there (oneDNN picks
 its scratch by size), and where it was off the size was analysed again: ResNet-18 (width 16) with
 fits answered 943 random sizes in 120 s from 45 analyses, 10 of them new simulations; measured, all
-1,000 in 82 s from its first (``python benchmarks/pieces_speed.py --cases resnet18 --reps 1``,
+1,000 in 82 s from its first (``python benchmarks/pieces_speed.py --cases resnet18 --reps 1 --cnn-limit 120``,
 before and after this change, same machine).
 
 Where the example sizes are too large to run once, fxmem runs the real kernel on small inputs with

@@ -203,3 +203,60 @@ def test_a_forward_branching_on_the_flag_runs_the_trace_of_the_current_mode():
 
 def test_verification_modes_are_train_eval_and_no_grad():
     assert {(m.training, m.grad) for m in MODES} == {(True, True), (False, True), (False, False), (True, False)}
+
+
+# --- what the forward stores on its modules --------------------------------------------------------------
+
+class StoringAttention(nn.Module):
+    """The Annotated Transformer's attention: the forward keeps its attention weights (``self.attn =
+    p_attn``) for the user to read after a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.attn = None
+
+    def forward(self, x):
+        p_attn = (self.q(x) @ x.transpose(-1, -2)).softmax(-1)
+        self.attn = p_attn
+        return p_attn @ x
+
+
+class StoringNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att, self.out = StoringAttention(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.att(x))
+
+
+def test_what_the_forward_stores_the_result_stores_and_its_memory_is_counted():
+    torch.manual_seed(0)
+    model = StoringNet()
+    twin = copy.deepcopy(model)
+    opt = fxmem.optimize(model, ("B", "L", 8))
+    assert model.att.attn is None  # optimize itself stores nothing on the user's model
+    x = torch.randn(3, 7, 8)
+    assert_same_in_every_mode(twin, opt, [x])
+    torch.testing.assert_close(opt(x), twin(x))
+    assert opt.att.attn is not None and torch.equal(opt.att.attn, twin.att.attn)  # as the model stores it
+    assert opt.att is model.att  # the model's own module: model.att.attn reads it, as after model(x)
+    # the weights stay held after the call, and the analysis of the result counts them: equal to a
+    # real first call and step of it at sizes the analysis did not see (3*7*7*4 bytes retained)
+    fresh = fxmem.optimize(StoringNet(), ("B", "L", 8))
+    for dims in (dict(B=3, L=7), dict(B=2, L=11)):
+        v = fxmem.validate(fresh, ("B", "L", 8), dims=dims, device="cpu", optimizer=torch.optim.AdamW)
+        assert v.ok and all(r.diff == 0 for r in v.rows), str(v)
+        assert next(r.measured for r in v.rows if r.what == "forward: retained") >= 4 * dims["B"] * dims["L"] ** 2
+
+
+class StoringRoot(StoringAttention):
+    """The same attention as the model itself: a store on the module the graph runs as."""
+
+
+def test_a_store_no_graph_can_make_is_refused_not_dropped():
+    from fxmem.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"stores a tensor on a module \(self.attn\)"):
+        fxmem.optimize(StoringRoot(), ("B", "L", 8))

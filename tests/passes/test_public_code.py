@@ -153,6 +153,25 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
 
 
+def test_a_causal_lm_as_shipped_with_use_cache_is_rewritten_without_its_cache():
+    # transformers' default use_cache=True makes every call return a DynamicCache, which no graph
+    # returns: it was a TraceError. The result computes with use_cache=False, said in a record; the
+    # user's model and config are untouched, and the logits and gradients are the original's
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert model.config.use_cache is True  # as shipped
+    opt = fxmem.optimize(model, fxmem.TensorSpec(("B", "L"), dtype=torch.int64))
+    entry = next(e for e in opt.meta["fxmem"] if e["rule"] == "use_cache")
+    assert entry["status"] == "applied" and "past_key_values" in entry["reason"] and "original" in entry["details"]
+    ids = torch.randint(0, 64, (2, 7))
+    assert model.config.use_cache is True and model(ids).past_key_values is not None
+    assert opt(ids).past_key_values is None
+    assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
+
+
 @pytest.mark.slow  # ~45 s; the second graph that is made is checked in CI by
 # test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal
 def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there_is_refused(monkeypatch):

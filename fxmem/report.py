@@ -262,9 +262,9 @@ class Report:
     def _fits_hold(self, values: Mapping[str, int]) -> bool:
         """Whether every fitted kernel program of this recording (oneDNN convolutions, batch norm
         where the example sizes are too large to run once: fitted on small samples, checked toward
-        the example sizes) gives what a real run of that
-        kernel alone keeps at ``values`` - one real run per kernel and size, cached; a driver too
-        large to run is not checked (:func:`fxmem.kernels.calibrate.fit_holds`)."""
+        the example sizes) gives what a real run of that kernel alone keeps at ``values`` - one
+        real run per kernel and size, cached; a driver too large to run is not checked
+        (:func:`fxmem.kernels.calibrate.fit_holds`)."""
         from .kernels.calibrate import fit_holds
 
         fits = self._plan.rec.fits

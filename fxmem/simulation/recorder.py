@@ -274,8 +274,8 @@ class Recorder(tc.DispatchMode):
         if any(isinstance(p, sympy.Basic) and p.has(MeasuredBytes) for p in program):
             log.note_at(f"'{log.node}'", f"{name}'s hidden buffers (oneDNN's reorders and scratch, which change "
                                          f"with the sizes in no pattern a formula states) are measured by one real "
-                                         f"run of that kernel alone at each size asked, cached: the ws<k>_up<i> and ws<k>_down<i> terms of the formulas, "
-                                         f"functions of its input's dims")
+                                         f"run of that kernel alone at each size asked, cached: the ws<k>_up<i> "
+                                         f"and ws<k>_down<i> terms of the formulas, functions of its input's dims")
         for unknown in [p for p in program if isinstance(p, Unknown)]:
             log.note_at(f"'{log.node}'", f"{unknown.op} may use workspace fxmem cannot predict ({unknown.why}): "
                                          f"{INEXACT}")

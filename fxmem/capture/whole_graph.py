@@ -53,10 +53,12 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     inputs = random_inputs(specs, sizes, device=str(device))
     twin = private_copy(model)  # its Python state is its own; its tensors are the model's
-    before = {name: id(v) for name, v in tc.module_attribute_values(twin)}
-    graph, out, flat = _compiled(twin, inputs, names, order, type(model).__name__)
+    before = {name: _memory_of(v) for name, v in tc.module_attribute_values(twin)}
+    graph, out, flat, copies = _compiled(twin, inputs, names, order, type(model).__name__)
+    # a tensor in other memory than before; not the copy of a parameter or buffer the graph ran on,
+    # which Dynamo sets back after an in-place update (``self.count += 1``: the graph does that update)
     stored = [name for name, v in tc.module_attribute_values(twin)
-              if isinstance(v, torch.Tensor) and before.get(name) != id(v)]
+              if isinstance(v, torch.Tensor) and before.get(name) != _memory_of(v) and id(v) not in copies]
     if stored:  # Dynamo replays such a store itself; the graph it hands a backend does not hold it
         raise TraceError(f"{type(model).__name__}'s forward stores a tensor on a module "
                          f"({', '.join('self.' + n for n in stored)}), which the graph TorchDynamo captures does "
@@ -79,20 +81,32 @@ def capture(model: torch.nn.Module, specs: Sequence[Any], order: Sequence[str]) 
     return graph.module
 
 
+def _memory_of(value: Any) -> Any:
+    """Where a tensor attribute's elements live (its storage's address), else the object itself."""
+    if isinstance(value, torch.Tensor):
+        try:
+            return ("storage", value.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass): by identity
+            return ("object", id(value))
+    return ("object", id(value))
+
+
 def _compiled(twin: torch.nn.Module, inputs: list, names: dict, order: Sequence[str], name: str) -> tuple:
-    """Compile ``twin`` once on ``inputs``: the one graph Dynamo hands the backend, the call's result
-    and the graph's flat outputs."""
+    """Compile ``twin`` once on ``inputs``: the one graph Dynamo hands the backend, the call's result,
+    the graph's flat outputs, and the ids of the copies of ``twin``'s tensors the graph ran on."""
     found: list = []
     returned: list = []
     held = {id(t) for t in [*twin.parameters(), *twin.buffers()]}
+    copies: dict[int, torch.Tensor] = {}  # id -> the copy (kept alive, so that no id is reused)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         found.append(from_dynamo(gm, example_inputs, names, twin, order, inline_numbers=True))
 
-        def run(*args: Any) -> Any:
+        def run(*original: Any) -> Any:
             # the graph runs for real once (its outputs' structure); on copies of the model's
             # tensors, which a forward may write in place (a counter, running statistics, clipping)
-            args = tuple(a.clone() if id(a) in held else a for a in args)
+            args = tuple(a.clone() if id(a) in held else a for a in original)
+            copies.update((id(a), a) for a, b in zip(args, original) if a is not b)
             returned.append(gm.forward(*args))
             return returned[-1]
         return run
@@ -108,7 +122,7 @@ def _compiled(twin: torch.nn.Module, inputs: list, names: dict, order: Sequence[
         tc.forget_compiled(entry.__code__)
     if len(found) != 1 or not returned:
         raise TraceError(f"TorchDynamo captured {len(found)} graphs of {name}, not one")
-    return found[0], out, returned[0]
+    return found[0], out, returned[0], copies
 
 
 def _fresh_entry(module: torch.nn.Module) -> Any:
@@ -139,7 +153,7 @@ def _follow_the_models_dtype(gm: torch.fx.GraphModule, model: torch.nn.Module, i
     try:
         twin = copy.deepcopy(model).double()
         doubled = [t.double() if t.is_floating_point() else t for t in inputs]
-        other, _, _ = _compiled(twin, doubled, names, order, type(model).__name__)
+        other, _, _, _ = _compiled(twin, doubled, names, order, type(model).__name__)
     except (TraceError, RuntimeError, TypeError):
         return
     mine, theirs = list(gm.graph.nodes), list(other.module.graph.nodes)

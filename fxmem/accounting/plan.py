@@ -25,7 +25,6 @@ import sympy
 
 from .. import _torch_compat as tc
 from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
-from ..kernels.calibrate import VERIFY_ELEMENTS
 from ..kernels.measured import MeasuredBytes
 from ..specs import dim_symbol
 from . import cuda_blocks
@@ -408,12 +407,6 @@ class MemoryPlan:
             if config.power2_rounding:
                 notes.append(f"PYTORCH_CUDA_ALLOC_CONF sets roundup_power2_divisions: the allocator rounds requests to "
                              f"power-of-two divisions, not to 512 bytes as fxmem counts; {INEXACT}")
-        fitted = sorted({getattr(f.op, "__name__", str(f.op)) for f in self.rec.fits if f.fitted is not None})
-        if fitted:  # fxmem.kernels.calibrate: only where the example sizes are too large to run a kernel once
-            notes.append(f"{', '.join(fitted)}: hidden buffers fitted from small samples (the kernel's input at the "
-                         f"example sizes is too large to run once); each size asked is checked by a real run of that "
-                         f"kernel up to {VERIFY_ELEMENTS:,}-element inputs and analysed again where the fit is off, "
-                         f"but above that the fit is not checked; {INEXACT}")
         for dim, value in self.region.pinned.items():
             if value.is_number:
                 notes.append(f"PyTorch fixed dim {dim} at {value} while analysing: these formulas hold only at "

@@ -25,6 +25,7 @@ import sympy
 
 from .. import _torch_compat as tc
 from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
+from ..kernels.calibrate import VERIFY_ELEMENTS
 from ..kernels.measured import MeasuredBytes
 from ..specs import dim_symbol
 from . import cuda_blocks
@@ -407,6 +408,12 @@ class MemoryPlan:
             if config.power2_rounding:
                 notes.append(f"PYTORCH_CUDA_ALLOC_CONF sets roundup_power2_divisions: the allocator rounds requests to "
                              f"power-of-two divisions, not to 512 bytes as fxmem counts; {INEXACT}")
+        fitted = sorted({getattr(f.op, "__name__", str(f.op)) for f in self.rec.fits if f.fitted is not None})
+        if fitted:  # fxmem.kernels.calibrate: only where a kernel cannot be measured at the example sizes
+            notes.append(f"{', '.join(fitted)}: hidden buffers fitted from small samples (the kernel's input at the "
+                         f"example sizes is too large to measure, even along the batch); each size asked is checked "
+                         f"by a real run of that kernel up to {VERIFY_ELEMENTS:,}-element inputs and analysed again "
+                         f"where the fit is off, but above that the fit is not checked; {INEXACT}")
         for dim, value in self.region.pinned.items():
             if value.is_number:
                 notes.append(f"PyTorch fixed dim {dim} at {value} while analysing: these formulas hold only at "

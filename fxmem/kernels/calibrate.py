@@ -15,7 +15,11 @@ fits answered 943 random sizes in 120 s from 45 analyses, 10 of them new simulat
 1,000 in 82 s from its first (``python benchmarks/pieces_speed.py --cases resnet18 --reps 1 --cnn-limit 120``,
 before and after this change, same machine).
 
-Where the example sizes are too large to run once, fxmem runs the real kernel on small inputs with
+Where the example sizes are too large to run once, the kernel is measured at three batches up to
+that size and each buffer extended along the batch where the runs lie on one line and that holds
+at the example sizes (:func:`fxmem.kernels.measured.value_of`). Only where even that cannot be
+done (fewer than :data:`~fxmem.kernels.measured.BATCHES_TO_EXTEND` images run once, or buffers
+that do not grow along one line) fxmem runs the real kernel on small inputs with
 the *same* channels, kernel, strides, dtype and memory layout, reads the allocator's events, and
 fits every hidden buffer as
 
@@ -27,7 +31,9 @@ run of the kernel there (:func:`fit_holds`; a size where the fit is off is simul
 kernel behaves otherwise toward the example sizes, the fit is redone from there on (a guard in the
 region). The guarantee: exact at every size a measured kernel is measured, and wherever a fitted
 kernel keeps the behaviour it showed at the sampled and checked shapes; a fit that fails its
-checks is not used and the report says the op's workspace is unknown instead of guessing.
+checks is not used and the report says the op's workspace is unknown instead of guessing. A size
+whose input is too large for that check (:data:`VERIFY_ELEMENTS`) is not proven: a report with
+fitted kernels says so in its notes and is not ``exact``.
 
 Each op has an *adapter* (data): which argument (by schema name) drives the symbolic sizes, how
 to build the real call at a sampled shape, and which number plays "output". Adapters exist for
@@ -56,7 +62,8 @@ from ..progress import phased
 from ..measure import allocator_events, cpu_memory_profile
 from . import calibration_cache
 from . import measured
-from .measured import measured_program, register_kernel, summarize
+from ..errors import MeasureError
+from .measured import StructureChanged, measured_program, register_kernel, summarize, value_of
 from .regimes import condition, either
 from .registry import OUT, Call, OutAt, Unknown, hidden, require_args
 
@@ -588,13 +595,26 @@ def _measured(call: Call, frozen_items: tuple, x: torch.Tensor, markers: tuple |
     a fit showed) no run at the example sizes is needed: a size where the kernel orders them
     otherwise is found when it is asked (:class:`~fxmem.kernels.measured.StructureChanged`)."""
     threads = torch.get_num_threads()
+    hint = tuple(tc.size_hint(d) for d in x.shape)
+    large = _numel(hint) > measured.MEASURE_ELEMENTS  # read here: a test may lower it
     if markers is None:
-        hint = tuple(tc.size_hint(d) for d in x.shape)
-        if _numel(hint) > measured.MEASURE_ELEMENTS:  # read here: a test may lower it
-            return None
-        markers, _ = summarize(_sample_at(call.func, frozen_items, hint, threads).program)
+        shape = hint
+        if large:  # the largest batch that runs once shows the outputs' order (checked at the hint below)
+            top = measured.MEASURE_ELEMENTS // max(_numel(hint[1:]), 1)
+            if top < measured.BATCHES_TO_EXTEND:
+                return None
+            shape = (top, *hint[1:])
+        markers, _ = summarize(_sample_at(call.func, frozen_items, shape, threads).program)
     key = register_kernel((call.func, frozen_items, threads, markers), call.op, markers,
                           functools.partial(_program_of, call.func, frozen_items, threads))
+    if large:
+        # too large to run once: measured at three batches and extended along the batch
+        # (measured._along_batch) - used only where that holds at the example sizes themselves;
+        # elsewhere a fit from small samples (checked toward the example sizes)
+        try:
+            value_of(key, 0, 0, hint)
+        except (MeasureError, StructureChanged):
+            return None
     return measured_program(key, markers, [d if isinstance(d, int) else tc.raw_expr(d) for d in x.shape])
 
 

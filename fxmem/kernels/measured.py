@@ -43,6 +43,7 @@ __all__ = ["MeasuredBytes", "MeasureError", "StructureChanged", "register_kernel
            "value_of", "MEASURE_ELEMENTS", "summarize"]
 
 MEASURE_ELEMENTS = 1 << 24  # elements in the kernel's input: the largest one real run measures (64 MiB float32)
+BATCHES_TO_EXTEND = 8  # the smallest largest-runnable batch a buffer is extended along the batch from
 
 
 class StructureChanged(FxMemError):
@@ -139,7 +140,7 @@ def _along_batch(key: int, shape: tuple) -> list[tuple[int, int]]:
             f"{MEASURE_ELEMENTS:,} elements, and {why}; ask at smaller sizes, or analyse with concrete sizes "
             f"(hints=) there and read report.exact")
 
-    if top < 8:
+    if top < BATCHES_TO_EXTEND:
         raise refuse(f"a batch of {top} is too small to tell how it grows with the batch")
     step = max(1, top // 8)  # the largest runs: oneDNN's batch thresholds (threads splitting it) lie lower
     batches = (top - 2 * step, top - step, top)

@@ -1,6 +1,9 @@
 """The parts of a masked softmax attention, read off a traced graph: what the fused-attention rule
 (:mod:`.fused_attention`) and the SDPA rule (:mod:`.sdpa`) walk back through from the matmul.
 
+* the product: any spelling of ``weights[.., i, j] · values[.., j, f]`` (``matmul``, ``@``, ``bmm``,
+  ``einsum`` with any letters and axis order), read as an einsum equation as the SDPA rule reads its
+  products (:func:`products`), with the permutations that lay its operands and result out as a matmul;
 * walking back: the copying ops passed (:func:`_through_movement`), the broadcast an add's operands
   went through (:func:`_unexpanded`), dropout (its p and training flag), the softmax's dim, the
   LeakyReLU's slope;
@@ -22,10 +25,12 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fxmem.capture import source_line
 from fxmem.passes.base import Probe
 from fxmem.passes.data_movement import Provenance, is_movement, method_name, op_name, provenance, trace_movement
 from fxmem.passes.modes import by_flag
 from fxmem.passes.pair_layout import half_strides
+from fxmem.passes.sdpa_parts import as_product
 
 _MATMULS = frozenset({torch.matmul, operator.matmul, torch.bmm})
 _SOFTMAX = frozenset({F.softmax, torch.softmax})
@@ -46,6 +51,61 @@ def _target_key(node: torch.fx.Node) -> Any:
 
 def _is_matmul(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and node.target in _MATMULS) or method_name(node) in ("matmul", "bmm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """A product read as ``weights[batch.., i, j] · values[batch.., j, f]`` summed over j: the
+    permutations that take each operand to that layout and the matmul's result ``[batch.., i, f]``
+    to the node's own (None: already so)."""
+
+    weights: torch.fx.Node
+    values: torch.fx.Node
+    weights_order: tuple | None = None
+    values_order: tuple | None = None
+    output_order: tuple | None = None
+    problem: str | None = None  # why the letters fit no attention (the weights may still be a softmax)
+
+
+def products(node: torch.fx.Node, env: Mapping) -> list[Product]:
+    """Each way to read ``node`` as attention weights times values: one per operand that may hold
+    the weights (the left one of a matmul; either of an einsum), with a ``problem`` where the
+    letters do not fit ``weights[.., i, j] · values[.., j, f]``; [] where ``node`` is no product.
+
+    >>> products(einsum_node, env)      # torch.einsum("ijh,jhf->ihf", a, g)   # doctest: +SKIP
+    [Product(a, g, (2, 0, 1), (1, 0, 2), (1, 0, 2)), Product(g, a, problem='the product ...')]
+    """
+    read = as_product(node, env)
+    if read is None:  # a matmul broadcasting one operand over the other's batch axes: as written
+        plain = _is_matmul(node) and len(node.args) == 2 and not node.kwargs \
+            and all(isinstance(a, torch.fx.Node) for a in node.args)
+        return [Product(*node.args)] if plain else []
+    left, right, (p, q, out) = read
+    readings = [(left, right, p, q)]
+    if node.op == "call_function" and node.target is torch.einsum:  # the weights may be either operand
+        readings.append((right, left, q, p))
+    return [_reading(node, w, v, a, b, out) for w, v, a, b in readings]
+
+
+def _reading(node: torch.fx.Node, weights: torch.fx.Node, values: torch.fx.Node, w: str, y: str,
+             z: str) -> Product:
+    """The permutations for weights with letters ``w``, values ``y``, result ``z``, or why none."""
+    j = [c for c in w if c in y and c not in z]  # summed: the columns the softmax normalises
+    i = [c for c in w if c in z and c not in y]
+    f = [c for c in y if c in z and c not in w]
+    batch = [c for c in w if c in y and c in z]
+    if not (len(i) == len(j) == len(f) == 1 and len(w) == len(y) == len(z) == len(batch) + 2):
+        return Product(weights, values, problem=(
+            f"the product {node.name} ({w},{y}->{z}) is not weights[.., i, j] · values[.., j, f]: it does not sum "
+            f"one axis of the weights against the rows of the values, each output row i a weighted sum of value rows"))
+
+    def order(have: str, want: list) -> tuple | None:
+        out = tuple(have.index(c) for c in want)
+        return None if out == tuple(range(len(out))) else out
+
+    matmul = [*batch, i[0], f[0]]
+    return Product(weights, values, order(w, [*batch, i[0], j[0]]), order(y, [*batch, j[0], f[0]]),
+                   order("".join(matmul), list(z)))
 
 
 def _module(node: torch.fx.Node, modules: Mapping) -> Any:
@@ -374,3 +434,65 @@ def _ids_through(parts: dict, env: Mapping, modules: Mapping) -> torch.Tensor | 
     except (ValueError, TypeError, RuntimeError):  # an op that does not take ids: not a plain copy
         return None
     return below.flat.reshape(-1)[above.flat]
+
+
+# --- the nearest attention, where a rule finds none --------------------------------------------------
+
+def _site(node: torch.fx.Node) -> str:
+    """``softmax_1 (gat.py:42)``: a node and the user's source line."""
+    line = source_line(node)
+    return f"{node.name} ({line})" if line else node.name
+
+
+def _readers(node: torch.fx.Node, env: Mapping, modules: Mapping) -> list[torch.fx.Node]:
+    """The first nodes reading ``node``'s values that do more than copy them (dropout passed too)."""
+    out, todo, seen = [], list(node.users), set()
+    while todo:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        if (is_movement(n, env, modules) and n.op != "call_module") or _dropout(n, modules) is not None:
+            todo.extend(n.users)
+        elif n.op != "output":
+            out.append(n)
+    return out
+
+
+def _softmaxes(gm: torch.fx.GraphModule, probes: Sequence[Probe]):
+    """Each softmax of ``gm`` with the nodes that read its weights (:func:`_readers`)."""
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        if _softmax_dim(node, modules) is not None and node.args and isinstance(node.args[0], torch.fx.Node):
+            yield node, _readers(node, probes[0].env, modules), modules
+
+
+def _named(nodes: Sequence[torch.fx.Node], modules: Mapping) -> str:
+    return ", ".join(f"{op_name(n, modules)} (node {n.name})" for n in nodes[:2]) or "nothing but the output"
+
+
+def nearest_attention(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> str | None:
+    """The fused-attention rule's nearest candidate where it finds none: a softmax whose weights are
+    not multiplied into node features by a product it reads (matmul, @, bmm, einsum)."""
+    for node, readers, modules in _softmaxes(gm, probes):
+        return (f"{_site(node)}: its weights are read by {_named(readers, modules)}, not multiplied into the node "
+                f"features by a product (matmul, @, bmm or einsum summing the softmax's axis against the rows "
+                f"of the features)")
+    return None
+
+
+def nearest_dot_product(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> str | None:
+    """The SDPA rule's nearest candidate where it finds none: a softmax not followed by a product
+    with v, or one over something other than the scores q @ k^T."""
+    env = probes[0].env
+    for node, readers, modules in _softmaxes(gm, probes):
+        scores, _ = _through_movement(node.args[0], env, modules)
+        if not any(as_product(r, env) is not None for r in readers):
+            return (f"{_site(node)}: not followed by a product with v (its weights are read by "
+                    f"{_named(readers, modules)})")
+        if not isinstance(scores, torch.fx.Node) or as_product(scores, env) is None:
+            what = _named([scores], modules) if isinstance(scores, torch.fx.Node) else repr(scores)
+            return (f"{_site(node)}: followed by a product with v, but it normalises {what}, not scores "
+                    f"q @ k^T (a product of queries and keys, scaled or masked)")
+        return f"{_site(node)}: its weights are not the left operand of a product weights @ v over the keys"
+    return None

@@ -63,6 +63,23 @@ class Pass:
     # what ``find`` looks for, in words: the record of a call where nothing of the kind was found
     looks_for: str = ""
     flags: frozenset = frozenset()  # the settings that are True/False (the others are sizes in bytes)
+    # where ``find`` has no Finding: the closest thing in the graph and why it is not one, in words
+    # (``"softmax_1 (gat.py:42): its weights are read by sum (node sum_1), not ..."``), or None
+    nearest: Callable[[torch.fx.GraphModule, Sequence[Probe]], str | None] | None = None
+
+    def no_match(self, gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> dict:
+        """The ``reason`` and ``details`` of the record of a call where ``find`` found nothing: what
+        was looked for and, where ``nearest`` names one, the nearest thing found and why it is not one.
+
+        >>> Pass("r", find, rewrite, looks_for="cat([h, h]).sum()").no_match(gm, probes)  # doctest: +SKIP
+        {'reason': 'looked for cat([h, h]).sum(); none in the graph', 'details': None}
+        """
+        looked = f"looked for {self.looks_for}; none in the graph"
+        near = self.nearest(gm, probes) if self.nearest is not None else None
+        if not near:
+            return {"reason": looked, "details": None}
+        # the reason names the site (its first clause); the details say why it is not one
+        return {"reason": f"{looked}; nearest: {near.split(': ', 1)[0]}", "details": f"{looked}; nearest: {near}"}
 
 
 @dataclasses.dataclass

@@ -7,6 +7,9 @@ holds, whatever the spelling, :func:`provenance` runs those ops once more on ten
 instead of values: each element of the result then names the source tensor and the element it is
 a copy of.
 
+Sums of copies times numbers (EdgeConv's ``x_j - x_i``) are read the same way by :func:`terms`, one
+slot of ids and coefficients per copy.
+
 >>> movement = trace_movement(x_node, env)                 # doctest: +SKIP
 >>> where = provenance(movement, env, gm)                  # doctest: +SKIP
 >>> where.source[0, 1, 2], where.flat[0, 1, 2]             # doctest: +SKIP
@@ -235,6 +238,123 @@ def run_node(node: torch.fx.Node, args: tuple, kwargs: dict, modules: Mapping[st
     if node.op == "call_module":
         return (modules or {})[str(node.target)](*args, **kwargs)
     raise AssertionError(f"not a copying node: {node.format_node()}")
+
+
+# --- linear combinations of copies: x_j - x_i, x_i + x_j, 2 * x_j ------------------------------------
+
+# (op, how its operands combine): "add"/"sub" two tensors, "neg" one, "mul"/"div" one tensor by a
+# Python number - every output element then a fixed combination of input elements at its position
+COMBINATIONS = {operator.add: "add", torch.add: "add", "add": "add", operator.sub: "sub", torch.sub: "sub",
+                "sub": "sub", operator.neg: "neg", torch.neg: "neg", "neg": "neg", operator.mul: "mul", torch.mul: "mul",
+                "mul": "mul", operator.truediv: "div", torch.div: "div", torch.true_divide: "div", "div": "div",
+                "true_divide": "div"}
+
+
+def combination(node: torch.fx.Node, env: Mapping[torch.fx.Node, Any]) -> list[tuple[torch.fx.Node, float]] | None:
+    """``[(operand, coefficient)]`` if ``node`` is a fixed linear combination of its tensor operands
+    (``a - b``: ``[(a, 1.0), (b, -1.0)]``; ``2 * a``: ``[(a, 2.0)]``), else None."""
+    key = node.target if node.op == "call_function" else method_name(node)
+    how = COMBINATIONS.get(key) if node.op in ("call_function", "call_method") and not node.kwargs else None
+    out = env.get(node)
+    if how is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return None
+    tensors = [a for a in node.args if isinstance(a, torch.fx.Node) and isinstance(env.get(a), torch.Tensor)]
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if len(tensors) + len(numbers) != len(node.args) or any(env[a].dtype != out.dtype for a in tensors):
+        return None
+    if how in ("add", "sub") and len(tensors) == 2:
+        return [(tensors[0], 1.0), (tensors[1], 1.0 if how == "add" else -1.0)]
+    if how == "neg" and len(tensors) == 1:
+        return [(tensors[0], -1.0)]
+    if how == "mul" and len(tensors) == 1 and len(numbers) == 1:
+        return [(tensors[0], float(numbers[0]))]
+    if how == "div" and len(tensors) == 1 and len(numbers) == 1 and node.args[0] is tensors[0] and numbers[0]:
+        return [(tensors[0], 1.0 / numbers[0])]
+    return None
+
+
+def trace_combination(target: torch.fx.Node, env: Mapping[torch.fx.Node, Any],
+                      modules: Mapping[str, torch.nn.Module] | None = None) -> Movement:
+    """:func:`trace_movement` walking back through linear combinations (:func:`combination`) of
+    copies too (``x_j - x_i``); a combination of computed values (``a + b``) is a source."""
+    moving: set[torch.fx.Node] = set()
+    sources: list[torch.fx.Node] = []
+    stack, seen = [target], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        combined = combination(n, env)
+        # a sum of copies (x_j - x_i), not a value computed upstream of them (a + b: a source)
+        if combined is not None and any(is_movement(a, env, modules) or combination(a, env) for a, _ in combined):
+            moving.add(n)
+            stack.extend(reversed([a for a, _ in combined]))
+        elif is_movement(n, env, modules):
+            moving.add(n)
+            stack.extend(reversed(data_inputs(n, env)))
+        elif isinstance(env.get(n), torch.Tensor):
+            sources.append(n)
+    order = {n: k for k, n in enumerate(target.graph.nodes)}
+    return Movement(target, sorted(moving, key=order.__getitem__), sorted(sources, key=order.__getitem__))
+
+
+@dataclasses.dataclass
+class Terms:
+    """A tensor built by copies and linear combinations, as a sum of ``coefficients[k] * copy k``:
+    slot k holds, per element, the coefficient (0 where the slot is empty there) and which element
+    of which source it copies (``slots[k]``, a :class:`Provenance`)."""
+
+    coefficients: list[torch.Tensor]
+    slots: list[Provenance]
+
+
+def _zero_like(value: Any) -> Any:
+    """Zeros in place of every tensor of ``value`` (a tensor, or the tuple chunk/split give)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_zero_like(v) for v in value)
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+
+
+def terms(movement: Movement, env: Mapping[torch.fx.Node, Any],
+          modules: Mapping[str, torch.nn.Module] | None = None) -> Terms:
+    """Run the copying and combining nodes of ``movement`` (:func:`trace_combination`) on
+    coefficients and id tensors in place of its sources' values: each copy is carried in a slot of
+    its own, so ``x_j - x_i`` gives two slots (coefficients 1 and -1) of the one source ``x``."""
+    values: dict[torch.fx.Node, list] = {}  # node -> [(coefficients, ids)] per slot
+    shapes = []
+    for k, s in enumerate(movement.sources):
+        shape = tuple(env[s].shape)
+        if env[s].numel() >= 1 << _ID_BITS:
+            raise ValueError(f"source {s.name} has {env[s].numel()} elements; probe at smaller sizes")
+        ids = ((k + 1) << _ID_BITS) + torch.arange(env[s].numel(), dtype=torch.int64).reshape(shape)
+        values[s] = [(torch.ones(shape, dtype=torch.float64), ids)]
+        shapes.append(shape)
+    for node in movement.nodes:
+        combined = combination(node, env)
+        if combined is not None:
+            shape = env[node].shape
+            values[node] = [(torch.broadcast_to(c * coef, shape), torch.broadcast_to(ids, shape))
+                            for a, coef in combined for c, ids in values[a]]
+            continue
+        inputs = [a for a in data_inputs(node, env) if a in values]
+        count = max(len(values[a]) for a in inputs)
+        slots = []
+        for k in range(count):  # slot k of every input, empty (zero) where an input has fewer
+            run = []
+            for part in (0, 1):
+                lookup = dict(env)
+                for a in inputs:
+                    have = values[a]
+                    lookup[a] = have[k][part] if k < len(have) else _zero_like(have[0][part])
+                run.append(run_node(node, _value(node.args, lookup), _value(node.kwargs, lookup), modules))
+            slots.append(tuple(run))
+        values[node] = slots
+    out = values[movement.target]
+    if not all(isinstance(t, torch.Tensor) for slot in out for t in slot):
+        raise TypeError(f"node {movement.target.name} is not a tensor")
+    return Terms([c for c, _ in out], [Provenance((ids >> _ID_BITS) - 1, ids & ((1 << _ID_BITS) - 1), shapes)
+                                       for _, ids in out])
 
 
 # --- gathers: rows picked by an index tensor (values choose them, not sizes) ---------------------------

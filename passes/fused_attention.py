@@ -6,13 +6,15 @@ kernel that never builds or keeps an N x M float tensor (:mod:`fxmem.ops.attenti
 After the pair-linear rule (or in code written that way: pyGAT's fix, PyG's ``DenseGATConv``)
 what is left of a GAT layer is this attention, whose scores, mask, masked scores and softmax are
 N x M each and mostly kept for backward. The rule matches by meaning, not spelling: from a
-``matmul`` whose left operand is (a permutation of) a softmax, it walks back through dropout, a
-``where``/``masked_fill`` with a constant, a LeakyReLU and a broadcast add ``u + v``, and reads
+product whose weights are (a permutation of) a softmax - ``matmul``, ``@``, ``bmm``, or ``einsum``
+with any letters and axis order (labml.ai's ``einsum('ijh,jhf->ihf', a, g)``), read as an einsum
+equation as the SDPA rule reads its products, the result given back in the product's own layout -
+it walks back through dropout, a ``where``/``masked_fill`` with a constant, a LeakyReLU and a broadcast add ``u + v``, and reads
 off, at the probe sizes, which axes of the scores each operand varies along: ``u`` alone (the
 rows i), ``v`` alone (the columns j), both (batch, heads). The softmax must run over j, the
-matmul must contract j, the mask must come from comparing one tensor with a number (or be a
+product must contract j with the values' rows, the mask must come from comparing one tensor with a number (or be a
 bool tensor) and be shared by the heads or not, as it is. Then the fused kernel, run at each probe
-on the operands so laid out, must reproduce the matmul's value. Look-alikes are declined with
+on the operands so laid out, must reproduce the product's value. Look-alikes are declined with
 the reason: scores that are not LeakyReLU(s_i + t_j) (GATv2's a·LeakyReLU(Wh_i + Wh_j), dot
 products), masks added rather than filled in, a softmax over the wrong axis.
 
@@ -48,9 +50,9 @@ from fxmem.ops.attention import DEFAULT_BLOCK_BYTES, masked_attention
 from fxmem.ops.edge_attention import edge_attention, kept_edges
 from fxmem import data_paths
 from fxmem.passes.attention_layout import Axes, gather_axes, recipe, scatter_axes
-from fxmem.passes.attention_parts import (_ADDS, _Axes, _axes, _bool_mask, _comparison, _constant, _dropout, _is_matmul,
+from fxmem.passes.attention_parts import (_ADDS, Product, _Axes, _axes, _bool_mask, _comparison, _constant, _dropout,
                                           _leaky_slope, _mask, _softmax_dim, _target_key, _through_movement,
-                                          _unexpanded)
+                                          _unexpanded, products)
 from fxmem.passes.base import Finding, Probe
 from fxmem.passes.data_movement import op_name, provenance, trace_movement
 from fxmem.passes.pair_layout import half_strides
@@ -111,9 +113,11 @@ def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[st
     edge_list = bool((settings or {}).get("edge_list", False))
     findings = []
     for node in gm.graph.nodes:
-        if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
-            continue
-        found = _match(node, probes, modules, block_bytes, edge_list)
+        found = None
+        for product in products(node, probes[0].env):  # the first reading whose weights are a softmax
+            found = _match(node, product, probes, modules, block_bytes, edge_list)
+            if found is not None:
+                break
         if found is None:
             continue
         if isinstance(found, str):
@@ -124,12 +128,10 @@ def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[st
     return findings
 
 
-def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
+def _match(node: torch.fx.Node, product: Product, probes: Sequence[Probe], modules: Mapping,
            block_bytes: int, edge_list: bool = False) -> AttentionPlan | str | None:
     env = probes[0].env
-    weights_in, values = node.args
-    if not isinstance(weights_in, torch.fx.Node) or not isinstance(values, torch.fx.Node):
-        return None
+    weights_in, values = product.weights, product.values
     top, permutes = _through_movement(weights_in, env, modules)
     drop = _dropout(top, modules) if isinstance(top, torch.fx.Node) else None
     softmax = top.args[0] if drop is not None else top
@@ -138,6 +140,8 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
     dim = _softmax_dim(softmax, modules)
     if dim is None:
         return None  # not attention weights
+    if product.problem is not None:
+        return product.problem  # softmax weights in a product of another shape
     x = softmax.args[0]
     if not isinstance(x, torch.fx.Node):
         return None
@@ -194,7 +198,7 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
         return "the mask broadcasts the scores to a larger shape"
     groups_mask = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a in axes.mask]
     groups_heads = [a for a in sorted(axes.kinds) if axes.kinds[a] == "g" and a not in axes.mask]
-    layout = _layouts(node, top if drop is not None else softmax, weights_in, values, axes, i, j,
+    layout = _layouts(node, top if drop is not None else softmax, product, axes, i, j,
                       groups_mask, groups_heads, parts, probes, modules)
     if isinstance(layout, str):
         return layout
@@ -234,10 +238,12 @@ def _draws_in_order(weights: Any, order: list) -> bool:
     return noise.permute(*order, *rest).is_contiguous()
 
 
-def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, groups_heads, parts, probes,
+def _layouts(node, weights, product: Product, axes: _Axes, i, j, groups_mask, groups_heads, parts, probes,
              modules) -> tuple | str:
-    """The recipes for u, v, values and the mask source, and how to put the result back in place."""
+    """The recipes for u, v, values and the mask source, and how to put the result back in place
+    (the product read as a matmul, ``product``'s permutations composed into the recipes)."""
     env = probes[0].env
+    weights_in, values = product.weights, product.values
     gm_n, gh_n = len(groups_mask), len(groups_heads)
     g_order = groups_mask + groups_heads
     nonone = sorted(axes.kinds)
@@ -263,6 +269,8 @@ def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, 
         if isinstance(found, str) or found[2] != 0 or lhs.numel() != env[weights].numel():
             return "the attention weights are rearranged before the matmul, not only permuted"
         strides = found[1]
+    if product.weights_order is not None:  # an einsum's weights, laid out [batch.., i, j] as a matmul reads them
+        lhs, strides = lhs.permute(product.weights_order), [strides[d] for d in product.weights_order]
     own = dict(zip(_contiguous_strides(axes.shape), range(len(axes.shape))))
     lhs_axes = []
     for d, (size, stride) in enumerate(zip(lhs.shape, strides)):
@@ -274,10 +282,10 @@ def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, 
             return "the attention weights are rearranged before the matmul, not only permuted"
         lhs_axes.append(a)
     if lhs.dim() < 2 or lhs_axes[-1] != j or lhs_axes[-2] != i:
-        return (f"the matmul does not sum over the axis the softmax normalises (dim {j} of the scores): the "
+        return (f"the product does not sum over the axis the softmax normalises (dim {j} of the scores): the "
                 f"weights it sums for one output row do not add up to 1, so this is no row-normalised attention")
     batch = lhs_axes[:-2]
-    vals = env[values]
+    vals = env[values] if product.values_order is None else env[values].permute(product.values_order)
     if vals.dim() < 2 or vals.shape[-2] != lhs.shape[-1]:
         return "the values do not have one row per column j"
     padded = [1] * (len(batch) - (vals.dim() - 2)) + list(vals.shape[:-2])
@@ -299,7 +307,36 @@ def _layouts(node, weights, weights_in, values, axes: _Axes, i, j, groups_mask, 
     # the fused result is [Gm.., Gh.., N, F]: back to the matmul's order, size-1 dims put back
     out_order = tuple(g_order.index(a) for a in batch_axes) + (len(g_order), len(g_order) + 1)
     out_unsqueeze = tuple(d for d, b in enumerate(batch) if b is None)
+    if product.values_order is not None:
+        values_axes = _permuted_recipe(product.values_order, values_axes)
+    if product.output_order is not None:  # an einsum's own result layout ([N, H, F] for 'ijh,jhf->ihf')
+        out_order, out_unsqueeze = _permuted_result(out_order, out_unsqueeze, product.output_order)
     return u_axes, v_axes, values_axes, mask_axes, out_order, out_unsqueeze
+
+
+def _permuted_recipe(perm: Sequence[int], axes: Axes) -> Axes:
+    """The recipe ``axes`` of ``x.permute(perm)`` as a recipe of ``x`` itself (:func:`gather_axes`).
+
+    >>> _permuted_recipe((1, 0, 2), ((), (0, 1, 2), (1,)))
+    ((), (1, 0, 2), (1,))
+    """
+    squeeze, order, groups = axes
+    kept = [d for d in range(len(perm)) if d not in squeeze]  # dims of the permuted tensor left
+    below = sorted(perm[d] for d in kept)  # the same dims of x, in x's order
+    return (tuple(sorted(perm[d] for d in squeeze)), tuple(below.index(perm[kept[o]]) for o in order), groups)
+
+
+def _permuted_result(order: Sequence[int], unsqueeze: Sequence[int], perm: Sequence[int]) -> tuple:
+    """``(order, unsqueeze)`` for :func:`scatter_axes` that give ``result.permute(perm)`` where
+    ``(order, unsqueeze)`` give ``result`` (size-1 dims inserted where ``perm`` puts them).
+
+    >>> _permuted_result((1, 0, 2), (), (1, 0, 2))
+    ((0, 1, 2), ())
+    """
+    n = len(perm)
+    real = [d for d in range(n) if d not in unsqueeze]  # the result's dims the kernel's output fills
+    return (tuple(order[real.index(perm[e])] for e in range(n) if perm[e] not in unsqueeze),
+            tuple(e for e in range(n) if perm[e] in unsqueeze))
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:

@@ -246,3 +246,43 @@ def _split_left(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, left: Any, 
 
 SPLITS: dict[str, Callable[..., tuple]] = {"matmul": _split_matmul, "linear": _split_linear, "mul-sum": _split_mul_sum,
                                            "left": _split_left}
+
+
+# --- one term of a split map: c * L_h(x), L_h the map's half h --------------------------------------
+
+def _part(half: int, f: int) -> slice:
+    return slice(half * f, (half + 1) * f)
+
+
+def _scaled(graph: torch.fx.Graph, weight: Any, coefficient: float) -> Any:
+    # c L(x) = (c W) x: the coefficient scales the weight's half, never the (larger) operand
+    return weight if coefficient == 1 else graph.call_function(operator.mul, (weight, coefficient))
+
+
+def _term_matmul(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, x: Any, half: int, f: int, coefficient: float,
+                 bias: bool) -> Any:
+    # c * (x @ W[hF:(h+1)F])   (W of shape [.., 2F, k], or [2F])
+    plain = dict([m.options])["ndim"] <= 2
+    part = _part(half, f) if plain else (Ellipsis, _part(half, f), slice(None))
+    w = graph.call_function(operator.getitem, (nodes[m.weight], part))
+    return graph.call_function(torch.matmul, (x, _scaled(graph, w, coefficient)))
+
+
+def _term_linear(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, x: Any, half: int, f: int, coefficient: float,
+                 bias: bool) -> Any:
+    # c * W[:, hF:(h+1)F] x (+ b in one term only)
+    w = graph.call_function(operator.getitem, (_weight_node(graph, nodes, m.weight), (slice(None), _part(half, f))))
+    b = _weight_node(graph, nodes, m.bias) if bias else None
+    return graph.call_function(F.linear, (x, _scaled(graph, w, coefficient), b))
+
+
+def _term_mul_sum(graph: torch.fx.Graph, nodes: Mapping, m: LinearMap, x: Any, half: int, f: int, coefficient: float,
+                  bias: bool) -> Any:
+    # c * sum_c x_c a_(hF + c)   (a broadcasts as before)
+    a = graph.call_function(operator.getitem, (nodes[m.weight], (Ellipsis, _part(half, f))))
+    product = graph.call_function(operator.mul, (x, _scaled(graph, a, coefficient)))
+    return graph.call_function(torch.sum, (product,), {"dim": -1, **dict(m.options)})
+
+
+# the rewriters of one term ``c * L_h(x)`` (``bias``: the term that adds the map's bias), by kind
+TERMS: dict[str, Callable[..., Any]] = {"matmul": _term_matmul, "linear": _term_linear, "mul-sum": _term_mul_sum}

@@ -57,6 +57,7 @@ from fxmem.passes.model_cache import without_cache
 from fxmem.passes.recompute import BudgetError
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
+from fxmem.passes.sdpa_dropout import model_bits
 from fxmem.passes import switch
 from fxmem.passes.decide import Condition, Decision, candidates, decide
 from fxmem import data_paths
@@ -408,7 +409,7 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
                 probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
         findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
         if not findings:  # every call says what it tried, also where nothing was found
-            state.log.append(log_entry(rule.name, "no match", name, f"looked for {rule.looks_for}; none in the graph"))
+            state.log.append(log_entry(rule.name, "no match", name, **rule.no_match(state.gm, probes)))
         for _, finding in findings:
             state.log_finding(finding)
         groups = _groups([(r, f) for r, f in findings if f.status == "match"])
@@ -722,11 +723,13 @@ class _Search:
     def verify(self, candidate: torch.nn.Module) -> Any:
         """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
         own runs made once per call: they are the same for every candidate). Where the candidate
-        chooses a path by the data (an edge list or dense row blocks), each path is compared."""
-        with data_paths.asked() as taken:
+        chooses a path by the data (an edge list or dense row blocks), each path is compared. Under
+        ``model_bits`` an attention given SDPA's own dropout (``same_distribution=True``) draws the
+        model's bits, compared exactly; its own dropout is checked as a distribution by the rule."""
+        with data_paths.asked() as taken, model_bits():
             diff = compare(self.model, candidate, self.verify_inputs, references=self.references)
         for side in sorted({True, False} - set(taken)) if taken and diff.ok else ():  # the paths not taken
-            with data_paths.forced(side):
+            with data_paths.forced(side), model_bits():
                 other = compare(self.model, candidate, self.verify_inputs, references=self.references)
             if not other.ok or other.max_abs > diff.max_abs:
                 diff = other

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from fxmem.capture import source_line
 from fxmem.passes.base import Probe
-from fxmem.passes.data_movement import Movement, Provenance, as_gather, method_name, op_name, provenance, trace_movement
+from fxmem.passes.data_movement import (CONCATENATIONS, Movement, Provenance, as_gather, method_name, op_name,
+                                        provenance, trace_movement)
 from fxmem.passes.linear_maps import LinearMap, Weights, linear_map
 
 
@@ -192,3 +193,34 @@ def upstream_reason(m: LinearMap, probe: Probe, modules: Mapping, is_weight: Wei
     return (f"values are computed ({ops}) between the pairs and this linear map; only linear maps applied "
             f"to a plain concatenation of pairs are decomposed")
 
+
+
+# --- the nearest pair tensor, where the rule finds none ---------------------------------------------
+
+def _site(node: torch.fx.Node) -> str:
+    line = source_line(node)
+    return f"{node.name} ({line})" if line else node.name
+
+
+def nearest(gm: torch.fx.GraphModule, probes: Sequence[Probe]) -> str | None:
+    """The pair-linear rule's nearest candidate where it finds none: a concatenation feeding a
+    linear map whose halves are not rows i and j (no element copied twice), or pairs of rows built
+    by copies that no linear map reads."""
+    env, modules = probes[0].env, dict(gm.named_modules())
+    is_weight = Weights()
+    for node in gm.graph.nodes:
+        m = linear_map(node, env, modules, is_weight)
+        cats = trace_movement(m.x, env, modules).concatenations if m is not None else []
+        if cats:
+            return (f"{_site(cats[-1])}: a concatenation feeding {op_name(node, modules)} (node {node.name}), but "
+                    f"the halves are not rows i and j: no element of its operands is copied twice, so it pairs no "
+                    f"row i with every row j (a concatenation of two tensors, nothing to split away)")
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in CONCATENATIONS or not isinstance(env.get(node), torch.Tensor):
+            continue
+        movement = trace_movement(node, env, modules)
+        if movement.nodes and provenance(movement, env, modules).has_duplicates:
+            readers = ", ".join(f"{op_name(u, modules)} (node {u.name})" for u in list(node.users)[:2])
+            return (f"{_site(node)}: copies of rows concatenated (pairs), read by {readers or 'nothing'}, not by a "
+                    f"linear map (a matmul with a weight, nn.Linear, F.linear, (x * a).sum(-1))")
+    return None

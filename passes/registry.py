@@ -8,13 +8,14 @@ module and one line here, or, from your own code, :func:`register` (and :func:`u
 driver accepts, verifies and records its sites as it does the built-in rules'.
 
 >>> [p.name for p in PASSES]
-['pair-linear', 'fused-attention', 'fused-message-passing', 'sdpa']
+['sdpa-flags', 'pair-linear', 'fused-attention', 'fused-message-passing', 'sdpa']
 >>> [p.name for p in GRAPH_PASSES]
 ['reorder', 'recompute']
 """
 from __future__ import annotations
 
-from fxmem.passes import fused_attention, message_passing, pair_linear, recompute, reorder, sdpa
+from fxmem.passes import (attention_parts, fused_attention, message_passing, pair_linear, pair_reasons, recompute,
+                          reorder, sdpa, sdpa_flags)
 from fxmem.errors import SpecError
 from fxmem.passes.base import GraphPass, Pass
 
@@ -22,19 +23,24 @@ __all__ = ["PASSES", "GRAPH_PASSES", "register", "unregister"]
 
 # the rules in the order they run (a list: register() adds to this very object, which optimize reads)
 PASSES: list[Pass] = [
+    # first: what the capture (or the code) made of an SDPA call's mask and heads
+    # sdpa(q, repeat(k), repeat(v), attn_mask=causal triangle) -> sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    Pass(sdpa_flags.RULE, sdpa_flags.find, sdpa_flags.rewrite, sdpa_flags.SETTINGS, sdpa_flags.LOOKS_FOR,
+         nearest=sdpa_flags.nearest),
     # a linear map over pairs [h_i || h_j] -> L1(h_i) + L2(h_j), a broadcast add (GAT attention)
     Pass(pair_linear.RULE, pair_linear.find, pair_linear.rewrite, pair_linear.SETTINGS,
-         "a linear map over pairs of rows [h_i || h_j] (a cat or sum of repeated/expanded copies of one tensor)"),
+         "a linear map over pairs of rows [h_i || h_j] (a cat or sum of repeated/expanded copies of one tensor)",
+         nearest=pair_reasons.nearest),
     # softmax(where(mask, LeakyReLU(s_i + t_j), fill)) @ h -> one fused kernel in row blocks
     Pass(fused_attention.RULE, fused_attention.find, fused_attention.rewrite, fused_attention.SETTINGS,
          "softmax over masked pair scores s_i + t_j (after LeakyReLU) multiplied into the node features",
-         fused_attention.FLAGS),
+         fused_attention.FLAGS, nearest=attention_parts.nearest_attention),
     # zeros.index_add_(0, dst, x[src] * w) -> a CSR product A @ x (seed 003: fused message passing)
     Pass(message_passing.RULE, message_passing.find, message_passing.rewrite, message_passing.SETTINGS,
          "messages x[src] (times edge weights) summed into rows by index_add/scatter_add"),
     # softmax(q @ k^T * scale [+ mask]) [dropout] @ v -> F.scaled_dot_product_attention (seed 002)
     Pass(sdpa.RULE, sdpa.find, sdpa.rewrite, sdpa.SETTINGS,
-         "softmax(q @ k^T * scale [+ mask]) [dropout] @ v"),
+         "softmax(q @ k^T * scale [+ mask]) [dropout] @ v", sdpa.FLAGS, nearest=attention_parts.nearest_dot_product),
 ]
 # a list as PASSES is (PASSES + GRAPH_PASSES: every pass, in the order a call runs them)
 GRAPH_PASSES: list[GraphPass] = [

@@ -29,6 +29,9 @@ Dropout: SDPA's dropout draws its own random mask, so with p > 0 it cannot give 
 model's ``dropout`` gives. Where dropout follows the module's flag (``nn.Dropout``,
 ``F.dropout(training=self.training)``) the rewritten graph runs SDPA while it is off (eval mode)
 and the original nodes while it is on (train mode); p == 0 (seed 002's default) is SDPA in both.
+``settings={"sdpa": {"same_distribution": True}}`` opts in to SDPA's own ``dropout_p`` while it
+is on: the same distribution, other random bits (:mod:`.sdpa_dropout`: how that is checked, and
+where it is refused).
 
 >>> [f.status for f in find(gm, probes)]                         # doctest: +SKIP
 ['match']
@@ -40,8 +43,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
+from fxmem.passes import sdpa_dropout as own
 from fxmem.passes.base import Finding, Probe
 from fxmem.passes.data_movement import op_name
 from fxmem.passes.attention_parts import _dropout, _dropout_p, _softmax_dim
@@ -50,7 +53,8 @@ from fxmem.passes.sdpa_masks import MaskPlan, fold_chain
 from fxmem.passes.sdpa_parts import Layout, as_product, attention_layout, cast, fixed_cast, peel_scale
 
 RULE = "sdpa"
-SETTINGS: dict = {}
+SETTINGS = {own.SETTING: own.DESCRIPTION}
+FLAGS = frozenset({own.SETTING})  # the settings that are True/False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +73,19 @@ class SdpaPlan:
     dropout_module: str | None  # an nn.Dropout's path: it reads its own flag
     fallback: tuple  # (nodes of the original attention, in graph order; the nodes they read)
     flash: bool  # CPU flash attention applies (4-d, one head size); else SDPA's math path
+    own_dropout: bool = False  # SDPA's own dropout_p while dropout is on (same_distribution=True)
 
 
 def find(gm: torch.fx.GraphModule, probes: Sequence[Probe], settings: Mapping[str, Any] | None = None) -> list[Finding]:
-    """Every softmax dot-product attention (a match), and every look-alike (declined, with the reason)."""
+    """Every softmax dot-product attention (a match), and every look-alike (declined, with the reason);
+    ``settings``: :data:`SETTINGS` (``same_distribution``: see :mod:`.sdpa_dropout`)."""
     modules = dict(gm.named_modules())
+    same = bool((settings or {}).get(own.SETTING, False))
     findings = []
     for node in gm.graph.nodes:
         if as_product(node, probes[0].env) is None:
             continue
-        found = _match(node, probes, modules)
+        found = _match(node, probes, modules, same)
         if found is None:
             continue
         if isinstance(found, str):
@@ -151,14 +158,21 @@ def _single_user(chain: Sequence[torch.fx.Node], softmax: torch.fx.Node, end: to
     return None
 
 
-def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> SdpaPlan | str | None:
+def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping,
+           same: bool = False) -> SdpaPlan | str | None:
     env = probes[0].env
-    weights_in, values, _ = as_product(node, env)
+    weights_in, values, letters = as_product(node, env)
     top = _passed_cast(weights_in, env)
     drop = _dropout_of(top, modules) if isinstance(top, torch.fx.Node) else None
     softmax = _passed_cast(top.args[0], env) if drop is not None else top
     if not isinstance(softmax, torch.fx.Node):
         return None
+    if same and drop is None:  # the opt-in asked for, and a dropout elsewhere in the attention: say why not
+        why = own.misplaced(weights_in, lambda n: _dropout_of(n, modules) is not None,
+                            lambda n: _softmax_dim(n, modules) is not None, lambda n: cast(n, env) == "follows",
+                            lambda n: as_product(n, env) is not None)
+        if why is not None:
+            return why
     for n in (top, softmax):
         if cast(n, env) == "fixed" and _softmax_dim(_passed_cast(n.args[0], env), modules) is not None:
             return fixed_cast(n, env)
@@ -191,6 +205,8 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> Sd
         return used
     p, training, module = drop if drop is not None else (0.0, None, None)
     if drop is not None and p > 0 and module is None and training is True:
+        if same:
+            return own.always_on(p)
         return (f"dropout (p={p}) is always on here (training=True written in the code): SDPA's dropout draws "
                 f"another random mask, so the rewrite could not give the same numbers")
     if drop is None or p == 0 or training is False:
@@ -199,8 +215,13 @@ def _match(node: torch.fx.Node, probes: Sequence[Probe], modules: Mapping) -> Sd
              for n, order in ((layout.query, layout.query_order), (values, layout.value_order))}
     flash = len(heads) == 1 and env[softmax].dim() + layout.lift == 4  # CPU flash attention's conditions
     plan = SdpaPlan(node, layout.query, layout.key, values, layout, chain.scale + layout.scale, chain.mask,
-                    p, training, module, _original(node, _reads(layout, values, chain.mask)), flash)
+                    p, training, module, _original(node, _reads(layout, values, chain.mask)), flash,
+                    same and drop is not None and p > 0 and training is not False)
     bad = _check(plan, probes)
+    if bad is None and plan.own_dropout:  # SDPA's dropout, drawn at the probes, against the model's
+        reads = _reads(layout, values, chain.mask) + [f for _, f in plan.scale if isinstance(f, torch.fx.Node)]
+        bad = own.check_distribution(lambda look, dropout_p: _value(plan, look, dropout_p), reads, weights_in,
+                                     values, letters, p, probes)
     return bad if bad is not None else plan
 
 
@@ -210,15 +231,16 @@ def _reads(layout: Layout, values: torch.fx.Node, mask: MaskPlan) -> list:
 
 # --- the replacement, written once: run on values (the check) or on fx proxies (the rewrite) ---------
 
-def attention(q: Any, k: Any, v: Any, mask: Any, scale: Any, orders: tuple, causal: bool) -> Any:
+def attention(q: Any, k: Any, v: Any, mask: Any, scale: Any, orders: tuple, causal: bool,
+              dropout_p: float = 0.0) -> Any:
     """SDPA on the model's q, k, v laid out by ``orders`` (:attr:`.sdpa_parts.Layout.orders`); the
-    result in the layout of the product it replaces."""
+    result in the layout of the product it replaces. ``dropout_p``: SDPA's own (:mod:`.sdpa_dropout`)."""
     query_order, key_order, value_order, output_order, lift = orders
     q, k, v = (x.permute(order) if order is not None else x
                for x, order in ((q, query_order), (k, key_order), (v, value_order)))
     for _ in range(lift):  # flash attention on CPU takes [B, H, L, D]: a 3-d bmm becomes [1, BH, L, D]
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scale)
+    out = own.call(q, k, v, mask, scale, causal, dropout_p)
     for _ in range(lift):
         out = out.squeeze(0)
     return out.permute(output_order) if output_order is not None else out
@@ -236,10 +258,10 @@ def _scale(factors: Sequence[tuple[str, Any]], lookup: Any) -> Any:
     return 1.0 if scale is None else scale
 
 
-def _value(plan: SdpaPlan, env: Mapping) -> torch.Tensor:
-    look = env.__getitem__
-    return attention(env[plan.query], env[plan.key], env[plan.value], plan.mask.build(look),
-                     _scale(plan.scale, look), plan.layout.orders, plan.mask.causal)
+def _value(plan: SdpaPlan, env: Mapping, dropout_p: float = 0.0) -> torch.Tensor:
+    look = env.__getitem__ if isinstance(env, Mapping) else env
+    return attention(look(plan.query), look(plan.key), look(plan.value), plan.mask.build(look),
+                     _scale(plan.scale, look), plan.layout.orders, plan.mask.causal, dropout_p)
 
 
 def _check(plan: SdpaPlan, probes: Sequence[Probe]) -> str | None:
@@ -259,21 +281,24 @@ def _check(plan: SdpaPlan, probes: Sequence[Probe]) -> str | None:
 
 
 def sdpa_unless_dropout(dropout: bool, original: Any, box: list, q: Any, k: Any, v: Any, mask: Any,
-                        mask_box: list, scale: Any, orders: tuple, causal: bool) -> torch.Tensor:
+                        mask_box: list, scale: Any, orders: tuple, causal: bool, own_p: Any = None) -> torch.Tensor:
     """What the rewritten graph calls where the attention has dropout with p > 0 that follows the
     module's flag: SDPA while it is off, the original nodes (``original[0]``, a GraphModule of them,
     on the values in the list ``box``) while it is on - they draw the same random mask as the model.
-    SDPA's mask is built (``mask[0]`` on the values in ``mask_box``) only when SDPA runs. Both lists
-    are emptied here, so that nothing is held longer than the path taken needs it."""
+    With ``own_p`` (the dropout's p, ``same_distribution=True``) SDPA's own dropout_p while it is on,
+    except within :func:`.sdpa_dropout.model_bits`. SDPA's mask is built (``mask[0]`` on the values
+    in ``mask_box``) only when SDPA runs. Both lists are emptied here, so that nothing is held
+    longer than the path taken needs it."""
     mask_reads = list(mask_box)
     mask_box.clear()
-    if dropout:
+    drawn_by_sdpa = own_p is not None and own.own_dropout()
+    if dropout and not drawn_by_sdpa:
         del mask_reads
         return original[0](box)
     box.clear()
     built = mask[0](*mask_reads) if mask is not None else None
     del mask_reads
-    return attention(q, k, v, built, scale, orders, causal)
+    return attention(q, k, v, built, scale, orders, causal, float(own_p) if dropout else 0.0)
 
 
 def _deferred_mask(plan: SdpaPlan, gm: torch.fx.GraphModule) -> str | None:
@@ -301,7 +326,15 @@ def _describe(plan: SdpaPlan) -> str:
                "on CPU its math path (v's head size other than q's, or not 4-d), which builds the scores too"))
     if plan.mask.keep is not None:
         text += "; a query whose keys are all masked gets zeros from SDPA where the original gives NaN"
-    if plan.dropout_p > 0 and plan.training is not False:
+    if plan.own_dropout:
+        text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) SDPA's own dropout_p replaces it "
+                 f"({own.NAMED}): the same distribution, NOT THE SAME RANDOM BITS - SDPA draws the mask, so "
+                 f"train-mode outputs are not promised to be the model's bit for bit; checked exactly in eval mode "
+                 f"and in train mode with the model's own bits, and as a distribution at the probes ({own.DRAWS} "
+                 f"draws: the mean and spread of the model's dropout; backward with the forward's mask); on CPU "
+                 f"SDPA's dropout runs its math path, recomputed in backward (torch.utils.checkpoint), so no L x S "
+                 f"weights are kept from forward to backward")
+    elif plan.dropout_p > 0 and plan.training is not False:
         text += (f"; while dropout (p={plan.dropout_p:g}) is on (train mode) the original attention runs: SDPA's "
                  f"dropout draws another random mask")
     return text
@@ -329,7 +362,12 @@ def rewrite(graph: torch.fx.Graph, nodes: Mapping, finding: Finding, gm: torch.f
             box = boxed(graph, [nodes[r] for r in plan.fallback[1]])
             mask_box = boxed(graph, [nodes[r] for r in dict.fromkeys(plan.mask.nodes())])
             scale = scale.node if isinstance(scale, torch.fx.Proxy) else scale
+            own_p = None
+            if plan.own_dropout:  # p as the model reads it: an nn.Dropout's p when the graph runs
+                own_p = plan.dropout_p if plan.dropout_module is None else graph.call_function(
+                    getattr, (graph.get_attr(plan.dropout_module), "p"))
             return graph.call_function(sdpa_unless_dropout, (flag, original, box, q.node, k.node, v.node, mask,
-                                                             mask_box, scale, plan.layout.orders, plan.mask.causal))
+                                                             mask_box, scale, plan.layout.orders, plan.mask.causal,
+                                                             own_p))
         mask = plan.mask.build(proxy)
         return attention(q, k, v, mask, scale, plan.layout.orders, plan.mask.causal).node

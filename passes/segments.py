@@ -57,32 +57,90 @@ def _stack(node: torch.fx.Node) -> list[str]:
 
 
 def blocks(gm: torch.fx.GraphModule) -> list[Block]:
-    """The recomputable blocks of ``gm``: the shallowest module depth with two or more blocks."""
+    """The recomputable blocks of ``gm``: the shallowest module depth with two or more blocks, where
+    a block that holds a stack of alike layers (an ``nn.Sequential``/``nn.ModuleList`` of
+    transformer blocks, a decoder's ``layers.0``, ``layers.1``, ..., at any depth) offers those
+    layers instead of itself: recomputing the layers one by one is what a library's own
+    checkpointing does (timm's ``set_grad_checkpointing``, Hugging Face's
+    ``gradient_checkpointing_enable``), and one block of them all would bring all their
+    activations back at once."""
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     stacks = {n: [p for p in _stack(n) if p] for n in compute}
     depth = 0
     while True:
-        runs: list[tuple[str, list]] = []
-        for n in compute:
-            s = stacks[n]
-            key = s[depth] if len(s) > depth else None
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append(n)
-            else:
-                runs.append((key, [n]))
-        named = [(k, ns) for k, ns in runs if k is not None]
+        named = _runs(compute, stacks, depth)
         if not named:
             return []
-        counts: dict = {}
-        for k, _ in named:
-            counts[k] = counts.get(k, 0) + 1
-        # a module whose nodes are interleaved with others' is no block (it is called twice, or in pieces)
-        found = [Block(k, tuple(ns), _refusal(gm, ns)) for k, ns in named if counts[k] == 1 and len(ns) >= 2]
+        found = _whole_runs(named)
         if len(found) >= 2:
-            return found
+            return [piece for name, ns in found for piece in _layers(gm, name, ns, stacks, depth + 1)]
         if len(named) != 1 and not found:
             return []
         depth += 1  # one block (a wrapper module): look inside it
+
+
+def _runs(nodes: Sequence[torch.fx.Node], stacks: dict, depth: int) -> list[tuple[str, list]]:
+    """``nodes`` in runs of one module at ``depth`` of their module stacks (those of no module there
+    left out). Nodes of no module there between two nodes of one module belong to its run:
+    TorchDynamo records no module for some ops inside a module's code (``x.dtype``, a constant)."""
+    runs: list[tuple[Any, list]] = []
+    for n in nodes:
+        s = stacks[n]
+        key = s[depth] if len(s) > depth else None
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(n)
+        elif key is not None and len(runs) >= 2 and runs[-1][0] is None and runs[-2][0] == key:
+            gap = runs.pop()[1]
+            runs[-1][1].extend(gap + [n])
+        else:
+            runs.append((key, [n]))
+    return [(k, ns) for k, ns in runs if k is not None]
+
+
+def _whole_runs(named: Sequence[tuple[str, list]]) -> list[tuple[str, list]]:
+    """The runs that are a module's only run with two nodes or more: a module whose nodes are
+    interleaved with others' is no block (it is called twice, or in pieces)."""
+    counts: dict = {}
+    for k, _ in named:
+        counts[k] = counts.get(k, 0) + 1
+    return [(k, ns) for k, ns in named if counts[k] == 1 and len(ns) >= 2]
+
+
+def _layers(gm: torch.fx.GraphModule, name: str, nodes: list, stacks: dict, depth: int) -> list[Block]:
+    """The block ``name`` made of ``nodes``, or, where it holds a stack of alike layers, the blocks
+    inside it (each again split where it holds such a stack: a Swin stage's blocks). A stack of
+    layers: two or more runs of submodules that compute alike (the same ops in the same order, the
+    same module types) and together make at least half of the block's nodes - a transformer block's
+    two LayerNorms are no stack."""
+    inner = _whole_runs(_runs(nodes, stacks, depth))
+    if len(inner) == 1 and len(inner[0][1]) == len(nodes):  # a wrapper inside the block: look inside it
+        return _layers(gm, name, nodes, stacks, depth + 1)
+    alike: dict = {}
+    for k, ns in inner:
+        alike.setdefault(_signature(gm, k, ns), []).append(ns)
+    stacked = sum(len(ns) for runs in alike.values() if len(runs) >= 2 for ns in runs)
+    deeper = [_layers(gm, k, ns, stacks, depth + 1) for k, ns in inner]
+    if 2 * stacked >= len(nodes) or (deeper and 2 * sum(len(ns) for d in deeper if len(d) > 1 for b in d
+                                                          for ns in [b.nodes]) >= len(nodes)):
+        return [b for d in deeper for b in d]
+    return [Block(name, tuple(nodes), _refusal(gm, nodes))]
+
+
+def _signature(gm: torch.fx.GraphModule, path: str, nodes: Sequence[torch.fx.Node]) -> tuple:
+    """What a run of nodes computes, up to the module it runs in: per node its op and its target,
+    modules and attributes named relative to ``path`` (``layers.3.mlp.fc1`` is ``mlp.fc1``)."""
+    prefix = path.replace(".", "_") + "_"
+    out = []
+    for n in nodes:
+        target = n.target
+        if n.op == "call_module":
+            target = type(gm.get_submodule(str(target))).__name__
+        elif not isinstance(target, str):
+            target = getattr(target, "__name__", repr(target))
+        elif n.op != "call_method":
+            target = str(target).removeprefix(path + ".").removeprefix(prefix)
+        out.append((n.op, target, len(n.args)))
+    return tuple(out)
 
 
 def _refusal(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> str | None:

@@ -1,0 +1,157 @@
+"""``optimize(budget=)`` on transformers as libraries write them: layers inside an ``nn.Sequential``
+or ``nn.ModuleList`` (timm's ViT and Swin, Hugging Face's decoders) are the blocks recomputed, as
+the libraries' own checkpointing recomputes them (passes/segments.py).
+
+Independent evidence: the recomputed model's real training step, measured by the CPU allocator at
+the budget's dims, is within the budget and equal to fxmem's prediction; its outputs and gradients
+equal the model's in train and eval mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxmem
+from fxmem.passes.segments import blocks
+from conftest import check_training_against_real_run
+from equivalence import assert_same_in_every_mode
+from test_recompute import _measured_step_peak, sgd
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+class Block(nn.Module):
+    """timm's ViT block: pre-norm attention and MLP, each with a residual."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(dim), Attention(dim), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, dim: int, patch: int = 4) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Conv2d(3, dim, patch, patch), nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x).flatten(2).transpose(1, 2))
+
+
+class ViT(nn.Module):
+    """timm's VisionTransformer's layout: patch embedding, class token, ``blocks`` an nn.Sequential."""
+
+    def __init__(self, dim: int = 32, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed(dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.blocks = nn.Sequential(*[Block(dim) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class Stage(nn.Module):
+    """Swin's stage: a patch merging (after the first stage), then ``blocks`` an nn.Sequential."""
+
+    def __init__(self, dim: int, depth: int, merge: bool) -> None:
+        super().__init__()
+        self.downsample = nn.Sequential(nn.LayerNorm(dim // 2), nn.Linear(dim // 2, dim)) if merge else nn.Identity()
+        self.blocks = nn.Sequential(*[Block(dim) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class Swin(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed(dim)
+        self.layers = nn.Sequential(Stage(dim, 2, False), Stage(2 * dim, 2, True))
+        self.head = nn.Linear(2 * dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.patch_embed(x)).mean(1))
+
+
+def _names(model: nn.Module) -> list[str]:
+    from fxmem.passes.modes import trace_modes
+
+    return [b.name for b in blocks(trace_modes(model).graph_module)]
+
+
+def test_the_layers_inside_containers_are_the_blocks_not_the_container_nor_a_layers_parts():
+    # timm's ViT: blocks.0..3, not "blocks" (one block of them all would bring every layer's
+    # activations back at once); a block's two LayerNorms are no stack of layers
+    assert _names(ViT()) == ["patch_embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    # Swin: the stages' blocks, two containers deep, and the merging between them
+    assert _names(Swin()) == ["patch_embed", "layers.0.blocks.0", "layers.0.blocks.1", "layers.1.downsample",
+                              "layers.1.blocks.0", "layers.1.blocks.1"]
+
+
+def test_a_budget_on_a_vit_recomputes_its_layers_and_holds_on_a_real_step():
+    torch.manual_seed(0)
+    model = ViT()
+    spec, dims = ("B", 3, 32, 32), dict(B=32)
+    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
+    budget = int(base * 0.6)
+    opt = fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=sgd)
+    entry = opt.meta["fxmem"][-1]
+    assert (entry["rule"], entry["status"]) == ("recompute", "applied"), entry
+    assert {name for name, _ in entry["plan"]} <= {f"blocks.{k}" for k in range(4)} | {"patch_embed"}, entry["plan"]
+    report = check_training_against_real_run(opt, (spec,), [dict(B=5)], sgd, num_threads=1)
+    assert _measured_step_peak(opt, report, dims) <= budget
+    assert_same_in_every_mode(model, opt, [torch.randn(3, 3, 32, 32)])
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
+def test_a_budget_on_a_hugging_face_decoder_recomputes_its_layers_and_holds_on_a_real_step():
+    """HF's LlamaForCausalLM: model.layers (an nn.ModuleList the model loops over) are the blocks;
+    the step fxmem plans on is the model's own (its captured graph given back is_causal and
+    enable_gqa, which HF's code drops under tracing: sdpa-flags), so the budget is neither missed
+    nor too strict."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids, dims = fxmem.TensorSpec(("B", "L"), dtype=torch.int64), dict(B=4, L=128)
+    own = fxmem.analyze(model, ids, optimizer=sgd)
+    budget = int(own.evaluate(**dims)["train_peak"] * 0.6)
+    opt = fxmem.optimize(model, ids, budget=budget, dims=dims, optimizer=sgd)
+    log = opt.meta["fxmem"]
+    assert [e["status"] for e in log if e["rule"] == "sdpa-flags"] == ["applied"] * 3, log
+    entry = log[-1]
+    assert (entry["rule"], entry["status"]) == ("recompute", "applied"), entry
+    assert {name for name, _ in entry["plan"]} <= {f"model.layers.{k}" for k in range(3)} | {"model.rotary_emb",
+                                                                                              "model.norm"}
+    # the step planned on is the model's own: its peak before equals the model's real step
+    assert entry["peak_at_dims_before"] == _measured_step_peak(model, own, dims)
+    report = fxmem.analyze(opt, ids, optimizer=sgd)
+    assert _measured_step_peak(opt, report, dims) == report.evaluate(**dims)["train_peak"] <= budget
+    assert_same_in_every_mode(_Logits(model), _Logits(opt), [torch.randint(0, 64, (2, 9))])

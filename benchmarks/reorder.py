@@ -35,7 +35,8 @@ from fxmem.errors import FxMemError  # noqa: E402
 from fxmem.inputs import random_inputs  # noqa: E402
 from fxmem.measure import machine_name, measure  # noqa: E402
 from fxmem.passes.modes import in_mode, trace_modes  # noqa: E402
-from fxmem.passes.optimize import PROBE_LADDER, _memory  # noqa: E402 - the analysis optimize keeps a rewrite by
+from fxmem.passes.peaks import memory as _memory  # noqa: E402 - the analysis optimize keeps a rewrite by
+from fxmem.passes.probes import PROBE_LADDER  # noqa: E402
 from fxmem.passes.reorder import reorder  # noqa: E402
 from fxmem.passes.verify import compare  # noqa: E402
 from fxmem.specs import choose_hints  # noqa: E402

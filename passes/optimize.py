@@ -29,8 +29,6 @@ formulas, condition, verification and grouping in their own keys (:data:`.base.F
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -44,118 +42,25 @@ from fxmem import _torch_compat as tc
 from fxmem.analyze import analyze
 from fxmem.options import AnalysisOptions
 from fxmem.capture import forward_parameters
-from fxmem.errors import FxMemError, ModelError, NothingToTrainError, ShapeError, SpecError, TraceError
+from fxmem.errors import FxMemError, ModelError, ShapeError, SpecError, TraceError
 from fxmem.inputs import random_inputs
-from fxmem.simulation.failures import first_line
-from fxmem.report import Report
 from fxmem.capture.whole_graph import capture
-from fxmem.specs import InputSpec, TensorSpec, check_dims, check_input_sizes, choose_hints, parse_specs
+from fxmem.specs import InputSpec, TensorSpec, choose_hints, parse_specs
 from fxmem.passes.base import LOG_KEYS, REASON_LIMIT, STATUSES, Finding, Line, Pass, Probe, brief, log_entry
-from fxmem.units import format_bytes, parse_bytes
-from fxmem.passes.modes import in_mode, trace_modes
+from fxmem.units import parse_bytes
+from fxmem.passes.modes import trace_modes
 from fxmem.passes.model_cache import without_cache
 from fxmem.passes.recompute import BudgetError
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
 from fxmem.passes.sdpa_dropout import model_bits
 from fxmem.passes import switch
-from fxmem.passes.decide import Condition, Decision, candidates, decide
+from fxmem.passes.decide import Condition, Decision
+from fxmem.passes.peaks import (Memory, decide_peaks, inference_options, memory, regions_of, step_options, threshold,
+                                what_changed)
+from fxmem.passes.probes import probe, run_values
+from fxmem.passes.assemble import build, share_modules, site_groups
 from fxmem import data_paths
-from fxmem.accounting.symbolic import Region
-from fxmem.search import first_true
-
-# Probe sizes when the user gives none: dim k (in order of appearance) is base+k for each base of
-# a rung; probes run at the first and last base, rewrites are verified at all three. Small, so a
-# [.., N, N, 2F] tensor is tiny, and different in each probe, so what varies with the sizes is
-# told apart from what does not. A model that cannot run that small (a pooling, a wide kernel)
-# gets the next rung.
-PROBE_LADDER = ((3, 4, 5), (8, 9, 10), (16, 17, 18), (32, 33, 34))
-
-
-def _plain_sgd(params: Any) -> torch.optim.Optimizer:
-    # no optimizer state: the training step's peak is forward + backward + gradients
-    return torch.optim.SGD(params, lr=0.0)
-
-
-# The analyses one call makes, each an AnalysisOptions derived from the call's own ``kw`` (the
-# user's options, mode="auto", no self-check; with budget= the user's optimizer):
-def _step(kw: AnalysisOptions) -> AnalysisOptions:
-    """A training step: the optimizer budget= brought, else SGD without state."""
-    return kw.replace(optimizer=kw.optimizer or _plain_sgd)
-
-
-def _forward(kw: AnalysisOptions) -> AnalysisOptions:
-    """The forward in train mode, with autograd (what backward keeps), no step."""
-    return kw.replace(optimizer=None)
-
-
-def _inference(kw: AnalysisOptions) -> AnalysisOptions:
-    """The forward without grad (inference)."""
-    return kw.replace(grad=False, optimizer=None)
-
-
-@dataclasses.dataclass
-class _Memory:
-    """fxmem's analysis of one graph, and its peaks (bytes) at the example sizes.
-
-    ``report`` is the train-mode analysis (with a training step when there is grad), ``inference``
-    the eval-mode analysis under ``no_grad``: a rewrite must not raise either.
-    """
-
-    report: Report
-    inference: Report
-    at_hints: tuple[int, ...]  # (forward peak, training-step peak or 0, inference peak) at the example sizes
-    # where a size the data decides chooses the graph's path (an edge list, or dense row blocks): the
-    # analysis of the other path (data_paths.beyond), which the decisions compare too
-    beyond: Any = None
-    # why the training step could not be analysed (then ``report`` is the forward's): the decisions
-    # compare forward and inference peaks only, and say so
-    step_failure: str | None = None
-    _texts: dict | None = dataclasses.field(default=None, repr=False, compare=False)
-
-    def paths(self) -> dict:
-        """The data dims that choose a path, with the bound (in the dims) up to which the analysis holds."""
-        return {**self.report.data_paths, **self.inference.data_paths}
-
-    def lower_than(self, other: "_Memory") -> bool:
-        """Proven by the formulas: no peak higher than ``other``'s for any size in the region, one lower somewhere."""
-        return _decide(other, self, self.report.symbols, self.report.hints, None).verdict == "keep"
-
-    def decision(self, other: "_Memory") -> str:
-        """The formula comparison of this graph's peaks with ``other``'s, in words."""
-        return _decide(other, self, self.report.symbols, self.report.hints, None).text
-
-    def at_sizes(self, suffix: str) -> dict:
-        """``sizes`` and ``bytes_<suffix>``: the peaks (ints, bytes) at the example sizes, for the records."""
-        peak, train, inference = self.at_hints
-        return {"sizes": dict(self.report.hints),
-                f"bytes_{suffix}": {"peak": peak, "train_peak": train if self.report.train_peak is not None else None,
-                                    "inference_peak": inference}}
-
-    def formulas(self, suffix: str) -> dict[str, str | None]:
-        if self._texts is None:  # printed once: every site's record of one graph shows the same
-            r = self.report
-            self._texts = {"peak": str(r.peak), "saved": str(r.saved),
-                           "train_peak": str(r.train_peak) if r.train_peak is not None else None,
-                           "inference_peak": str(self.inference.peak)}
-        return {f"{k}_{suffix}": v for k, v in self._texts.items()}
-
-
-def _change(before: _Memory, after: _Memory, room: int = REASON_LIMIT - 10) -> str:
-    """The peaks that change at the example sizes, largest change first, in words: ``"inference peak
-    1.96 GiB -> 8.11 MiB, peak 1.96 GiB -> 12.00 MiB at B=4, N=500"`` (a reason's numbers), as many
-    as fit in ``room`` characters (one at least)."""
-    names = ("peak", "training-step peak", "inference peak")
-    pairs = [(n, a, b) for n, a, b in zip(names, before.at_hints, after.at_hints) if a and b and a != b]
-    pairs.sort(key=lambda x: -abs(x[2] - x[1]) / x[1])
-    at = ", ".join(f"{k}={v}" for k, v in after.report.hints.items())
-    if not pairs:
-        return f"the same peaks at {at}" if at else "the same peaks"
-    words = [f"{n} {format_bytes(a)} -> {format_bytes(b)}" for n, a, b in pairs]
-    at = f" at {at}" if at else ""
-    while len(words) > 1 and len(", ".join(words) + at) > room:
-        words.pop()
-    return ", ".join(words) + at
 
 
 def _failed(diff: Any) -> str:
@@ -315,9 +220,9 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     # training step the budget is fitted to (one analysis of the graph serves both)
     kw = opts.replace(optimizer=optimizer if budget is not None else None, mode="auto", check=False)
     try:
-        probes, verify_at = _probe(gm, specs, symbols, probe_sizes, name)
+        probes, verify_at = probe(gm, specs, symbols, probe_sizes, name)
     except ShapeError:
-        analyze(gm, *input_specs, options=_inference(kw))  # a shape error at every size says where, in dims
+        analyze(gm, *input_specs, options=inference_options(kw))  # a shape error at every size says where, in dims
         raise
     if region is not None and not all(region[0].holds(sizes) for sizes in verify_at):
         raise TraceError(f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and fxmem's "
@@ -343,7 +248,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     if traced.capture:
         gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
-        _share_modules(gm, model)
+        share_modules(gm, model)
         state.faithful(gm)
         if budget is not None:  # never silence: the step must fit as it is, or say so
             _must_fit(model, input_specs, kw, budget,
@@ -391,7 +296,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
                       f"could be made at {point[0]} == {point[1]} ({more[0]['details']})")
         best, entry = _within(region, best, model, name, elsewhere, point if elsewhere is not None else None)
         log += _tagged([entry], None) + more
-    _share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
+    share_modules(best, model)  # every module of the model, used by the graph or not (state_dict keys)
     best.meta["fxmem"] = first + log
     if traced.capture:  # what the rewritten graph is a graph of
         best.meta["fxmem_capture"] = traced.capture
@@ -406,13 +311,13 @@ def _search(gm: torch.fx.GraphModule, state: "_Search", probes: list[Probe], spe
             if state.accepted:  # verified before later rules build on it: a wrong rewrite is found early
                 state.confirm(state.best)
             if state.rebase():
-                probes = [Probe(p.sizes, _run_values(state.gm, specs, p.sizes, name)) for p in probes]
+                probes = [Probe(p.sizes, run_values(state.gm, specs, p.sizes, name)) for p in probes]
         findings = [(rule, f) for f in rule.find(state.gm, probes, settings.get(rule.name, {}))]
         if not findings:  # every call says what it tried, also where nothing was found
             state.log.append(log_entry(rule.name, "no match", name, **rule.no_match(state.gm, probes)))
         for _, finding in findings:
             state.log_finding(finding)
-        groups = _groups([(r, f) for r, f in findings if f.status == "match"])
+        groups = site_groups([(r, f) for r, f in findings if f.status == "match"])
         if len(groups) > 1 and _whole(state, groups, rule):
             continue
         tried = [(g, state.try_group(g)) for g in groups]
@@ -455,14 +360,14 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
     best graph; their entries go to its log."""
     runs_at_dims = budget is not None and fits_here and (state.condition is None or state.condition.holds(dims)) and (
         state.condition is not None or state.switch is None or not state.switch.holds(dims))
-    step = _step(kw)
+    step = step_options(kw)
     # the analyses made already serve when they are of the same training step (not a line that
     # looked at other sizes)
     reuse = state.kw == kw and kw.grad
     line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
                 dims, runs_at_dims, state.memory,
                 state.analysed if reuse else (lambda g: None), state.verify,
-                lambda g: _share_modules(g, model))
+                lambda g: share_modules(g, model))
     best = state.best
     try:
         for p in GRAPH_PASSES:
@@ -480,7 +385,7 @@ def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwis
     """:func:`.switch.build`, sharing the model's modules first: ``parameters()`` in the model's order."""
     best = switch.build(cond, where, when, otherwise, type(model).__name__)
     forms = tc.pop_child(best, "fxmem_forms")
-    _share_modules(best, model)
+    share_modules(best, model)
     best.add_module("fxmem_forms", forms)
     # the flags of the wrappers only: the modules inside are the model's, whose flags are the user's
     for m in (best, forms, forms.when, forms.otherwise):
@@ -594,8 +499,8 @@ def _tagged(log: list[dict], when: str | None) -> list[dict]:
 
 def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any, dims: dict,
               why: str) -> None:
-    """Raise :class:`BudgetError` unless the model's own training step (``_step(kw)``) fits ``budget`` at ``dims``."""
-    report = analyze(model, *input_specs, options=_step(kw))
+    """Raise :class:`BudgetError` unless the model's own training step (``step_options(kw)``) fits ``budget`` at ``dims``."""
+    report = analyze(model, *input_specs, options=step_options(kw))
     peak = report.evaluate(**dims)["train_peak"]
     limit = parse_bytes(budget)
     if peak > limit:
@@ -688,12 +593,12 @@ class _Search:
         self.switch_kw: AnalysisOptions | None = None
         self.kept = 0
         self.last: Decision | None = None  # the decision of the last trial (None: it failed verification)
-        self._current: _Memory | None = None  # analysed when first needed: most models have no finding
-        self.best = _build(gm, model, [])
+        self._current: Memory | None = None  # analysed when first needed: most models have no finding
+        self.best = build(gm, model, [])
         self.accepted: list[tuple[Pass, Finding]] = []
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
-        self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its _Memory): each analysed once
+        self._analysed: dict[int, tuple] = {}  # id(graph module) -> (it, its Memory): each analysed once
         self.references: dict = {}  # the model's own verification runs (shared with the other line's search)
         self.graph_checked = False  # whether the graph as captured, no rewrite on it, was verified
         # the optimistic pass (see optimize): a trial the formulas keep is verified with the graph
@@ -710,7 +615,7 @@ class _Search:
         if self.graph_checked:
             return
         self.graph_checked = True
-        diff = self.verify(graph if graph is not None else _build(self.gm, self.model, []))
+        diff = self.verify(graph if graph is not None else build(self.gm, self.model, []))
         if not diff.ok:
             how = self.gm.meta.get("fxmem_capture") or "the graph torch.fx traced"
             raise TraceError(f"{type(self.model).__name__}: {how}; that graph does not compute what the model does "
@@ -760,18 +665,18 @@ class _Search:
             return None
         # never higher, plainly: no condition is looked for on a graph not yet verified (the costly
         # part of a decision, wasted where the verification fails)
-        decision = _decide(self.current, after, self.symbols, self.hints, self.condition, search=False)
+        decision = decide_peaks(self.current, after, self.symbols, self.hints, self.condition, search=False)
         return decision if decision.verdict == "keep" else None
 
-    def memory(self, gm: torch.fx.GraphModule) -> "_Memory":
+    def memory(self, gm: torch.fx.GraphModule) -> "Memory":
         """fxmem's analysis of ``gm`` with this line's options, made once per graph module."""
         known = self.analysed(gm)
         if known is None:
-            known = _memory(gm, self.input_specs, self.kw)
+            known = memory(gm, self.input_specs, self.kw)
             self._analysed[id(gm)] = (gm, known)
         return known
 
-    def analysed(self, gm: torch.fx.GraphModule) -> "_Memory | None":
+    def analysed(self, gm: torch.fx.GraphModule) -> "Memory | None":
         """The analysis of ``gm`` made already, or None."""
         held = self._analysed.get(id(gm))
         return held[1] if held is not None and held[0] is gm else None
@@ -784,17 +689,17 @@ class _Search:
         return True
 
     @property
-    def current(self) -> _Memory:
+    def current(self) -> Memory:
         """The memory of the graph with every rewrite kept so far."""
         if self._current is None:
             self._current = self.memory(self.best)
         return self._current
 
     @current.setter
-    def current(self, value: _Memory) -> None:
+    def current(self, value: Memory) -> None:
         self._current = value
 
-    def _beyond(self, trial: torch.fx.GraphModule, after: _Memory) -> Decision | None:
+    def _beyond(self, trial: torch.fx.GraphModule, after: Memory) -> Decision | None:
         """A second look where the rewrite's analysis stops holding (its kernel changes regime at a
         size, as the fused attention does when one row block no longer holds every row): both forms
         analysed at example sizes doubled until every analysis holds with no upper end, and where the
@@ -804,27 +709,27 @@ class _Search:
         if len(dims) != 1:
             return None
         dim, sym = dims[0], self.symbols[dims[0]]
-        first = _regions(after)
+        first = regions_of(after)
         for k in range(1, 11):
             scaled = {n: v * 2 ** k for n, v in self.hints.items()}
             if not any(r.violations({sym: scaled[dim]}) for r in first):
                 continue  # still the example sizes' regime
             kw = self.kw.replace(hints=scaled)
             try:
-                before2, after2 = _memory(self.gm, self.input_specs, kw), _memory(trial, self.input_specs, kw)
+                before2, after2 = memory(self.gm, self.input_specs, kw), memory(trial, self.input_specs, kw)
             except FxMemError:
                 return None
-            held = _regions(before2) + _regions(after2)
+            held = regions_of(before2) + regions_of(after2)
             if any(sym in r.upper or r.violations({sym: 4 * scaled[dim]}) for r in held):
                 continue  # a regime that ends too (a bound, or a guard such as one row block holding every row)
-            decision = _decide(before2, after2, self.symbols, scaled, None)
+            decision = decide_peaks(before2, after2, self.symbols, scaled, None)
             if decision.verdict == "keep":
                 least = 0
             elif decision.verdict == "switch" and decision.condition.other is None and decision.condition.dim == dim:
                 least = decision.condition.k
             else:
                 return None
-            start = _threshold(dim, held, self.symbols, scaled)
+            start = threshold(dim, held, self.symbols, scaled)
             if start is None:
                 return None
             cond = Condition(dim, max(start, least))
@@ -851,7 +756,7 @@ class _Search:
         entries = [self._entries[id(f)] for _, f in group]
         for e in entries:  # what an earlier trial of the site said is replaced by this one's outcome
             e.update(self.current.formulas("before"), condition=None, verification=None, group=None)
-        trial = _build(self.gm, self.model, self.accepted + group)
+        trial = build(self.gm, self.model, self.accepted + group)
         deferred = self._deferred(trial)
         diff = self.verify(trial) if deferred is None else None
         if diff is not None and not diff.ok:
@@ -868,12 +773,12 @@ class _Search:
                                 f"does not compute what the original does; dropped")
             return "failed"
         after = self.memory(trial)
-        change = _change(self.current, after)
-        short = _change(self.current, after, room=REASON_LIMIT - 100)  # after a decline's longer words
+        change = what_changed(self.current, after)
+        short = what_changed(self.current, after, room=REASON_LIMIT - 100)  # after a decline's longer words
         for e in entries:  # verified now, or (optimistic) with the graph that follows it: the call restarts if not
             e.update(after.formulas("after"), **{**self.current.at_sizes("before"), **after.at_sizes("after")},
                      verification="passed")
-        decision = deferred if deferred is not None else _decide(self.current, after, self.symbols, self.hints,
+        decision = deferred if deferred is not None else decide_peaks(self.current, after, self.symbols, self.hints,
                                                                  self.condition)
         if decision.verdict == "decline" and self.condition is None:
             decision = self._beyond(trial, after) or decision
@@ -910,267 +815,3 @@ class _Search:
         return "kept"
 
 
-def _beyond_hints(hints: Mapping[str, int], symbols: Mapping, regions: list) -> dict | None:
-    """The example sizes doubled until they leave one of ``regions`` (a kernel's regime that ends at
-    a size, such as one row block holding every row), at most 64x; None if they never do."""
-    for k in range(1, 7):
-        scaled = {name: v * 2 ** k for name, v in hints.items()}
-        values = {symbols[n]: v for n, v in scaled.items() if isinstance(symbols.get(n), sympy.Symbol)}
-        if any(r.violations(values) for r in regions):
-            return scaled
-    return None
-
-
-def _threshold(dim: str, regions: list, symbols: Mapping, at: Mapping[str, int]) -> int | None:
-    """The smallest size of ``dim`` from which every one of ``regions`` holds (the other dims as in
-    ``at``), by bisection below ``at[dim]``; None where a guard or a fixed dim involves another
-    dim too, or the regions stop holding above it."""
-    sym = symbols[dim]
-    for r in regions:
-        if r.pinned or sym in r.upper or any(g.free_symbols - {sym} for g in r.guards if sym in g.free_symbols):
-            return None
-    values = {symbols[n]: v for n, v in at.items() if isinstance(symbols.get(n), sympy.Symbol)}
-
-    def holds(v: int) -> bool:
-        return not any(r.violations({**values, sym: v}) for r in regions)
-
-    if not holds(at[dim]):
-        return None
-    hi = first_true(holds, 1, at[dim])  # size 1 untested: a regime from 1 or 2 is one from 2
-    # from hi on: larger sizes up to 4x the look's must hold too (a regime that ends there is not taken)
-    return hi if all(holds(v) for v in (hi + 1, 2 * hi, 2 * at[dim], 4 * at[dim])) else None
-
-
-def _decide(before: _Memory, after: _Memory, symbols: Mapping, hints: Mapping[str, int],
-            assume: Condition | None, search: bool = True) -> Decision:
-    """The formula comparison of every peak (forward, training step, inference) over the region
-    where both analyses hold (the higher lower bound of each dim); ``search``: see :func:`.decide.decide`."""
-    # where every analysis holds: a kernel's block count makes its own region (many blocks or one)
-    regions = _regions(before) + _regions(after)
-    lower: dict = {}
-    guards: list = []
-    for r in regions:
-        for sym, v in r.lower.items():
-            lower[sym] = max(lower.get(sym, v), v)
-        guards += [g for g in r.guards if g not in guards]
-    region = Region(lower, guards)
-    pairs = []
-    for b, a, which in _on_paths(before, after):
-        pairs.append((f"peak{which}", b.report.peak, a.report.peak))
-        if b.report.train_peak is not None and a.report.train_peak is not None:
-            pairs.append((f"training-step peak{which}", b.report.train_peak, a.report.train_peak))
-        pairs.append((f"inference peak{which}", b.inference.peak, a.inference.peak))
-    pairs = [(name, _across(b, before.paths(), after.paths(), sympy.S.Zero),
-              _across(a, after.paths(), before.paths(), None)) for name, b, a in pairs]
-    if after.step_failure and not before.step_failure:  # a step the original has and the rewrite cannot show
-        return Decision("decline", f"the training step of the rewrite cannot be analysed by fxmem "
-                                   f"({after.step_failure}), where the original's can: nothing proves it not higher")
-    decision = decide(pairs, region, symbols, hints, assume, search)
-    if before.step_failure:  # neither step analysed: said, never silently left out of the comparison
-        decision = dataclasses.replace(decision, text=f"{decision.text}; the training step is not compared: fxmem "
-                                                      f"cannot analyse the original's ({before.step_failure})")
-    return decision
-
-
-def _regions(memory: _Memory) -> list:
-    """Where each analysis of a graph holds: train and inference mode, on each path the data chooses."""
-    return [m._plan.region for g in (memory, memory.beyond) if g is not None for m in (g.report, g.inference)]
-
-
-def _on_paths(before: _Memory, after: _Memory) -> list[tuple[_Memory, _Memory, str]]:
-    """The analyses to compare: each graph's path within its data dims' bounds, and - where either
-    has a path chosen by the data - the other path (an adjacency too dense for an edge list)."""
-    out = [(before, after, "")]
-    if before.beyond is not None or after.beyond is not None:
-        out.append((before.beyond or before, after.beyond or after, " (adjacency too dense for an edge list)"))
-    return out
-
-
-def _across(expr: sympy.Expr, paths: Mapping[str, Any], other: Mapping[str, Any], value: Any) -> sympy.Expr:
-    """``expr`` with each data dim that only this graph has replaced by ``value`` (None: the bound its
-    path holds to, the most it can be; 0: the least) - sound where ``expr`` grows with it, else left
-    a symbol (nothing is then proven for its values). Dims both graphs have stay symbols: the
-    comparison holds for each of their values."""
-    for name in set(paths) - set(other):
-        x = next((s for s in expr.free_symbols if str(s) == name), None)
-        if x is None:
-            continue
-        if not _grows_with(expr, x):
-            continue
-        # floor(N**2/20) <= N**2/20: an expression that grows with x is at most its value there
-        at = sympy.S(paths[name]).replace(sympy.floor, lambda a: a) if value is None else value
-        expr = expr.xreplace({x: at})
-    return expr
-
-
-def _grows_with(expr: sympy.Expr, x: sympy.Symbol) -> bool:
-    """Every candidate of the peak ``expr`` has a derivative in ``x`` with no negative coefficient."""
-    return all(all(k >= 0 for k in sympy.expand(sympy.diff(c, x)).as_coefficients_dict().values())
-               for c in candidates(expr))
-
-
-def _groups(matches: list[tuple[Pass, Finding]]) -> list[list[tuple[Pass, Finding]]]:
-    """Matches that free the same nodes (several heads reading one pair tensor) form one group:
-    only all of them together free the pair tensor."""
-    groups: list[list[tuple[Pass, Finding]]] = []
-    for item in matches:
-        joined = [g for g in groups if any(item[1].frees & f.frees for _, f in g)]
-        merged = [item] + [x for g in joined for x in g]
-        groups = [g for g in groups if g not in joined] + [merged]
-    order = {id(f): k for k, (_, f) in enumerate(matches)}
-    for g in groups:
-        g.sort(key=lambda x: order[id(x[1])])
-    return sorted(groups, key=lambda g: order[id(g[0][1])])
-
-
-def _probe(gm: torch.fx.GraphModule, specs: list[InputSpec], symbols: Mapping[str, Any],
-           given: Sequence[Mapping[str, int]] | None, name: str) -> tuple[list[Probe], list[dict]]:
-    """Run the graph for real at the probe sizes; returns the probes and the sizes to verify at."""
-    names = list(symbols)
-    if given is not None:
-        if isinstance(given, Mapping) or len(given) < 2:
-            raise SpecError("probe_sizes= must be a list of two or more {dim: size} dicts, e.g. "
-                            "[{'B': 2, 'N': 3}, {'B': 3, 'N': 5}]")
-        rungs = [[check_dims(dict(s), symbols, "probe_sizes") for s in given]]
-        fixed = [n for n in names if len({p[n] for p in rungs[0]}) < 2]
-        if fixed:
-            raise SpecError(f"probe_sizes: dim(s) {fixed} have the same size in every probe; give each dim two "
-                            f"different sizes, so that what varies with it can be told apart")
-    else:
-        rungs = [[{n: base + k for k, n in enumerate(names)} for base in bases] for bases in PROBE_LADDER]
-    if not names:  # every size is a constant: one run says it all
-        rungs = [rung[:1] for rung in rungs[:1]]
-    failure: FxMemError | None = None
-    for rung in rungs:
-        try:
-            for sizes in rung:
-                check_input_sizes(specs, sizes, symbols)
-            envs = [_run_values(gm, specs, sizes, name) for sizes in rung]
-        except (ShapeError, SpecError) as exc:  # too small for this model: try the next rung
-            failure = exc  # the largest sizes tried are the ones to report
-            continue
-        probe_at = rung if given is not None or len(rung) < 3 else [rung[0], rung[-1]]
-        return [Probe(sizes, envs[rung.index(sizes)]) for sizes in probe_at], rung
-    assert failure is not None
-    raise failure
-
-
-def _run_values(gm: torch.fx.GraphModule, specs: list[InputSpec], sizes: Mapping[str, int],
-                name: str) -> dict[torch.fx.Node, Any]:
-    """The value of every node of ``gm`` on random inputs at ``sizes`` (run on a copy of the model,
-    so that e.g. batch-norm statistics of the user's model do not move)."""
-    twin = copy.deepcopy(gm).eval()  # eval mode: what tensors hold, without dropout's noise
-    interp = torch.fx.Interpreter(twin, garbage_collect_values=False)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            interp.run(*random_inputs(specs, sizes, requires_grad=False))
-    except FxMemError:
-        raise
-    except Exception as exc:  # the model's own error, at sizes the user did not choose
-        at = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ShapeError(f"fxmem.optimize runs {name} for real at small sizes to see what each tensor holds, and "
-                         f"it failed at {at}: {type(exc).__name__}: {first}\n  what to do: pass "
-                         f"probe_sizes=[{{...}}, {{...}}] with two sets of sizes the model accepts "
-                         f"(every dim different between them)") from exc
-    by_name = {n.name: v for n, v in interp.env.items()}
-    return {n: by_name[n.name] for n in gm.graph.nodes if n.name in by_name}
-
-
-def _build(gm: torch.fx.GraphModule, model: torch.nn.Module,
-           rewrites: Sequence[tuple[Pass, Finding]]) -> torch.fx.GraphModule:
-    """A new GraphModule: ``gm``'s graph (copied) with ``rewrites`` applied, sharing ``model``'s modules."""
-    graph = copy.deepcopy(gm.graph)  # keeps node names, so nodes are matched by name
-    by_name = {n.name: n for n in graph.nodes}
-    nodes = {n: by_name[n.name] for n in gm.graph.nodes}
-    # nodes kept although nothing reads them (in-place ops, side effects), unless a rewrite replaces them
-    unused_before = {n for n in graph.nodes if not n.users} - {nodes[f.node] for _, f in rewrites}
-    for rule, finding in rewrites:
-        old = nodes[finding.node]
-        before = set(graph.nodes)
-        new = rule.rewrite(graph, nodes, finding, gm)
-        for n in graph.nodes:
-            if n not in before:  # tables and diagrams show the user's line for the new nodes
-                n.meta["stack_trace"] = old.meta.get("stack_trace")
-                n.meta["fxmem_rewrite"] = finding.rule
-                if "nn_module_stack" in old.meta:  # the module that ran the replaced code runs the new
-                    n.meta["nn_module_stack"] = dict(old.meta["nn_module_stack"])  # (recompute's blocks)
-        old.replace_all_uses_with(new)
-        nodes[finding.node] = new
-    out = torch.fx.GraphModule(gm, graph, type(model).__name__)
-    _share_modules(out, model)
-    # drop what only fed the replaced nodes (the pair tensor and its copies), nothing else
-    graph.eliminate_dead_code(is_impure_node=lambda n: n in unused_before or n.is_impure())
-    graph.lint()
-    out.recompile()
-    out.training = model.training
-    return out
-
-
-def _share_modules(out: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """Give ``out`` the model's own submodules, parameters and buffers (same objects, same names),
-    so its ``state_dict`` keys are the model's and training ``out`` trains the model."""
-    for name, child in model.named_children():
-        if not hasattr(torch.fx.GraphModule, name):
-            setattr(out, name, child)
-    for name, p in model.named_parameters(recurse=False):
-        if getattr(out, name, None) is not p:
-            out.register_parameter(name, p)
-    for name, b in model.named_buffers(recurse=False):
-        if getattr(out, name, None) is not b:
-            out.register_buffer(name, b, persistent=name not in tc.non_persistent_buffers(model))
-    # in the model's order (a graph copies what it reads in the order it reads it): parameters() then
-    # come as the model's do, so an optimizer state loaded by position matches; the graph's own last
-    tc.order_like(out, model)
-    for name, held in vars(out).items():  # the graphs a rewrite holds (the original attention a fallback runs)
-        if name.startswith("_fxmem_") and isinstance(held, tuple):
-            for sub in held:
-                if isinstance(sub, torch.fx.GraphModule):
-                    _share_held(sub, model)
-
-
-def _share_held(sub: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """Point what ``sub`` reads of the model (a dropout module, a mask buffer) at the model's own
-    objects: they were copied from the traced graph's copy of the model when ``sub`` was built, and
-    a copy's flag does not follow ``model.train()``/``eval()`` (a dropout that never turns on)."""
-    for n in sub.graph.nodes:
-        if n.op not in ("call_module", "get_attr"):
-            continue
-        parent_path, _, leaf = str(n.target).rpartition(".")
-        try:
-            owner = model.get_submodule(parent_path) if parent_path else model
-            parent = sub.get_submodule(parent_path) if parent_path else sub
-        except AttributeError:
-            continue
-        children = dict(owner.named_children())
-        if n.op == "call_module" and leaf in children:
-            setattr(parent, leaf, children[leaf])
-        elif leaf in dict(owner.named_parameters(recurse=False)):
-            parent.register_parameter(leaf, getattr(owner, leaf))
-        elif leaf in dict(owner.named_buffers(recurse=False)):
-            parent.register_buffer(leaf, getattr(owner, leaf))
-
-
-def _memory(gm: torch.fx.GraphModule, input_specs: tuple, kw: AnalysisOptions) -> _Memory:
-    """fxmem's analysis of ``gm`` in train mode (a training step, with grad) and in eval mode
-    under ``no_grad`` (inference); each on a copy of ``gm`` in that mode."""
-    train, evals = in_mode(gm, True), in_mode(gm, False)
-    report, failure = None, None
-    if kw.grad:
-        try:  # SGD without state unless budget= brought the user's optimizer
-            report = analyze(train, *input_specs, options=_step(kw))
-        except NothingToTrainError:  # no parameter reaches the output: forward only, as there is no step
-            report = None
-        except FxMemError as exc:  # the step cannot be analysed: forward only, and the decisions say so
-            failure = f"{type(exc).__name__}: {first_line(str(exc))[:200]}"
-    if report is None:
-        report = analyze(train, *input_specs, options=_forward(kw))
-    inference = analyze(evals, *input_specs, options=_inference(kw))
-    values = report.evaluate(**report.hints)
-    beyond = None
-    if report.data_paths or inference.data_paths:  # the path the graph takes on denser data, analysed too
-        with data_paths.beyond():
-            beyond = _memory(gm, input_specs, kw)
-    return _Memory(report, inference, (values["peak"], values.get("train_peak", 0),
-                                       inference.evaluate(**report.hints)["peak"]), beyond, failure)

@@ -171,8 +171,10 @@ class Movement:
 
 
 def trace_movement(target: torch.fx.Node, env: Mapping[torch.fx.Node, Any],
-                   modules: Mapping[str, torch.nn.Module] | None = None) -> Movement:
-    """Walk back from ``target`` through copying nodes; the first computing nodes are the sources."""
+                   modules: Mapping[str, torch.nn.Module] | None = None, combinations: bool = False) -> Movement:
+    """Walk back from ``target`` through copying nodes; the first computing nodes are the sources.
+    ``combinations``: through linear combinations (:func:`combination`) of copies too
+    (``x_j - x_i``); a combination of computed values (``a + b``) is a source."""
     moving: set[torch.fx.Node] = set()
     sources: list[torch.fx.Node] = []
     stack, seen = [target], set()
@@ -181,7 +183,12 @@ def trace_movement(target: torch.fx.Node, env: Mapping[torch.fx.Node, Any],
         if n in seen:
             continue
         seen.add(n)
-        if is_movement(n, env, modules):
+        combined = combination(n, env) if combinations else None
+        # a sum of copies (x_j - x_i), not a value computed upstream of them (a + b: a source)
+        if combined is not None and any(is_movement(a, env, modules) or combination(a, env) for a, _ in combined):
+            moving.add(n)
+            stack.extend(reversed([a for a, _ in combined]))
+        elif is_movement(n, env, modules):
             moving.add(n)
             stack.extend(reversed(data_inputs(n, env)))
         elif isinstance(env.get(n), torch.Tensor):
@@ -275,28 +282,8 @@ def combination(node: torch.fx.Node, env: Mapping[torch.fx.Node, Any]) -> list[t
 
 def trace_combination(target: torch.fx.Node, env: Mapping[torch.fx.Node, Any],
                       modules: Mapping[str, torch.nn.Module] | None = None) -> Movement:
-    """:func:`trace_movement` walking back through linear combinations (:func:`combination`) of
-    copies too (``x_j - x_i``); a combination of computed values (``a + b``) is a source."""
-    moving: set[torch.fx.Node] = set()
-    sources: list[torch.fx.Node] = []
-    stack, seen = [target], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        combined = combination(n, env)
-        # a sum of copies (x_j - x_i), not a value computed upstream of them (a + b: a source)
-        if combined is not None and any(is_movement(a, env, modules) or combination(a, env) for a, _ in combined):
-            moving.add(n)
-            stack.extend(reversed([a for a, _ in combined]))
-        elif is_movement(n, env, modules):
-            moving.add(n)
-            stack.extend(reversed(data_inputs(n, env)))
-        elif isinstance(env.get(n), torch.Tensor):
-            sources.append(n)
-    order = {n: k for k, n in enumerate(target.graph.nodes)}
-    return Movement(target, sorted(moving, key=order.__getitem__), sorted(sources, key=order.__getitem__))
+    """:func:`trace_movement` walking back through linear combinations of copies too (``x_j - x_i``)."""
+    return trace_movement(target, env, modules, combinations=True)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ import torch
 
 import fxmem
 from zoo import public_impls as P
+from zoo import Logits
 from equivalence import assert_same_in_every_mode
 
 EDGES = fxmem.TensorSpec((2, "E"), dtype=torch.int64)
@@ -124,15 +125,6 @@ def test_the_fused_additive_mask_kernel_is_exact_against_the_allocator():
     assert report.exact, report.notes
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.module(ids).logits
-
-
 def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_flag():
     # transformers' GPT-2: fx cannot trace it; TorchDynamo sees its forward through a decorator's
     # (*args, **kwargs), it returns a ModelOutput, and its nn.Dropout modules are inlined as
@@ -150,7 +142,7 @@ def test_a_hugging_face_model_is_captured_with_its_output_class_and_its_dropout_
     assert [e["status"] for e in log if e["rule"] == "sdpa"] == ["applied", "applied"], log
     ids = torch.randint(0, 50, (2, 7))
     assert type(opt(ids)) is type(model(ids))
-    assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
+    assert_same_in_every_mode(Logits(model), Logits(opt), [ids])
 
 
 def test_a_causal_lm_as_shipped_with_use_cache_is_rewritten_without_its_cache():
@@ -169,7 +161,7 @@ def test_a_causal_lm_as_shipped_with_use_cache_is_rewritten_without_its_cache():
     ids = torch.randint(0, 64, (2, 7))
     assert model.config.use_cache is True and model(ids).past_key_values is not None
     assert opt(ids).past_key_values is None
-    assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
+    assert_same_in_every_mode(Logits(model), Logits(opt), [ids])
 
 
 @pytest.mark.slow  # ~45 s; the second graph that is made is checked in CI by

@@ -16,6 +16,7 @@ import fxmem
 from fxmem.passes.segments import blocks
 from conftest import check_training_against_real_run
 from equivalence import assert_same_in_every_mode
+from zoo import Logits
 from test_recompute import _measured_step_peak, sgd
 
 
@@ -121,15 +122,6 @@ def test_a_budget_on_a_vit_recomputes_its_layers_and_holds_on_a_real_step():
     assert_same_in_every_mode(model, opt, [torch.randn(3, 3, 32, 32)])
 
 
-class _Logits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids).logits
-
-
 def test_a_budget_on_a_hugging_face_decoder_recomputes_its_layers_and_holds_on_a_real_step():
     """HF's LlamaForCausalLM: model.layers (an nn.ModuleList the model loops over) are the blocks;
     the step fxmem plans on is the model's own (its captured graph given back is_causal and
@@ -154,4 +146,4 @@ def test_a_budget_on_a_hugging_face_decoder_recomputes_its_layers_and_holds_on_a
     assert entry["peak_at_dims_before"] == _measured_step_peak(model, own, dims)
     report = fxmem.analyze(opt, ids, optimizer=sgd)
     assert _measured_step_peak(opt, report, dims) == report.evaluate(**dims)["train_peak"] <= budget
-    assert_same_in_every_mode(_Logits(model), _Logits(opt), [torch.randint(0, 64, (2, 9))])
+    assert_same_in_every_mode(Logits(model), Logits(opt), [torch.randint(0, 64, (2, 9))])

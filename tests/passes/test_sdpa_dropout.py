@@ -37,6 +37,7 @@ from fxmem.passes import sdpa_dropout as own
 from fxmem.passes.base import Probe
 from fxmem.passes.sdpa_parts import as_product
 from zoo import sdpa_spellings as S
+from zoo import Logits
 from zoo.transformers import GPT, TOKENS
 
 OPT_IN = {"sdpa": {"same_distribution": True}}
@@ -242,15 +243,6 @@ def test_one_attention_gains_nothing_in_training_and_the_record_says_so():
     assert entry["bytes_after"]["train_peak"] > entry["bytes_before"]["train_peak"]
 
 
-class _Logits(nn.Module):
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.module(ids).logits
-
-
 @pytest.mark.slow  # ~25 s; the quick run checks the lower training peak on the hand-written decoder above
 def test_hugging_face_gpt2_trains_in_less_memory_with_the_opt_in():
     transformers = pytest.importorskip("transformers")
@@ -265,13 +257,13 @@ def test_hugging_face_gpt2_trains_in_less_memory_with_the_opt_in():
     assert all("NOT THE SAME RANDOM BITS" in e["details"] for e in entries)
     ids = tokens(2, 7)
     for grad in (True, False):  # eval mode: the original's outputs and gradients
-        want, got = run(_Logits(model), [ids], False, grad), run(_Logits(opt), [ids], False, grad)
+        want, got = run(Logits(model), [ids], False, grad), run(Logits(opt), [ids], False, grad)
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12, msg=name)
     with own.model_bits():  # train mode, the model's own bits
-        assert_same_in_every_mode(_Logits(model), _Logits(opt), [ids])
-    before = fxmem.analyze(_Logits(model), spec, optimizer=SGD)
-    after = fxmem.analyze(_Logits(opt), spec, optimizer=SGD)
+        assert_same_in_every_mode(Logits(model), Logits(opt), [ids])
+    before = fxmem.analyze(Logits(model), spec, optimizer=SGD)
+    after = fxmem.analyze(Logits(opt), spec, optimizer=SGD)
     for at in (before.hints, {"B": 2, "L": 32}):
         assert after.evaluate(**at)["train_peak"] < before.evaluate(**at)["train_peak"], at
 

@@ -236,3 +236,15 @@ class ScaledOp(nn.Module):
 
     def forward(self, x):
         return self.fn(x * self.w, self.w)
+
+
+class Logits(nn.Module):
+    """A Hugging Face model's ``.logits``: one tensor to compare and take a loss of (its
+    ModelOutput holds other things, a cache, the loss)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(ids).logits

@@ -143,19 +143,47 @@ def _signature(gm: torch.fx.GraphModule, path: str, nodes: Sequence[torch.fx.Nod
     return tuple(out)
 
 
+# ops whose output may share its input's memory: an in-place change of their output changes the input
+_ALIASING = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "getitem", "select",
+                       "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "split",
+                       "chunk", "unbind", "detach", "contiguous", "to", "type_as", "as_strided", "movedim",
+                       "swapaxes", "transpose_", "diagonal", "real", "imag", "view_as_real", "view_as_complex"})
+
+
+def _op_name(n: torch.fx.Node) -> str:
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _made_inside(x: Any, inside: set) -> bool:
+    """Whether the tensor ``x`` (a node) is memory the block itself made: below the views of it, a
+    node of the block - not its input, a parameter or buffer, or another block's value."""
+    while isinstance(x, torch.fx.Node) and x in inside and x.op in ("call_function", "call_method") \
+            and _op_name(x) in _ALIASING and x.args:
+        x = x.args[0]
+    return isinstance(x, torch.fx.Node) and x in inside
+
+
 def _refusal(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> str | None:
+    """Why a block cannot be recomputed, or None. In-place changes are refused only where they
+    change memory from outside the block (its inputs, the model's parameters and buffers): on a
+    tensor the block made (timm's drop path: ``x.new_empty(...).bernoulli_(p)``) a recomputation
+    makes it again and changes that copy, with the random state the checkpoint restores."""
+    inside = set(nodes)
     for n in nodes:
         module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
         if getattr(module, "track_running_stats", False):
             return (f"{n.name} ({source_line(n) or n.target}) updates running statistics, which a recomputation in "
                     f"backward would update a second time")
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
-            return f"{n.name} ({source_line(n) or name}) changes a tensor in place; recomputing it would do so twice"
-        if n.kwargs.get("inplace") is True:
-            return f"{n.name} ({source_line(n) or name}) works in place; recomputing it would do so twice"
-        if getattr(module, "inplace", False) is True:
-            return f"{n.name} ({n.target}) works in place; recomputing it would do so twice"
+        name = _op_name(n)
+        changed = n.args[0] if n.args else None
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__") \
+                and not _made_inside(changed, inside):
+            return (f"{n.name} ({source_line(n) or name}) changes in place a tensor from outside the block; "
+                    f"recomputing it would do so twice")
+        if (n.kwargs.get("inplace") is True or getattr(module, "inplace", False) is True) \
+                and not _made_inside(changed, inside):
+            return (f"{n.name} ({source_line(n) or name or n.target}) works in place on a tensor from outside the "
+                    f"block; recomputing it would do so twice")
     return None
 
 

@@ -51,6 +51,9 @@ class Traced:
     graph_module: torch.fx.GraphModule
     reason: str | None = None
     capture: str | None = None  # None: torch.fx traced it; else what captured it and why
+    # with a reason: the (train-mode, eval-mode) traces ``graph_module`` dispatches between (a budget
+    # is fitted on the train-mode one: a training step runs it)
+    modes: tuple | None = None
 
 
 def trace_modes(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
@@ -80,10 +83,10 @@ def trace_modes(model: torch.nn.Module, leaf_modules: Sequence[type] = (),
         merged.train(model.training)
         return Traced(merged, capture=capture)
     where = _first_difference(train, evals)
-    return Traced(_dispatch(model, train, evals),
+    return Traced(per_mode(model, train, evals),
                   f"the model computes other things in train and in eval mode ({where}), not just other "
                   f"values of self.training; such graphs are left as they are (the result runs the train-mode "
-                  f"or the eval-mode trace, as the module's flag says)", capture)
+                  f"or the eval-mode trace, as the module's flag says)", capture, (train, evals))
 
 
 # --- one graph with a symbolic flag ----------------------------------------------------------------
@@ -225,7 +228,7 @@ class ModeGraphModule(torch.fx.GraphModule):
 TRACES = "_fxmem_mode_graphs"  # (train graph, eval graph): graphs hold no tensors, so not submodules
 
 
-def _dispatch(model: torch.nn.Module, train: torch.fx.GraphModule,
+def per_mode(model: torch.nn.Module, train: torch.fx.GraphModule,
               evals: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A :class:`ModeGraphModule` over the two traces, in the model's mode."""
     graphs = (copy.deepcopy(train.graph), copy.deepcopy(evals.graph))

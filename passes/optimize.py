@@ -48,9 +48,9 @@ from fxmem.capture.whole_graph import capture
 from fxmem.specs import InputSpec, TensorSpec, choose_hints, parse_specs
 from fxmem.passes.base import LOG_KEYS, REASON_LIMIT, STATUSES, Finding, Line, Pass, Probe, brief, log_entry
 from fxmem.units import parse_bytes
-from fxmem.passes.modes import trace_modes
+from fxmem.passes.modes import per_mode, trace_modes
 from fxmem.passes.model_cache import without_cache
-from fxmem.passes.recompute import BudgetError
+from fxmem.passes.recompute import BudgetError, fit_budget
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
 from fxmem.passes.sdpa_dropout import model_bits
@@ -249,16 +249,15 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         gm.meta["fxmem_capture"] = traced.capture
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
         share_modules(gm, model)
-        state.faithful(gm)
-        if budget is not None:  # never silence: the step must fit as it is, or say so
-            _must_fit(model, input_specs, kw, budget,
-                      dims,
-                      f"{traced.reason}; what to do: make the model compute the same graph in train and eval mode, "
-                      f"or a larger budget")
+        fitted = None
+        if budget is not None:  # a training step runs the train-mode trace: recomputation there, verified
+            gm, fitted = _fit_train_mode(traced, model, input_specs, kw, budget, dims, verify_inputs, state)
+        else:
+            state.faithful(gm)
         log = first + [log_entry("train/eval", "declined", name, f"declined: {traced.reason}",
                                  details=traced.reason)] + [
             log_entry(p.name, "no match", name, f"not looked for: {traced.reason}", details=traced.reason)
-            for p in PASSES]
+            for p in PASSES] + ([fitted] if fitted is not None else [])
         if region is not None:
             gm, entry = _within(region, gm, model, name)
             log.append(entry)
@@ -507,6 +506,34 @@ def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, b
         at = ", ".join(f"{k}={v}" for k, v in dims.items())
         raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training step at {at} takes {peak:,} bytes, over "
                           f"the budget, and nothing could be rewritten or recomputed: {why}", peak, {})
+
+
+def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any,
+                    dims: dict, verify_inputs: list, state: "_Search") -> tuple[torch.fx.GraphModule, dict]:
+    """``budget=`` on a model whose train and eval modes run other code (timm's drop path: ``if
+    self.training``): the blocks of the train-mode trace are recomputed (a training step runs it),
+    the eval-mode trace is left as it is, and the result - the two again, switched by the flag - is
+    verified against the model in every mode. Raises :class:`BudgetError` where no plan fits."""
+    train, evals = traced.modes
+    share_modules(train, model)
+    recomputed, entry = fit_budget(train, model, input_specs, step_options(kw), budget, dims, verify_inputs,
+                                   verify=lambda m: state.verify(_per_mode_shared(model, m, evals)))
+    if recomputed is train:  # it fits as it is: the two traces, as traced
+        out = traced.graph_module
+        state.faithful(out)
+    else:
+        out = _per_mode_shared(model, recomputed, evals)
+    entry["details"] = (f"recomputed in the train-mode graph (the model runs other code in eval mode, where its own "
+                        f"trace runs unchanged): {entry.get('details') or entry['reason']}")
+    return out, entry
+
+
+def _per_mode_shared(model: torch.nn.Module, train: torch.fx.GraphModule,
+                     evals: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The two traces switched by the flag (:func:`.modes.per_mode`), with the model's own modules."""
+    out = per_mode(model, train, evals)
+    share_modules(out, model)
+    return out
 
 
 def _switch(main: "_Search", alt: "_Search", model: torch.nn.Module, specs: list[InputSpec], symbols: Mapping,

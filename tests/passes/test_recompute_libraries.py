@@ -195,3 +195,44 @@ def test_in_place_changes_of_what_a_block_made_do_not_stop_its_recomputation():
 
     refused = [b for b in blocks(trace_modes(nn.Sequential(InputChanger(8), InputChanger(8))).graph_module)]
     assert refused and all("from outside the block" in (b.refusal or "") for b in refused), refused
+
+
+class DropPath(nn.Module):
+    """timm's DropPath: the residual branch dropped per sample in training, nothing in eval mode -
+    ``if not self.training``, so the two modes run other code (two traces)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1 - self.p
+        return x * x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
+
+
+class DepthBlock(Block):
+    def __init__(self, dim: int, p: float = 0.2) -> None:
+        super().__init__(dim)
+        self.drop_path = DropPath(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def test_a_budget_on_a_model_whose_modes_run_other_code_recomputes_its_train_mode_graph():
+    # timm's stochastic depth (Swin, ConvNeXt, ViTs with drop_path_rate > 0): the train-mode trace's
+    # blocks are recomputed, the eval-mode trace runs as traced; every mode still computes the model's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), *[DepthBlock(32) for _ in range(3)])
+    spec, dims = ("B", "N", 32), dict(B=16, N=64)
+    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
+    opt = fxmem.optimize(model, spec, budget=int(base * 0.7), dims=dims, optimizer=sgd)
+    entry = next(e for e in opt.meta["fxmem"] if e["rule"] == "recompute")
+    assert entry["status"] == "applied" and "train-mode graph" in entry["details"], entry
+    assert any(e["rule"] == "train/eval" for e in opt.meta["fxmem"])
+    report = check_training_against_real_run(opt.train(), (spec,), [dict(B=5, N=9)], sgd, num_threads=1)
+    assert _measured_step_peak(opt, report, dims) <= int(base * 0.7)
+    assert_same_in_every_mode(model, opt, [torch.randn(3, 7, 32)])

@@ -193,9 +193,9 @@ def run_case(name: str, repeats: int) -> dict:
     runs: list = []  # (entry, runner): timed round-robin at the end
     t = time.perf_counter()
     report = fxmem.analyze(model, *specs, optimizer=adamw)
+    analysis_s = time.perf_counter() - t
     own = _Runner(model, xs)
-    runs.append(({"what": "model", "predicted": report.evaluate(**dims)["train_peak"],
-                  "analysis_s": time.perf_counter() - t}, own))
+    runs.append(({"what": "model", "predicted": report.evaluate(**dims)["train_peak"], "analysis_s": analysis_s}, own))
     for f in FRACTIONS:
         budget = int(own.peak * f)
         entry: dict = {"what": f"fxmem {f}x", "budget": budget}
@@ -257,8 +257,8 @@ def markdown(rows: list, meta: dict) -> str:
                 out.append(f"| {label} | {r['what']} | {r['error']} | | | | | | |")
                 continue
             if r.get("status") == "BudgetError":
-                out.append(f"| {label} | {r['what']} (budget {_mib(r['budget'])}) | refused: smallest peak "
-                           f"{_mib(r['smallest'])} MiB ({r['plan']}) | | | | | | |")
+                out.append(f"| {label} | {r['what']} (budget {_mib(r['budget'])}) | refused (BudgetError): the "
+                           f"smallest peak recomputation reaches is {_mib(r['smallest'])} MiB | | | | | | |")
                 continue
             what = r["what"] + (f" (budget {_mib(r['budget'])})" if "budget" in r else "")
             ratio = r["peak"] / base["peak"]
@@ -277,7 +277,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="library_recompute")
+    parser.add_argument("--render", action="store_true", help="only write the .md again from the committed .json")
     args = parser.parse_args(argv)
+    results = os.path.join(HERE, "results")
+    if args.render:
+        with open(os.path.join(results, f"{args.out}.json")) as fh:
+            data = json.load(fh)
+        with open(os.path.join(results, f"{args.out}.md"), "w") as fh:
+            fh.write(markdown(data["rows"], data["meta"]))
+        return
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.cases.split(","):
@@ -287,7 +295,6 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     meta = {"machine": machine_name(), "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "command": "python benchmarks/library_recompute.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    results = os.path.join(HERE, "results")
     with open(os.path.join(results, f"{args.out}.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1, default=str)
     with open(os.path.join(results, f"{args.out}.md"), "w") as fh:

@@ -128,7 +128,7 @@ def block_costs(report: Report, found: Sequence[Block], costs: Mapping[str, tupl
     return out
 
 
-def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
+def cheapest(choices: Sequence[BlockCost], need: int, ways: Sequence[str] = HOW) -> tuple | None:
     """The plan of least FLOPs whose estimated savings cover ``need`` bytes: a shortest path over
     states (block index, bytes saved so far, in buckets), one edge per way of treating a block."""
     if need <= 0:
@@ -140,7 +140,7 @@ def cheapest(choices: Sequence[BlockCost], need: int) -> tuple | None:
         nxt = set()
         for s in frontier:
             options = [(None, 0, 0)] + [(how, c.flops[how] + 1, c.saving(how) // unit)
-                                        for how in HOW if c.saving(how) > 0]
+                                        for how in ways if c.saving(how) > 0]
             for how, cost, gain in options:
                 t = min(_BUCKETS, s + gain)
                 if not g.has_edge((k, s), (k + 1, t)) or g[(k, s)][(k + 1, t)]["weight"] > cost:
@@ -202,13 +202,20 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
             plan = planner.gathered(choices, plan)
         if plan is None or plan in tried:
             break
-        tried[plan] = trial = planner.trial(plan)
+        try:
+            tried[plan] = trial = planner.trial(plan)
+        except BudgetError:
+            if planner.ways == ("whole",) or all(how == "whole" for _, how in plan):
+                raise
+            planner.ways = ("whole",)  # choose again among whole recomputations
+            margin = 0
+            continue
         if trial.peak <= limit:
             fitting.append(trial)
             break
         margin = max(margin + 1, trial.peak - planner.estimate(plan))  # what the estimate left out, at least
     if not fitting:  # the most recomputation there is (the lower estimate of whole and selective): enough?
-        plan = min((tuple((c.block.name, how) for c in choices) for how in HOW), key=planner.estimate)
+        plan = min((tuple((c.block.name, how) for c in choices) for how in planner.ways), key=planner.estimate)
         if plan not in tried:
             tried[plan] = planner.trial(plan)
         if tried[plan].peak <= limit:
@@ -290,6 +297,9 @@ class _Planner:
         self.uncounted: str | None = None  # why FLOPs could not be counted (then each node costs 1)
         self._estimator: Estimator | None = None
         self._estimates: dict = {}  # plan -> estimated peak (bytes)
+        # the ways of recomputing offered; selective is dropped where a plan with it cannot be analysed
+        # (a selective checkpoint whose recomputation torch cannot match on this graph: Swin's slices)
+        self.ways: tuple = HOW
 
     def analyse(self, module: torch.fx.GraphModule) -> Report:
         report = analyze(in_mode(module, True), *self.input_specs, options=self.options)
@@ -330,7 +340,7 @@ class _Planner:
         need, short, enough = base_peak - target, 0, None
         best: tuple | None = None
         for _ in range(_CHOICE_ROUNDS):
-            plan = cheapest(choices, need)
+            plan = cheapest(choices, need, self.ways)
             if plan is None:
                 break
             peak = self.estimate(plan)

@@ -60,7 +60,8 @@ def blocks(gm: torch.fx.GraphModule) -> list[Block]:
     """The recomputable blocks of ``gm``: the shallowest module depth with two or more blocks, where
     a block that holds a stack of alike layers (an ``nn.Sequential``/``nn.ModuleList`` of
     transformer blocks, a decoder's ``layers.0``, ``layers.1``, ..., at any depth) offers those
-    layers instead of itself: recomputing the layers one by one is what a library's own
+    layers instead of itself, as does a container of layers (``nn.Sequential``/``nn.ModuleList``)
+    whatever its layers compute: recomputing the layers one by one is what a library's own
     checkpointing does (timm's ``set_grad_checkpointing``, Hugging Face's
     ``gradient_checkpointing_enable``), and one block of them all would bring all their
     activations back at once."""
@@ -114,16 +115,25 @@ def _layers(gm: torch.fx.GraphModule, name: str, nodes: list, stacks: dict, dept
     two LayerNorms are no stack."""
     inner = _whole_runs(_runs(nodes, stacks, depth))
     if len(inner) == 1 and len(inner[0][1]) == len(nodes):  # a wrapper inside the block: look inside it
-        return _layers(gm, name, nodes, stacks, depth + 1)
+        return _layers(gm, inner[0][0], nodes, stacks, depth + 1)
     alike: dict = {}
     for k, ns in inner:
         alike.setdefault(_signature(gm, k, ns), []).append(ns)
     stacked = sum(len(ns) for runs in alike.values() if len(runs) >= 2 for ns in runs)
     deeper = [_layers(gm, k, ns, stacks, depth + 1) for k, ns in inner]
-    if 2 * stacked >= len(nodes) or (deeper and 2 * sum(len(ns) for d in deeper if len(d) > 1 for b in d
-                                                          for ns in [b.nodes]) >= len(nodes)):
+    if (len(inner) >= 2 and _container(gm, name)) or 2 * stacked >= len(nodes) \
+            or (deeper and 2 * sum(len(b.nodes) for d in deeper if len(d) > 1 for b in d) >= len(nodes)):
         return [b for d in deeper for b in d]
     return [Block(name, tuple(nodes), _refusal(gm, nodes))]
+
+
+def _container(gm: torch.fx.GraphModule, path: str) -> bool:
+    """Whether the module at ``path`` is an ``nn.Sequential``/``nn.ModuleList``/``nn.ModuleDict``: its
+    children are the layers (a Swin stage's two blocks, shifted and not, compute unlike each other)."""
+    try:
+        return isinstance(gm.get_submodule(path), (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
+    except AttributeError:
+        return False
 
 
 def _signature(gm: torch.fx.GraphModule, path: str, nodes: Sequence[torch.fx.Node]) -> tuple:

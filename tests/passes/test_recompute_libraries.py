@@ -236,3 +236,30 @@ def test_a_budget_on_a_model_whose_modes_run_other_code_recomputes_its_train_mod
     report = check_training_against_real_run(opt.train(), (spec,), [dict(B=5, N=9)], sgd, num_threads=1)
     assert _measured_step_peak(opt, report, dims) <= int(base * 0.7)
     assert_same_in_every_mode(model, opt, [torch.randn(3, 7, 32)])
+
+
+def test_a_selective_plan_that_cannot_be_analysed_falls_back_to_whole_recomputation(monkeypatch):
+    # timm's Swin: torch's selective checkpoint cannot match its recomputed slices on fake tensors,
+    # so a plan with selective blocks cannot be analysed - the budget is then fitted by whole
+    # recomputation, not refused (here the failure is made by the test, on a plan it would choose)
+    from fxmem.passes import recompute
+
+    trial, failed = recompute._Planner.trial, []
+
+    def failing(self, plan, known=None):
+        if any(how == "selective" for _, how in plan):
+            failed.append(plan)
+            raise recompute.BudgetError("cannot be analysed (made to fail by the test)", 0, {})
+        return trial(self, plan, known)
+
+    monkeypatch.setattr(recompute._Planner, "trial", failing)
+    torch.manual_seed(0)
+    model = ViT()
+    spec, dims = ("B", 3, 32, 32), dict(B=32)
+    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
+    opt = fxmem.optimize(model, spec, budget=int(base * 0.9), dims=dims, optimizer=sgd)
+    entry = opt.meta["fxmem"][-1]
+    assert failed and entry["status"] == "applied" and all(how == "whole" for _, how in entry["plan"]), entry
+    report = fxmem.analyze(opt, spec, optimizer=sgd)
+    assert _measured_step_peak(opt, report, dims) <= int(base * 0.9)
+    assert_same_in_every_mode(model, opt, [torch.randn(3, 3, 32, 32)])

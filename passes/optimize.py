@@ -257,7 +257,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         log = first + [log_entry("train/eval", "declined", name, f"declined: {traced.reason}",
                                  details=traced.reason)] + [
             log_entry(p.name, "no match", name, f"not looked for: {traced.reason}", details=traced.reason)
-            for p in PASSES] + ([fitted] if fitted is not None else [])
+            for p in PASSES] + _tagged([fitted] if fitted is not None else [], None)
         if region is not None:
             gm, entry = _within(region, gm, model, name)
             log.append(entry)
@@ -516,8 +516,13 @@ def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw:
     verified against the model in every mode. Raises :class:`BudgetError` where no plan fits."""
     train, evals = traced.modes
     share_modules(train, model)
-    recomputed, entry = fit_budget(train, model, input_specs, step_options(kw), budget, dims, verify_inputs,
-                                   verify=lambda m: state.verify(_per_mode_shared(model, m, evals)))
+    try:
+        recomputed, entry = fit_budget(train, model, input_specs, step_options(kw), budget, dims, verify_inputs,
+                                       verify=lambda m: state.verify(_per_mode_shared(model, m, evals)))
+    except BudgetError as exc:  # said with why only the train-mode graph was looked at
+        raise BudgetError(f"{exc} (the model runs other code in train and eval mode, so only its train-mode "
+                          f"graph was recomputed and nothing else rewritten: {traced.reason})",
+                          exc.smallest_peak, exc.parts) from exc
     if recomputed is train:  # it fits as it is: the two traces, as traced
         out = traced.graph_module
         state.faithful(out)

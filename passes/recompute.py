@@ -280,6 +280,12 @@ def _flops(choices: Sequence[BlockCost], plan: tuple) -> int:
     return sum(by_name[n].flops[how] for n, how in plan)
 
 
+def _saving(choices: Sequence[BlockCost], plan: tuple) -> int:
+    """The bytes ``plan`` saves by the knapsack's count (what autograd keeps of each block it recomputes)."""
+    by_name = {c.block.name: c for c in choices}
+    return sum(by_name[n].saving(how) for n, how in plan)
+
+
 def _where(plan: Sequence[tuple]) -> str:
     return ", ".join(f"{name} ({how})" for name, how in plan) or "nothing"
 
@@ -339,8 +345,12 @@ class _Planner:
         cheaper plan may fit as well."""
         need, short, enough = base_peak - target, 0, None
         best: tuple | None = None
+        # the most the knapsack's savings reach (every block, its larger saving), a little under so that
+        # the buckets' rounding still reaches it: a need beyond it asks for that plan, which the estimate
+        # may find enough (the savings count what autograd keeps, the estimate the whole peak)
+        most = sum(max((c.saving(h) for h in self.ways), default=0) for c in choices) * 49 // 50
         for _ in range(_CHOICE_ROUNDS):
-            plan = cheapest(choices, need, self.ways)
+            plan = cheapest(choices, min(need, most), self.ways)
             if plan is None:
                 break
             peak = self.estimate(plan)
@@ -349,11 +359,16 @@ class _Planner:
                 if best is None or cost < best[0]:
                     best = (cost, plan)
                 enough = need
-            else:
-                short = max(short, need)
+            else:  # every need up to what this plan saves by the knapsack's count gives it again: ask beyond
+                short = max(short, need, _saving(choices, plan))
             if enough is not None and enough - short <= max(1, (base_peak - target) // 100):
                 break
-            need = need + (peak - target) if enough is None else (short + enough) // 2
+            if enough is None:
+                if short >= most and peak > target:
+                    break  # the most recomputation the knapsack has is estimated short too
+                need = max(need + (peak - target), short + 1)
+            else:
+                need = (short + enough) // 2
         return best[1] if best is not None else None
 
     def gathered(self, choices: Sequence[BlockCost], plan: tuple) -> tuple:

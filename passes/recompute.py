@@ -276,14 +276,17 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
 
 def _flops(choices: Sequence[BlockCost], plan: tuple) -> int:
     """The FLOPs ``plan`` recomputes in backward."""
-    by_name = {c.block.name: c for c in choices}
-    return sum(by_name[n].flops[how] for n, how in plan)
+    return _over(choices, plan, lambda c, how: c.flops[how])
 
 
 def _saving(choices: Sequence[BlockCost], plan: tuple) -> int:
     """The bytes ``plan`` saves by the knapsack's count (what autograd keeps of each block it recomputes)."""
+    return _over(choices, plan, BlockCost.saving)
+
+
+def _over(choices: Sequence[BlockCost], plan: tuple, value: Callable[[BlockCost, str], int]) -> int:
     by_name = {c.block.name: c for c in choices}
-    return sum(by_name[n].saving(how) for n, how in plan)
+    return sum(value(by_name[n], how) for n, how in plan)
 
 
 def _where(plan: Sequence[tuple]) -> str:

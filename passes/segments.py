@@ -121,8 +121,8 @@ def _layers(gm: torch.fx.GraphModule, name: str, nodes: list, stacks: dict, dept
         alike.setdefault(_signature(gm, k, ns), []).append(ns)
     stacked = sum(len(ns) for runs in alike.values() if len(runs) >= 2 for ns in runs)
     deeper = [_layers(gm, k, ns, stacks, depth + 1) for k, ns in inner]
-    if (len(inner) >= 2 and _container(gm, name)) or 2 * stacked >= len(nodes) \
-            or (deeper and 2 * sum(len(b.nodes) for d in deeper if len(d) > 1 for b in d) >= len(nodes)):
+    split = sum(len(b.nodes) for d in deeper if len(d) > 1 for b in d)  # in children that hold stacks
+    if (len(inner) >= 2 and _container(gm, name)) or 2 * max(stacked, split) >= len(nodes):
         return [b for d in deeper for b in d]
     return [Block(name, tuple(nodes), _refusal(gm, nodes))]
 
@@ -154,10 +154,13 @@ def _signature(gm: torch.fx.GraphModule, path: str, nodes: Sequence[torch.fx.Nod
 
 
 # ops whose output may share its input's memory: an in-place change of their output changes the input
+# (``getattr``: ``x.T``, ``x.mT``); an op missing here is taken for new memory, and a rewrite that then
+# changes an input twice fails its verification (outputs and buffers after the call)
 _ALIASING = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "getitem", "select",
-                       "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "split",
-                       "chunk", "unbind", "detach", "contiguous", "to", "type_as", "as_strided", "movedim",
-                       "swapaxes", "transpose_", "diagonal", "real", "imag", "view_as_real", "view_as_complex"})
+                       "narrow", "expand", "expand_as", "broadcast_to", "squeeze", "unsqueeze", "flatten", "unflatten",
+                       "split", "split_with_sizes", "tensor_split", "chunk", "unbind", "unfold", "detach", "contiguous",
+                       "to", "type_as", "as_strided", "movedim", "swapaxes", "swapdims", "diagonal", "real", "imag",
+                       "view_as_real", "view_as_complex", "getattr", "alias"})
 
 
 def _op_name(n: torch.fx.Node) -> str:

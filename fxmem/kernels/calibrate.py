@@ -595,19 +595,19 @@ def _measured(call: Call, frozen_items: tuple, x: torch.Tensor, markers: tuple |
     a fit showed) no run at the example sizes is needed: a size where the kernel orders them
     otherwise is found when it is asked (:class:`~fxmem.kernels.measured.StructureChanged`)."""
     threads = torch.get_num_threads()
-    hint = tuple(tc.size_hint(d) for d in x.shape)
-    large = _numel(hint) > measured.MEASURE_ELEMENTS  # read here: a test may lower it
+    extended = False  # the example sizes too large to run once: measured along the batch
     if markers is None:
-        shape = hint
-        if large:  # the largest batch that runs once shows the outputs' order (checked at the hint below)
+        shape = hint = tuple(tc.size_hint(d) for d in x.shape)
+        if _numel(hint) > measured.MEASURE_ELEMENTS:  # read here: a test may lower it
+            # the largest batch that runs once shows the outputs' order (checked at the hint below)
             top = measured.MEASURE_ELEMENTS // max(_numel(hint[1:]), 1)
             if top < measured.BATCHES_TO_EXTEND:
                 return None
-            shape = (top, *hint[1:])
+            shape, extended = (top, *hint[1:]), True
         markers, _ = summarize(_sample_at(call.func, frozen_items, shape, threads).program)
     key = register_kernel((call.func, frozen_items, threads, markers), call.op, markers,
                           functools.partial(_program_of, call.func, frozen_items, threads))
-    if large:
+    if extended:
         # too large to run once: measured at three batches and extended along the batch
         # (measured._along_batch) - used only where that holds at the example sizes themselves;
         # elsewhere a fit from small samples (checked toward the example sizes)

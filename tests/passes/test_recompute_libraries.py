@@ -98,6 +98,19 @@ def _names(model: nn.Module) -> list[str]:
     return [b.name for b in blocks(trace_modes(model).graph_module)]
 
 
+def _fits_for_real(model: nn.Module, spec: tuple, dims: dict, fraction: float, unseen: dict, sample: torch.Tensor):
+    """``optimize`` with a budget of ``fraction`` of the model's training-step peak at ``dims``: the
+    result's real step there is within it, its prediction equal to a real step at ``unseen``, and it
+    computes the model's outputs and gradients in every mode on ``sample``. Returns the result."""
+    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
+    budget = int(base * fraction)
+    opt = fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=sgd)
+    report = check_training_against_real_run(opt.train(), (spec,), [unseen], sgd, num_threads=1)
+    assert _measured_step_peak(opt, report, dims) <= budget
+    assert_same_in_every_mode(model, opt, [sample])
+    return opt
+
+
 def test_the_layers_inside_containers_are_the_blocks_not_the_container_nor_a_layers_parts():
     # timm's ViT: blocks.0..3, not "blocks" (one block of them all would bring every layer's
     # activations back at once); a block's two LayerNorms are no stack of layers
@@ -110,16 +123,10 @@ def test_the_layers_inside_containers_are_the_blocks_not_the_container_nor_a_lay
 def test_a_budget_on_a_vit_recomputes_its_layers_and_holds_on_a_real_step():
     torch.manual_seed(0)
     model = ViT()
-    spec, dims = ("B", 3, 32, 32), dict(B=32)
-    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
-    budget = int(base * 0.6)
-    opt = fxmem.optimize(model, spec, budget=budget, dims=dims, optimizer=sgd)
+    opt = _fits_for_real(model, ("B", 3, 32, 32), dict(B=32), 0.6, dict(B=5), torch.randn(3, 3, 32, 32))
     entry = opt.meta["fxmem"][-1]
     assert (entry["rule"], entry["status"]) == ("recompute", "applied"), entry
     assert {name for name, _ in entry["plan"]} <= {f"blocks.{k}" for k in range(4)} | {"patch_embed"}, entry["plan"]
-    report = check_training_against_real_run(opt, (spec,), [dict(B=5)], sgd, num_threads=1)
-    assert _measured_step_peak(opt, report, dims) <= budget
-    assert_same_in_every_mode(model, opt, [torch.randn(3, 3, 32, 32)])
 
 
 def test_a_budget_on_a_hugging_face_decoder_recomputes_its_layers_and_holds_on_a_real_step():
@@ -182,18 +189,13 @@ def test_in_place_changes_of_what_a_block_made_do_not_stop_its_recomputation():
     # gradients as the model's own step (train mode, the same seed)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), *[DropPathBlock(32) for _ in range(3)])
-    spec, dims = ("B", "N", 32), dict(B=16, N=64)
-    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
-    opt = fxmem.optimize(model, spec, budget=int(base * 0.7), dims=dims, optimizer=sgd)
+    opt = _fits_for_real(model, ("B", "N", 32), dict(B=16, N=64), 0.7, dict(B=5, N=9), torch.randn(3, 7, 32))
     entry = opt.meta["fxmem"][-1]
     assert (entry["rule"], entry["status"]) == ("recompute", "applied"), entry
-    report = check_training_against_real_run(opt, (spec,), [dict(B=5, N=9)], sgd, num_threads=1)
-    assert _measured_step_peak(opt, report, dims) <= int(base * 0.7)
-    assert_same_in_every_mode(model, opt, [torch.randn(3, 7, 32)])
     # a block that changes its input in place is still refused, with the reason
     from fxmem.passes.modes import trace_modes
 
-    refused = [b for b in blocks(trace_modes(nn.Sequential(InputChanger(8), InputChanger(8))).graph_module)]
+    refused = blocks(trace_modes(nn.Sequential(InputChanger(8), InputChanger(8))).graph_module)
     assert refused and all("from outside the block" in (b.refusal or "") for b in refused), refused
 
 
@@ -227,15 +229,10 @@ def test_a_budget_on_a_model_whose_modes_run_other_code_recomputes_its_train_mod
     # blocks are recomputed, the eval-mode trace runs as traced; every mode still computes the model's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), *[DepthBlock(32) for _ in range(3)])
-    spec, dims = ("B", "N", 32), dict(B=16, N=64)
-    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
-    opt = fxmem.optimize(model, spec, budget=int(base * 0.7), dims=dims, optimizer=sgd)
+    opt = _fits_for_real(model, ("B", "N", 32), dict(B=16, N=64), 0.7, dict(B=5, N=9), torch.randn(3, 7, 32))
     entry = next(e for e in opt.meta["fxmem"] if e["rule"] == "recompute")
     assert entry["status"] == "applied" and "train-mode graph" in entry["details"], entry
     assert any(e["rule"] == "train/eval" for e in opt.meta["fxmem"])
-    report = check_training_against_real_run(opt.train(), (spec,), [dict(B=5, N=9)], sgd, num_threads=1)
-    assert _measured_step_peak(opt, report, dims) <= int(base * 0.7)
-    assert_same_in_every_mode(model, opt, [torch.randn(3, 7, 32)])
 
 
 def test_a_selective_plan_that_cannot_be_analysed_falls_back_to_whole_recomputation(monkeypatch):
@@ -255,11 +252,6 @@ def test_a_selective_plan_that_cannot_be_analysed_falls_back_to_whole_recomputat
     monkeypatch.setattr(recompute._Planner, "trial", failing)
     torch.manual_seed(0)
     model = ViT()
-    spec, dims = ("B", 3, 32, 32), dict(B=32)
-    base = fxmem.analyze(model, spec, optimizer=sgd).evaluate(**dims)["train_peak"]
-    opt = fxmem.optimize(model, spec, budget=int(base * 0.9), dims=dims, optimizer=sgd)
+    opt = _fits_for_real(model, ("B", 3, 32, 32), dict(B=32), 0.9, dict(B=5), torch.randn(3, 3, 32, 32))
     entry = opt.meta["fxmem"][-1]
     assert failed and entry["status"] == "applied" and all(how == "whole" for _, how in entry["plan"]), entry
-    report = fxmem.analyze(opt, spec, optimizer=sgd)
-    assert _measured_step_peak(opt, report, dims) <= int(base * 0.9)
-    assert_same_in_every_mode(model, opt, [torch.randn(3, 3, 32, 32)])

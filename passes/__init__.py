@@ -8,6 +8,8 @@ This folder is the top-level ``passes/`` of the source tree, installed as ``fxme
   ``self.training`` while tracing);
 * :mod:`.verify` - same outputs, gradients and buffers as the original, in train and eval mode,
   with and without grad;
+* :mod:`.local_verify` - the regions a rewrite changed, each checked against what it replaced
+  (alike regions once), next to the whole model at the smallest size;
 * :mod:`.registry` - the passes, as data: the rules (``PASSES``; ``register(rule)`` adds yours) and
   the whole-graph passes (``GRAPH_PASSES``: reorder, recompute); :mod:`.base` - what a pass is and what it is given;
 * the pair-linear rule: :mod:`.pair_linear` (the rule), :mod:`.data_movement` (which nodes only

@@ -15,7 +15,8 @@ import torch
 import torch.fx
 
 from fxmem import _torch_compat as tc
-from fxmem.passes.base import Finding, Pass
+from fxmem.passes.base import REPLACES, Finding, Pass
+
 
 
 def site_groups(matches: list[tuple[Pass, Finding]]) -> list[list[tuple[Pass, Finding]]]:
@@ -51,6 +52,8 @@ def build(gm: torch.fx.GraphModule, model: torch.nn.Module,
                 if "nn_module_stack" in old.meta:  # the module that ran the replaced code runs the new
                     n.meta["nn_module_stack"] = dict(old.meta["nn_module_stack"])  # (recompute's blocks)
         old.replace_all_uses_with(new)
+        # what the new node stands for in the graph as captured (regions are verified from there: .local_verify)
+        new.meta[REPLACES] = old.meta.get(REPLACES, old.name)
         nodes[finding.node] = new
     out = torch.fx.GraphModule(gm, graph, type(model).__name__)
     share_modules(out, model)

@@ -15,6 +15,10 @@ from fxmem.capture import source_line
 
 
 
+# a node's meta key: the name of the node (of the graph as captured) whose value a rewrite's node
+# computes instead: where the regions :mod:`.local_verify` checks one by one start and end
+REPLACES = "fxmem_replaces"
+
 @dataclasses.dataclass
 class Probe:
     """The graph run once for real at small sizes: ``sizes`` of the user's dims (``{"N": 4}``) and

@@ -10,6 +10,11 @@ formulas before and after each rewrite.
     another node order (:mod:`.reorder`), and with ``budget=`` what to recompute in backward so
     that the training step fits (:mod:`.recompute`). Each graph is analysed once per call.
 
+A verification compares the whole model with the rewrite at the smallest verification size (every
+mode), and each region the rewrites changed with what it replaced at every size, alike regions
+(the same rewrite in each of a model's layers) once (:mod:`.local_verify`); the whole model at
+every size where the regions cannot be told apart or one of them differs, so that the cost grows
+with the number of distinct rewrites, not with depth.
 Verification is made once where it can be: a trial the formulas keep is verified with the graph
 that follows it (the line's final graph, or the recomputed plan that holds it); one the formulas
 decline is verified at once (its record says it is exact). Where a verification then fails, the
@@ -53,6 +58,7 @@ from fxmem.passes.model_cache import without_cache
 from fxmem.passes.recompute import BudgetError, fit_budget
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
+from fxmem.passes.local_verify import verify_regions
 from fxmem.passes.sdpa_dropout import model_bits
 from fxmem.passes import switch
 from fxmem.passes.decide import Condition, Decision
@@ -108,7 +114,8 @@ def optimize(
     A rewrite is kept only if the rewritten graph gives the same outputs, the same gradients
     (w.r.t. every parameter and floating input) and the same buffers as the original model on
     random inputs at the probe sizes, in train and eval mode, with autograd and under ``no_grad``
-    (same random numbers in both: dropout keeps the same elements), and fxmem's formulas prove
+    (same random numbers in both: dropout keeps the same elements; the whole model at the smallest
+    size, each changed region against what it replaced at every size), and fxmem's formulas prove
     its peaks (train mode: forward peak and, with ``grad``, training-step peak; eval mode: the
     inference peak under ``no_grad``) never higher for every size where the analysis holds and one
     lower somewhere (:mod:`.decide`; where the two cross, both forms are returned, switched at run
@@ -627,6 +634,7 @@ class _Search:
         self.last: Decision | None = None  # the decision of the last trial (None: it failed verification)
         self._current: Memory | None = None  # analysed when first needed: most models have no finding
         self.best = build(gm, model, [])
+        self.base = self.best  # the graph as captured: what a rewrite's regions are compared with
         self.accepted: list[tuple[Pass, Finding]] = []
         self.log: list[dict] = []
         self._entries: dict[int, dict] = {}
@@ -659,15 +667,18 @@ class _Search:
 
     def verify(self, candidate: torch.nn.Module) -> Any:
         """:func:`.verify.compare` of ``candidate`` with the model on this call's inputs (the model's
-        own runs made once per call: they are the same for every candidate). Where the candidate
-        chooses a path by the data (an edge list or dense row blocks), each path is compared. Under
-        ``model_bits`` an attention given SDPA's own dropout (``same_distribution=True``) draws the
-        model's bits, compared exactly; its own dropout is checked as a distribution by the rule."""
+        own runs made once per call: they are the same for every candidate): the whole model at the
+        smallest size, and each region the rewrites changed at every size (:mod:`.local_verify`,
+        alike regions once); the whole model at every size where the regions cannot be told apart
+        or one differs. Where the candidate chooses a path by the data (an edge list or dense row
+        blocks), each path is compared. Under ``model_bits`` an attention given SDPA's own dropout
+        (``same_distribution=True``) draws the model's bits, compared exactly; its own dropout is
+        checked as a distribution by the rule."""
         with data_paths.asked() as taken, model_bits():
-            diff = compare(self.model, candidate, self.verify_inputs, references=self.references)
+            diff = self._compare(candidate)
         for side in sorted({True, False} - set(taken)) if taken and diff.ok else ():  # the paths not taken
             with data_paths.forced(side), model_bits():
-                other = compare(self.model, candidate, self.verify_inputs, references=self.references)
+                other = self._compare(candidate)
             if not other.ok or other.max_abs > diff.max_abs:
                 diff = other
             if not diff.ok:
@@ -677,6 +688,18 @@ class _Search:
         elif self.unverified:  # this rewrite's fault, or one of those kept unverified? Start again
             raise _Unverified(f"{diff.where}: max diff {diff.max_abs:.3g}")
         return diff
+
+    def _compare(self, candidate: torch.nn.Module) -> Any:
+        """One comparison of :meth:`verify`: whole at the smallest size and region by region, or whole."""
+        if len(self.verify_inputs) > 1:
+            whole = compare(self.model, candidate, self.verify_inputs[:1], references=self.references)
+            if not whole.ok:
+                return whole
+            local = verify_regions(self.base, candidate, self.verify_inputs,
+                                   lambda a, b, xs: compare(a, b, xs))
+            if local is not None and local.ok:
+                return local if local.max_abs > whole.max_abs else whole
+        return compare(self.model, candidate, self.verify_inputs, references=self.references)
 
     def confirm(self, final: torch.nn.Module) -> None:
         """The optimistic pass: the line's final graph verified, unless a pass verified it already (the

@@ -30,6 +30,8 @@ import torch.utils.checkpoint as checkpointing
 from fxmem.capture import source_line
 from fxmem.capture.source import stack_path
 from fxmem.simulation.repeats import code_key
+from fxmem.passes.base import REPLACES
+
 
 # Ops whose outputs selective recomputation keeps: the products that cost FLOPs. Everything else
 # in a block (pointwise ops, norms, softmax, copies) is recomputed in backward.
@@ -342,11 +344,13 @@ def _replace(gm: torch.fx.GraphModule, graph: torch.fx.Graph, nodes: list, selec
     call.meta["nn_module_stack"] = nodes[0].meta.get("nn_module_stack", {})
     if len(outputs) == 1:
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside)
+        call.meta[REPLACES] = outputs[0].meta.get(REPLACES, outputs[0].name)
     else:
         anchor = call
         for k, o in enumerate(outputs):
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (call, k))
+            anchor.meta[REPLACES] = o.meta.get(REPLACES, o.name)  # the value it stands for (.local_verify)
             o.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in inside)
     for n in reversed(nodes):
         graph.erase_node(n)

@@ -134,12 +134,12 @@ def test_alike_layers_are_decided_in_one_trial(monkeypatch):
 
     driver = importlib.import_module("fxmem.passes.optimize")  # the module, not the function it exports
 
-    calls = {"memory": 0, "compare": 0}
+    calls = {"memory": 0, "compare": 0, "region": 0}
     memory, compare = driver.memory, driver.compare
 
     def counting(name, fn):
         def wrapped(*a, **k):
-            calls[name] += 1
+            calls["region" if type(a[0]).__name__ == "region" else name] += 1
             return fn(*a, **k)
         return wrapped
 
@@ -151,7 +151,9 @@ def test_alike_layers_are_decided_in_one_trial(monkeypatch):
     entries = sdpa_entries(opt)
     assert [r["status"] for r in entries] == ["applied"] * 6
     assert all("in one trial" in r["group"] for r in entries)
-    assert calls == {"memory": 2, "compare": 1}  # the original and the trial; the trial's verification
+    # the original and the trial; the trial's verification: the whole model at the smallest size, and
+    # one of the six alike regions (the attention of a block) at every size
+    assert calls == {"memory": 2, "compare": 1, "region": 1}
     tokens = torch.randint(0, 50, (3, 11))
     assert_same_in_every_mode(model, opt, [tokens])
     check_against_real_run(opt, (TOKENS,), [{"B": 3, "L": 13}],

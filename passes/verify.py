@@ -71,11 +71,13 @@ class _Copies:
     """Private copies of one module on ``device``, one per dtype, each made once per comparison and
     put back to its first state (parameters and buffers) before every run: a call that changes a
     buffer (batch-norm statistics) does not leak into the next run. (A deep copy of a GraphModule
-    recompiles its code: one copy per run was most of what a comparison cost.)"""
+    recompiles its code: one copy per run was most of what a comparison cost.) Only what a run
+    changed is put back, from the module itself (which no run touches): a tensor's version counter
+    says whether it was written in place, so a model's parameters are not copied again per run."""
 
     def __init__(self, module: torch.nn.Module, device: str):
         self.module, self.device = module, device
-        self._made: dict = {}  # dtype -> (copy, its state before any run)
+        self._made: dict = {}  # dtype -> (copy, {name: (shape, dtype, id, version)} before any run)
 
     def get(self, dtype: torch.dtype | None) -> torch.nn.Module:
         made = self._made.get(dtype)
@@ -83,18 +85,26 @@ class _Copies:
             twin = copy.deepcopy(self.module).to(self.device)
             if dtype is not None:
                 twin = twin.to(dtype)
-            made = self._made[dtype] = (twin, {k: v.detach().clone() for k, v in _tensors(twin)})
+            made = self._made[dtype] = (twin, {k: _stamp(v) for k, v in _tensors(twin)})
             return twin
         twin, state = made
         now = dict(_tensors(twin))
-        if now.keys() != state.keys() or any(now[k].shape != v.shape or now[k].dtype != v.dtype
-                                             for k, v in state.items()):
+        if now.keys() != state.keys() or any(now[k].shape != v[0] or now[k].dtype != v[1] for k, v in state.items()):
             del self._made[dtype]  # a run replaced a buffer by another kind of tensor: copy again
             return self.get(dtype)
-        with torch.no_grad():
-            for k, v in state.items():
-                now[k].copy_(v)
+        changed = [k for k, v in state.items() if _stamp(now[k]) != v]
+        if changed:
+            source = dict(_tensors(self.module))
+            with torch.no_grad():
+                for k in changed:
+                    now[k].copy_(source[k])
+            state.update({k: _stamp(now[k]) for k in changed})
         return twin
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What says whether a run changed a module's tensor: its kind, the object, its in-place writes."""
+    return t.shape, t.dtype, id(t), tc.write_count(t)
 
 
 def _tensors(module: torch.nn.Module) -> list:

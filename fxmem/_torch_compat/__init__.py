@@ -125,6 +125,7 @@ from .autograd import (
     saved_tensor_hooks_in_effect,
     tensor_hooks,
     tensor_use_count,
+    write_count,
 )
 from .devices import cpu_capability, cuda_memory_history, fake_cuda_backward_possible, fake_cuda_is_safe
 from .distributed import (
@@ -176,7 +177,7 @@ __all__ = [
     "non_persistent_buffers", "order_like", "pop_child", "skip_parameter_init", "tensor_attributes",
     # autograd
     "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks", "saved_tensor_hooks_in_effect",
-    "tensor_hooks", "tensor_use_count",
+    "tensor_hooks", "tensor_use_count", "write_count",
     # devices
     "cpu_capability", "cuda_memory_history", "fake_cuda_backward_possible", "fake_cuda_is_safe",
     # distributed

@@ -69,6 +69,12 @@ def is_view(t: torch.Tensor) -> bool:
     return bool(t._is_view())
 
 
+def write_count(t: torch.Tensor) -> int:
+    """How many times ``t`` was written in place (autograd's version counter): equal before and
+    after a run, the run did not change it."""
+    return int(t._version)
+
+
 def tensor_use_count(t: torch.Tensor) -> int:
     """How many C++ owners ``t``'s TensorImpl has (the engine's ``use_count()``; a Python object
     counts once however many Python names it has). Only differences between two tensors passed

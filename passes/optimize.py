@@ -854,7 +854,10 @@ class _Search:
             together = (together if together else
                         f"with the {len(group) - 1} other(s) on the same pairs" if len(group) > 1 else None)
             for e in entries:
-                e.update(reason=f"declined: exact, but no memory saved where the formulas hold; {short}",
+                # a saving somewhere does not pay for a peak raised elsewhere (16 bytes of a new scalar)
+                why = (" (a peak would be higher at some sizes: see decision)"
+                       if decision.text.startswith("higher somewhere") else "")
+                e.update(reason=f"declined: exact, but no memory saved where the formulas hold{why}; {short}",
                          group=together)
             return "no gain"
         names = {n.name for n in trial.graph.nodes}

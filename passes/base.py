@@ -90,9 +90,9 @@ class Pass:
 class Line:
     """What a whole-graph pass (:class:`GraphPass`) is given of one ``optimize`` call: the model,
     its inputs, sizes and options, and the call's services - ``memory(gm)`` fxmem's analysis of a
-    graph (made once per graph), ``analysed(gm)`` the one made already or None, ``verify(gm)`` the
-    comparison with the model on real runs (``.ok``), ``share(gm)`` the model's modules given to
-    ``gm`` under their names. A switched call has two lines, one per form."""
+    graph (made once per graph), ``analysed(gm)`` the one made already or None, ``share(gm)`` the
+    model's modules given to ``gm`` under their names (what a pass proposes, the driver verifies).
+    A switched call has two lines, one per form."""
 
     model: torch.nn.Module
     specs: Sequence[Any]  # the parsed input specs
@@ -106,19 +106,24 @@ class Line:
     runs_at_dims: bool  # whether this line's form is the one that runs at dims
     memory: Callable[[torch.fx.GraphModule], Any]
     analysed: Callable[[torch.fx.GraphModule], Any]
-    verify: Callable[[torch.fx.GraphModule], Any]
     share: Callable[[torch.fx.GraphModule], None]
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
     """A rewrite of the whole graph, run after the rules on what they kept: ``run(gm, line) ->
-    (module, entry)``, the module (``gm`` when nothing is kept) and its ``meta["fxmem"]`` entry
-    (:func:`log_entry`'s schema; ``"no match"`` with what it looked for when it found nothing)."""
+    (module, entry)`` proposes the module (``gm`` when it proposes nothing) with its
+    ``meta["fxmem"]`` entry (:func:`log_entry`'s schema; ``"no match"`` with what it looked for
+    when it found nothing). The pass decides by its own criterion (reorder: lower at the example
+    sizes and never higher at the small ones; recompute: fits the budget at ``dims``); the driver
+    verifies what it proposes against the model, as it does a rule's rewrite, and records the
+    outcome: a proposal that differs is declined, or, where ``failed`` is given,
+    ``failed(entry, difference)`` raises (recompute: a budget that cannot be met is an error)."""
 
     name: str
     run: Callable[[torch.fx.GraphModule, Line], tuple[torch.fx.GraphModule, dict]]
     looks_for: str = ""
+    failed: Callable[[dict, Any], None] | None = None
 
 
 # What each key of a ``meta["fxmem"]`` entry holds. Every entry has every key, whichever pass wrote it

@@ -363,7 +363,7 @@ def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
 def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
             fits_here: bool = True) -> torch.fx.GraphModule:
     """The whole-graph passes of the registry (reorder, then recompute), in order, on one line's
-    best graph; their entries go to its log."""
+    best graph: each proposes, the driver verifies (:func:`_accepted`); their entries go to its log."""
     runs_at_dims = budget is not None and fits_here and (state.condition is None or state.condition.holds(dims)) and (
         state.condition is not None or state.switch is None or not state.switch.holds(dims))
     step = step_options(kw)
@@ -372,18 +372,38 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
     reuse = state.kw == kw and kw.grad
     line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
                 dims, runs_at_dims, state.memory,
-                state.analysed if reuse else (lambda g: None), state.verify,
+                state.analysed if reuse else (lambda g: None),
                 lambda g: share_modules(g, model))
     best = state.best
     try:
         for p in GRAPH_PASSES:
-            best, entry = p.run(best, line)
+            proposed, entry = p.run(best, line)
+            if proposed is not best:
+                proposed, entry = _accepted(state, p, best, proposed, entry)
+            best = proposed
             state.log.append(entry)
     except BudgetError:
         state.confirm(best)  # the error tells peaks of the rewritten graph: verified before they are told
         raise
     state.confirm(best)
     return best
+
+
+def _accepted(state: "_Search", p: Any, before: torch.fx.GraphModule, proposed: torch.fx.GraphModule,
+              entry: dict) -> tuple[torch.fx.GraphModule, dict]:
+    """The driver's side of a whole-graph pass's proposal: verified against the model as a rule's
+    rewrite is (with what the rules kept before it, where that was deferred); the graph before it
+    and a declined entry where it differs, or ``p.failed`` raises."""
+    diff = state.verify(proposed)
+    if diff.ok:
+        entry["verification"] = "passed"
+        return proposed, entry
+    if p.failed is not None:
+        p.failed(entry, diff)
+    entry.update(status="declined", verification=_failed(diff), details=f"{entry.get('details') or ''}; "
+                 f"verification failed: {_failed(diff)}".lstrip("; "),
+                 reason=f"declined: verification failed (max diff {diff.max_abs:.3g}); the graph before it is kept")
+    return before, entry
 
 
 def _forms(cond: Condition, where: Mapping, when: torch.fx.GraphModule, otherwise: torch.fx.GraphModule,

@@ -162,13 +162,40 @@ def cheapest(choices: Sequence[BlockCost], need: int, ways: Sequence[str] = HOW)
 def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions,
                budget: Any, dims: Mapping[str, int], verify_inputs: list,
                base: Report | None = None, verify: Callable | None = None) -> tuple[torch.fx.GraphModule, dict]:
-    """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``.
-
-    ``base``: the training step of ``gm`` analysed with ``options`` already (not analysed again);
-    ``verify(module)``: the comparison with the model (default: :func:`.verify.compare` on ``verify_inputs``).
+    """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``
+    (:func:`plan_budget`), verified: ``verify(module)`` compares it with the model (default:
+    :func:`.verify.compare` on ``verify_inputs``); :func:`unverified` where it differs.
     Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
     fits. ``gm`` itself is returned when the step already fits.
     """
+    module, entry = plan_budget(gm, input_specs, options, budget, dims, base)
+    if module is not gm:
+        diff = verify(module) if verify is not None else compare(model, module, verify_inputs)
+        if not diff.ok:
+            unverified(entry, diff)
+        entry["verification"] = "passed"
+    return module, entry
+
+
+def unverified(entry: dict, diff: Any) -> None:
+    """A recomputed plan that does not compute what the model does: a :class:`BudgetError` (a
+    budget that is not met is an error, never a warning beside a module that misses it)."""
+    at = ", ".join(f"{k}={v}" for k, v in entry["dims"].items())
+    raise BudgetError(
+        f"fxmem.optimize(budget={format_bytes(entry['budget'])}): recomputing {entry['where']} would fit the training "
+        f"step at {at} into {format_bytes(entry['budget'])} ({format_bytes(entry['peak_at_dims_after'])}), but "
+        f"fxmem's recomputed graph does not compute what the model does (verification: max diff "
+        f"{diff.max_abs:.3g} in {diff.where}) - a limit of fxmem's recomputation on this graph, not of your model; "
+        f"without it the step takes {format_bytes(entry['peak_at_dims_before'])}. What to do: checkpoint the "
+        f"model's blocks yourself (torch.utils.checkpoint) and analyse it with fxmem.analyze, or a larger budget",
+        entry["peak_at_dims_before"], {})
+
+
+def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisOptions, budget: Any,
+                dims: Mapping[str, int], base: Report | None = None) -> tuple[torch.fx.GraphModule, dict]:
+    """The plan of :func:`fit_budget`, not yet verified (its entry's ``verification`` None): what
+    the recompute pass proposes to optimize's driver, which verifies it. ``base``: the training
+    step of ``gm`` analysed with ``options`` already (not analysed again)."""
     limit = parse_bytes(budget)
     planner = _Planner(gm, input_specs, options, dims)
     base = planner.trial((), known=base)
@@ -232,20 +259,11 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
             f"recomputation brings back while that block's backward runs. What to do: a larger budget, smaller "
             f"dims, or an optimizer with less state", best.peak, parts)
     best = min(fitting, key=lambda t: (t.flops, t.peak))
-    diff = verify(best.module) if verify is not None else compare(model, best.module, verify_inputs)
-    if not diff.ok:  # a budget that is not met is an error, never a warning beside a module that misses it
-        raise BudgetError(
-            f"fxmem.optimize(budget={budget!r}): recomputing {_where(best.plan)} would fit the training step at {at} "
-            f"into {format_bytes(limit)} ({format_bytes(best.peak)}), but fxmem's recomputed graph does not compute "
-            f"what the model does (verification: max diff {diff.max_abs:.3g} in {diff.where}) - a limit of fxmem's "
-            f"recomputation on this graph, not of your model; without it the step takes {format_bytes(base.peak)}. "
-            f"What to do: checkpoint the model's blocks yourself (torch.utils.checkpoint) and analyse it with "
-            f"fxmem.analyze, or a larger budget", base.peak, {})
     share = 100.0 * best.flops / planner.forward_flops if planner.forward_flops else 0.0
     entry.update(status="applied", where=_where(best.plan), plan=list(best.plan),
                  train_peak_after=str(best.report.train_peak), peak_at_dims_after=best.peak,
                  bytes_after={"peak": None, "train_peak": best.peak, "inference_peak": None},
-                 recompute_flops=best.flops, verification="passed",
+                 recompute_flops=best.flops,
                  reason=(f"applied: training-step peak {format_bytes(base.peak)} -> {format_bytes(best.peak)} at "
                          f"{at} (budget {format_bytes(limit)}), {share:.1f}% more FLOPs"),
                  flops=(f"recomputing {best.flops:,} FLOPs in backward ({share:.1f}% of the forward's "
@@ -257,9 +275,10 @@ def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tu
 
 
 def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, dict]:
-    """The registry's entry (:class:`~.base.GraphPass`): with ``budget=``, :func:`fit_budget` on
+    """The registry's entry (:class:`~.base.GraphPass`): with ``budget=``, :func:`plan_budget` on
     the graph the rules kept (its training step analysed once: the analysis they were decided on
-    is the base); else a record saying why nothing is recomputed."""
+    is the base), proposed to the driver, which verifies it (:func:`unverified` where it differs);
+    else a record saying why nothing is recomputed."""
     from fxmem.passes.base import log_entry
 
     name = type(line.model).__name__
@@ -270,8 +289,8 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
                                                      f"fitted there")
     line.share(gm)  # the model's modules under their names (tied weights by both names)
     known = line.analysed(gm)
-    return fit_budget(gm, line.model, line.input_specs, line.step_options, line.budget, line.dims,
-                      line.verify_inputs, base=known.report if known is not None else None, verify=line.verify)
+    return plan_budget(gm, line.input_specs, line.step_options, line.budget, line.dims,
+                       base=known.report if known is not None else None)
 
 
 def _flops(choices: Sequence[BlockCost], plan: tuple) -> int:

@@ -47,7 +47,7 @@ GRAPH_PASSES: list[GraphPass] = [
     # the nodes in another order, lower at the example sizes and never higher where checked
     GraphPass(reorder.RULE, reorder.propose, reorder.LOOKS_FOR),
     # with budget=: blocks recomputed in backward so that the training step fits at dims
-    GraphPass(recompute.RULE, recompute.propose, recompute.LOOKS_FOR),
+    GraphPass(recompute.RULE, recompute.propose, recompute.LOOKS_FOR, failed=recompute.unverified),
 ]
 
 

@@ -252,13 +252,14 @@ def rebuild(gm: torch.fx.GraphModule, order: Sequence[torch.fx.Node]) -> torch.f
 
 def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any],
             sizes: Mapping[str, int], memory: Callable[[torch.fx.GraphModule], Any],
-            check: Callable[[torch.fx.GraphModule], Any],
+            check: Callable[[torch.fx.GraphModule], Any] | None,
             also_at: Sequence[Mapping[str, int]] = ()) -> tuple[torch.fx.GraphModule, dict | None]:
     """``gm`` in another order when fxmem's analysis finds a lower peak (and nothing higher), else ``gm``.
 
     ``inputs``: small real inputs (which values share storages, which autograd keeps); ``sizes``:
     the example sizes the bytes are modelled at; ``memory(gm)`` fxmem's analysis (an object with
-    ``lower_than`` and ``report``/``inference``); ``check(gm)`` the verification (``.ok``);
+    ``lower_than`` and ``report``/``inference``); ``check(gm)`` the verification (``.ok``; None:
+    the caller verifies the order returned, as optimize's driver does every pass's proposal);
     ``also_at``: more sizes (small ones) at which no peak may be higher - a peak is a ``Max`` of
     candidates that cross, so an order lower at the example sizes can be higher at others.
     Returns the module and its ``meta["fxmem"]`` entry (None when no order is modelled lower).
@@ -315,8 +316,8 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
                          details=f"{found}: lower at {at}, but {higher} at {there}: which order is lower depends on "
                                  f"the sizes, so the original order is kept")
             return gm, entry
-    diff = check(new)
-    if not diff.ok:
+    diff = check(new) if check is not None else None  # None: the caller verifies (optimize's driver)
+    if diff is not None and not diff.ok:
         entry.update(reason=f"declined: verification failed (max diff {diff.max_abs:.3g}); original order kept",
                      verification=f"failed: max diff {diff.max_abs:.3g} in {diff.where}", details=found)
         return gm, entry
@@ -328,17 +329,17 @@ def reorder(gm: torch.fx.GraphModule, inputs: Sequence[Any], specs: Sequence[Any
         reason = f"applied: {k} {format_bytes(a)} -> {format_bytes(b)} ({100 * (b - a) / a:+.1f}%) at {at}"
     else:  # lower elsewhere (another size, the other path the data chooses), the same here
         reason = f"applied: no peak higher, one lower by fxmem's analysis (the same peaks at {at})"
-    entry.update(status="applied", verification="passed", details=found, reason=reason)
+    entry.update(status="applied", verification="passed" if diff is not None else None, details=found, reason=reason)
     return new, entry
 
 
 
 def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, dict]:
     """The registry's entry (:class:`~.base.GraphPass`): :func:`reorder` with ``line``'s inputs,
-    sizes, analysis and verification; its record, or what it looked for."""
+    sizes and analysis, proposed to the driver (which verifies it); its record, or what it looked for."""
     from fxmem.passes.base import log_entry
 
-    best, entry = reorder(gm, line.verify_inputs[-1], line.specs, line.hints, line.memory, line.verify, line.verify_at)
+    best, entry = reorder(gm, line.verify_inputs[-1], line.specs, line.hints, line.memory, None, line.verify_at)
     if entry is None:
         entry = log_entry(RULE, "no match", type(line.model).__name__, f"looked for {LOOKS_FOR}; none")
     return best, entry

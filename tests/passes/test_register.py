@@ -98,3 +98,49 @@ def test_bad_registrations_are_refused_with_what_to_do(registered):
         assert fxmem.passes.PASSES[names.index("pair-linear")] is first
     finally:
         unregister("first")
+
+
+def _wrong_output(gm: torch.fx.GraphModule, line) -> tuple:
+    """A whole-graph pass that proposes the graph with its output scaled by 1.5 (not what it computes)."""
+    import copy
+
+    from fxmem.passes.base import log_entry
+
+    graph = copy.deepcopy(gm.graph)
+    out = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(out):
+        scaled = graph.call_function(operator.mul, (out.args[0], 1.5))
+    out.args = (scaled,)
+    proposed = torch.fx.GraphModule(gm, graph)
+    return proposed, log_entry("scale-output", "applied", "CatSum", "applied: scaled by its own criterion")
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(entry, diff):
+    raise _Refused(f"{entry['rule']}: {diff.where}")
+
+
+@pytest.mark.parametrize("failed", [None, _refuse])
+def test_a_whole_graph_pass_proposes_and_the_driver_verifies(failed):
+    """What a whole-graph pass (reorder, recompute) proposes is verified by optimize's driver, as a
+    rule's rewrite is: a proposal that differs from the model is declined (the graph before it is
+    returned), or the pass's ``failed`` raises (recompute: a budget it cannot meet is an error)."""
+    from fxmem.passes import GRAPH_PASSES, GraphPass
+
+    torch.manual_seed(0)
+    model = CatSum()
+    GRAPH_PASSES.append(GraphPass("scale-output", _wrong_output, "a scaled output", failed=failed))
+    try:
+        if failed is not None:
+            with pytest.raises(_Refused, match="scale-output: output 0"):
+                fxmem.optimize(model, ("B", 6))
+            return
+        opt = fxmem.optimize(model, ("B", 6))
+    finally:
+        GRAPH_PASSES.pop()
+    entry = next(e for e in opt.meta["fxmem"] if e["rule"] == "scale-output")
+    assert entry["status"] == "declined" and entry["verification"].startswith("failed"), entry
+    assert_same_in_every_mode(model, opt, [torch.randn(5, 6)])

@@ -216,8 +216,11 @@ def _region(before: torch.fx.GraphModule, after: torch.fx.GraphModule, nodes_a: 
         targets += [str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")]
     targets = list(dict.fromkeys(targets))
     number = {t: k for k, t in enumerate(targets)}
-    objects = [_lookup(before, t) if _has(before, t) else _lookup(after, t) for t in targets]
-    modules = [_module(graph, targets, objects) for _, graph in graphs]
+    # each side holds its own graph module's objects (a path the other lacks: the other's, so that
+    # both have the same parameters to compare gradients of)
+    objects = [[_lookup(first, t) if _has(first, t) else _lookup(second, t) for t in targets]
+               for first, second in ((before, after), (after, before))]
+    modules = [_module(graph, targets, held) for (_, graph), held in zip(graphs, objects)]
 
     def where(n: torch.fx.Node) -> Any:
         return ("attribute", number[str(n.target)]) if n.op in ("call_module", "get_attr") else n.target
@@ -225,7 +228,7 @@ def _region(before: torch.fx.GraphModule, after: torch.fx.GraphModule, nodes_a: 
     code = code_key(graphs[0][1], where) + (("after",),) + code_key(graphs[1][1], where)
     first = (nodes_b or nodes_a)[0]
     line = source_line(first)
-    return Region(modules[0], modules[1], reads, code, objects,
+    return Region(modules[0], modules[1], reads, code, objects[0] + objects[1],
                   f"{first.name} ({line})" if line else first.name)
 
 

@@ -71,9 +71,10 @@ class _Copies:
     """Private copies of one module on ``device``, one per dtype, each made once per comparison and
     put back to its first state (parameters and buffers) before every run: a call that changes a
     buffer (batch-norm statistics) does not leak into the next run. (A deep copy of a GraphModule
-    recompiles its code: one copy per run was most of what a comparison cost.) Only what a run
-    changed is put back, from the module itself (which no run touches): a tensor's version counter
-    says whether it was written in place, so a model's parameters are not copied again per run."""
+    recompiles its code: one copy per run was most of what a comparison cost.) What a run may have
+    changed is put back, from the module itself (which no run touches): every buffer, and each
+    parameter whose version counter says it was written in place, so a model's parameters are not
+    copied again per run."""
 
     def __init__(self, module: torch.nn.Module, device: str):
         self.module, self.device = module, device
@@ -86,13 +87,16 @@ class _Copies:
             if dtype is not None:
                 twin = twin.to(dtype)
             made = self._made[dtype] = (twin, {k: _stamp(v) for k, v in _tensors(twin)})
+            self._buffers = {k for k, _ in twin.named_buffers(remove_duplicate=False)}
             return twin
         twin, state = made
         now = dict(_tensors(twin))
         if now.keys() != state.keys() or any(now[k].shape != v[0] or now[k].dtype != v[1] for k, v in state.items()):
             del self._made[dtype]  # a run replaced a buffer by another kind of tensor: copy again
             return self.get(dtype)
-        changed = [k for k, v in state.items() if _stamp(now[k]) != v]
+        # buffers always (batch norm's kernel writes its running statistics without counting a write),
+        # parameters where a run wrote them
+        changed = [k for k, v in state.items() if k in self._buffers or _stamp(now[k]) != v]
         if changed:
             source = dict(_tensors(self.module))
             with torch.no_grad():

@@ -105,7 +105,12 @@ def test_recipe_training_step_equals_the_real_one(config, name, lora):
     for b, l in ((3, 37), (2, 70)):
         at = report.evaluate(B=b, L=l)
         predicted = (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"])
-        assert _real_step(config, recipe, lora, b, l) == predicted, (name, b, l, report.notes)
+        real = _real_step(config, recipe, lora, b, l)
+        if not flagged:
+            assert real == predicted, (name, b, l, report.notes)
+        else:  # what the flag promises: the rest exact, the peak perhaps higher by the kernel's scratch
+            # (oneDNN's half-precision matmul packs its operands by the CPU: none on some, more with AMX)
+            assert real[1:] == predicted[1:] and real[0] >= predicted[0], (name, b, l, real, predicted)
 
 
 def test_model_states_per_parameter_follow_the_recipe():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -151,7 +152,8 @@ def _same_object(before: torch.fx.GraphModule, after: torch.fx.GraphModule, n: t
     if n.op not in ("call_module", "get_attr"):
         return True
     try:
-        return _lookup(before, str(n.target)) is _lookup(after, str(n.target))
+        get = operator.attrgetter(str(n.target))
+        return get(before) is get(after)
     except AttributeError:
         return False
 
@@ -218,8 +220,7 @@ def _region(before: torch.fx.GraphModule, after: torch.fx.GraphModule, nodes_a: 
     number = {t: k for k, t in enumerate(targets)}
     # each side holds its own graph module's objects (a path the other lacks: the other's, so that
     # both have the same parameters to compare gradients of)
-    objects = [[_lookup(first, t) if _has(first, t) else _lookup(second, t) for t in targets]
-               for first, second in ((before, after), (after, before))]
+    objects = [[_either(first, second, t) for t in targets] for first, second in ((before, after), (after, before))]
     modules = [_module(graph, targets, held) for (_, graph), held in zip(graphs, objects)]
 
     def where(n: torch.fx.Node) -> Any:
@@ -232,18 +233,13 @@ def _region(before: torch.fx.GraphModule, after: torch.fx.GraphModule, nodes_a: 
                   f"{first.name} ({line})" if line else first.name)
 
 
-def _has(module: torch.nn.Module, target: str) -> bool:
+def _either(first: torch.nn.Module, second: torch.nn.Module, target: str) -> Any:
+    """The attribute ``target`` (a dotted path) of ``first``, else of ``second``."""
+    get = operator.attrgetter(target)
     try:
-        _lookup(module, target)
-        return True
+        return get(first)
     except AttributeError:
-        return False
-
-
-def _lookup(module: Any, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
+        return get(second)
 
 
 def _module(graph: torch.fx.Graph, targets: list[str], objects: list) -> torch.fx.GraphModule:
@@ -317,7 +313,7 @@ def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
         number = {t: k for k, t in enumerate(targets)}
         keys.append(code_key(gm.graph, lambda n: ("attribute", number[str(n.target)])
                              if n.op in ("call_module", "get_attr") else n.target))
-        objects.append([_lookup(gm, t) for t in targets])
+        objects.append([operator.attrgetter(t)(gm) for t in targets])
     return keys[0] == keys[1] and len(objects[0]) == len(objects[1]) and all(
         _alike(x, y) for x, y in zip(*objects))
 

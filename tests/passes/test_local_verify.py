@@ -114,6 +114,14 @@ def _entries(opt):
     return [e for e in opt.meta["fxmem"] if e["rule"] == RULE]
 
 
+def _optimized(rule, how, **stack):
+    """The model (a Stack) and fxmem.optimize of it with the test rule rewriting as ``how`` does."""
+    rule(how)
+    torch.manual_seed(0)
+    model = Stack(**stack)
+    return model, fxmem.optimize(model, ("B", "N", 16))
+
+
 def test_an_exact_rewrite_is_kept_and_checked_once_for_its_alike_layers(rule, monkeypatch):
     rule(_twice)
     torch.manual_seed(0)
@@ -133,20 +141,14 @@ def test_an_exact_rewrite_is_kept_and_checked_once_for_its_alike_layers(rule, mo
 
 
 def test_a_rewrite_wrong_beyond_the_smallest_size_is_declined(rule):
-    rule(_first_four_rows)
-    torch.manual_seed(0)
-    model = Stack()
-    opt = fxmem.optimize(model, ("B", "N", 16))
+    model, opt = _optimized(rule, _first_four_rows)
     entries = _entries(opt)
     assert entries and all(e["status"] == "declined" and e["verification"].startswith("failed") for e in entries)
     assert_same_in_every_mode(model, opt, [torch.randn(3, 6, 16)])
 
 
 def test_a_rewrite_wrong_in_one_of_the_alike_layers_fails_there_only(rule):
-    rule(_off_in_layer_2)
-    torch.manual_seed(0)
-    model = Stack()
-    opt = fxmem.optimize(model, ("B", "N", 16))
+    model, opt = _optimized(rule, _off_in_layer_2)
     failed = {e["where"].split(" ")[0]: (e["verification"] or "").startswith("failed") for e in _entries(opt)}
     assert failed == {"sum_1": False, "sum_2": False, "sum_3": True, "sum_4": False}, _entries(opt)
     assert any(e["status"] == "applied" for e in _entries(opt))
@@ -154,10 +156,7 @@ def test_a_rewrite_wrong_in_one_of_the_alike_layers_fails_there_only(rule):
 
 
 def test_a_rewrite_that_moves_the_random_draws_after_it_is_declined(rule):
-    rule(_then_draws)
-    torch.manual_seed(0)
-    model = Stack(p=0.5)
-    opt = fxmem.optimize(model, ("B", "N", 16))
+    model, opt = _optimized(rule, _then_draws, p=0.5)
     entries = _entries(opt)
     assert entries and all(e["status"] == "declined" and e["verification"].startswith("failed") for e in entries)
     assert_same_in_every_mode(model, opt, [torch.randn(3, 6, 16)])
@@ -166,10 +165,7 @@ def test_a_rewrite_that_moves_the_random_draws_after_it_is_declined(rule):
 def test_a_rewrite_exact_in_the_model_but_not_in_its_region_alone_is_kept(rule):
     # the region gets its input with a gradient when checked alone (detach changes that gradient);
     # in the model that input needs none, and the whole model, compared at every size, decides
-    rule(_stops_gradient)
-    torch.manual_seed(0)
-    model = Stack()
-    opt = fxmem.optimize(model, ("B", "N", 16))
+    model, opt = _optimized(rule, _stops_gradient)
     assert [e["status"] for e in _entries(opt)] == ["applied"] * 4, _entries(opt)
     assert all(e["verification"] == "passed" for e in _entries(opt))
     assert_same_in_every_mode(model, opt, [torch.randn(3, 6, 16)])

@@ -87,7 +87,7 @@ class _Copies:
             if dtype is not None:
                 twin = twin.to(dtype)
             made = self._made[dtype] = (twin, {k: _stamp(v) for k, v in _tensors(twin)})
-            self._buffers = {k for k, _ in twin.named_buffers(remove_duplicate=False)}
+            self.buffer_names = {k for k, _ in twin.named_buffers(remove_duplicate=False)}
             return twin
         twin, state = made
         now = dict(_tensors(twin))
@@ -96,7 +96,7 @@ class _Copies:
             return self.get(dtype)
         # buffers always (batch norm's kernel writes its running statistics without counting a write),
         # parameters where a run wrote them
-        changed = [k for k, v in state.items() if k in self._buffers or _stamp(now[k]) != v]
+        changed = [k for k, v in state.items() if k in self.buffer_names or _stamp(now[k]) != v]
         if changed:
             source = dict(_tensors(self.module))
             with torch.no_grad():

@@ -101,9 +101,8 @@ class Line:
     verify_at: Sequence[Mapping[str, int]]  # the small sizes rewrites are verified at
     verify_inputs: list  # real inputs at those sizes
     step_options: Any  # AnalysisOptions of a training step with the step's optimizer
-    budget: Any  # bytes or "24GiB", or None
-    dims: Mapping[str, int] | None  # where the budget must hold
-    runs_at_dims: bool  # whether this line's form is the one that runs at dims
+    budget: Any  # the call's budget= and dims= (a :class:`.budget.Budget`), or None
+    runs_at_dims: bool  # whether this line's form is the one that runs at budget.dims
     memory: Callable[[torch.fx.GraphModule], Any]
     analysed: Callable[[torch.fx.GraphModule], Any]
     share: Callable[[torch.fx.GraphModule], None]
@@ -115,7 +114,7 @@ class GraphPass:
     (module, entry)`` proposes the module (``gm`` when it proposes nothing) with its
     ``meta["fxmem"]`` entry (:func:`log_entry`'s schema; ``"no match"`` with what it looked for
     when it found nothing). The pass decides by its own criterion (reorder: lower at the example
-    sizes and never higher at the small ones; recompute: fits the budget at ``dims``); the driver
+    sizes and never higher at the small ones; recompute: fits the budget at its dims); the driver
     verifies what it proposes against the model, as it does a rule's rewrite, and records the
     outcome: a proposal that differs is declined, or, where ``failed`` is given,
     ``failed(entry, difference)`` raises (recompute: a budget that cannot be met is an error)."""

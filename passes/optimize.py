@@ -52,10 +52,10 @@ from fxmem.inputs import random_inputs
 from fxmem.capture.whole_graph import capture
 from fxmem.specs import InputSpec, TensorSpec, choose_hints, parse_specs
 from fxmem.passes.base import LOG_KEYS, REASON_LIMIT, STATUSES, Finding, Line, Pass, Probe, brief, log_entry
-from fxmem.units import parse_bytes
 from fxmem.passes.modes import per_mode, trace_modes
 from fxmem.passes.model_cache import without_cache
-from fxmem.passes.recompute import BudgetError, fit_budget
+from fxmem.passes.recompute import BudgetError, plan_budget, unverified
+from fxmem.passes.budget import Budget
 from fxmem.passes.registry import GRAPH_PASSES, PASSES
 from fxmem.passes.verify import compare
 from fxmem.passes.local_verify import verify_regions
@@ -129,6 +129,19 @@ def optimize(
     >>> opt = fxmem.optimize(layer, ("B", "N", 6), ("B", "N", "N"))    # doctest: +SKIP
     >>> fxmem.analyze(opt, ("B", "N", 6), ("B", "N", "N")).peak          # doctest: +SKIP
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
+                         f"Module whose forward calls it")
+    # the options, parsed once here: each pass and the second graph of a region are handed them
+    opts = AnalysisOptions.of(options, **option_values)
+    if opts.loss is not None or opts.hparams is not None or opts.init is not None:
+        raise SpecError("optimize rewrites an nn.Module with the default loss: loss=, hparams= and init= are "
+                        "options of fxmem.analyze only")
+    if opts.mode == "eager":
+        raise SpecError("optimize rewrites a graph of the model: mode='eager' (the original forward) cannot be "
+                        "rewritten; use mode='auto' or 'graph'")
+    settings = _check_settings(settings)
+    fit = Budget.of(budget, dims, grad=opts.grad, optimizer=opts.optimizer)
     # First optimistically: a trial the formulas keep is verified with what follows it (the line's
     # final graph, or the recomputed plan that contains it: one verification where there were two).
     # Where any verification then fails, nothing of that pass is returned: the call starts again
@@ -136,8 +149,7 @@ def optimize(
     for optimistic in (True, False):
         dropped: list[str] = []  # the warnings of rewrites dropped, given once the pass stands
         try:
-            out = _optimize(model, input_specs, options, probe_sizes, settings, budget, dims, option_values,
-                            optimistic, dropped)
+            out = _optimize(model, input_specs, opts, probe_sizes, settings, fit, optimistic, dropped)
         except _Unverified:
             continue  # that pass's records and warnings are not the call's
         except BaseException:
@@ -172,38 +184,18 @@ def _warn(texts: list[str]) -> None:
         warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
-def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions | None,
-              probe_sizes: Sequence[Mapping[str, int]] | None, settings: Mapping[str, Mapping[str, Any]] | None,
-              budget: Any, dims: Mapping[str, int] | None, option_values: dict, optimistic: bool,
-              dropped: list) -> torch.fx.GraphModule:
-    """One pass of :func:`optimize` (see there); ``optimistic``: defer the verification of trials the
-    formulas keep (a failure then raises :class:`_Unverified`); ``dropped`` collects the warnings."""
-    if not isinstance(model, torch.nn.Module):
-        raise ModelError(f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a "
-                         f"Module whose forward calls it")
+def _optimize(model: torch.nn.Module, input_specs: tuple, opts: AnalysisOptions,
+              probe_sizes: Sequence[Mapping[str, int]] | None, settings: dict, fit: Budget | None,
+              optimistic: bool, dropped: list) -> torch.fx.GraphModule:
+    """One pass of :func:`optimize` (see there) with its options parsed; ``fit``: ``budget=`` and
+    ``dims=``; ``optimistic``: defer the verification of trials the formulas keep (a failure then
+    raises :class:`_Unverified`); ``dropped`` collects the warnings."""
     name = type(model).__name__
-    opts = AnalysisOptions.of(options, **option_values)
-    if opts.loss is not None or opts.hparams is not None or opts.init is not None:
-        raise SpecError("optimize rewrites an nn.Module with the default loss: loss=, hparams= and init= are "
-                        "options of fxmem.analyze only")
-    if opts.mode == "eager":
-        raise SpecError("optimize rewrites a graph of the model: mode='eager' (the original forward) cannot be "
-                        "rewritten; use mode='auto' or 'graph'")
-    dtype, grad, hints, leaf_modules = opts.dtype, opts.grad, opts.hints, opts.leaf_modules
-    optimizer = opts.optimizer
-    settings = _check_settings(settings)
-    if budget is not None:
-        parse_bytes(budget)
-        if not grad:
-            raise SpecError("budget= fits a training step; it needs grad=True")
-        if not isinstance(dims, Mapping) or not dims:
-            raise SpecError("budget= needs dims={dim: size, ...}: the sizes the training step must fit at")
-    elif dims is not None or optimizer is not None:
-        raise SpecError("dims= and optimizer= say where a budget= must hold; pass budget= too")
+    dtype, hints, leaf_modules = opts.dtype, opts.hints, opts.leaf_modules
     params = forward_parameters(model)
     specs, symbols = parse_specs(input_specs, params, dtype, name)
-    if budget is not None:  # {dim: int}, every dim named: where the budget must hold
-        dims = dims
+    if fit is not None:  # a size for every dim: where the budget must hold
+        fit.check(symbols)
     model, cache_entry = without_cache(model, params.names[len(specs):], name)  # transformers' use_cache=True
     first = [cache_entry] if cache_entry is not None else []
     try:
@@ -225,7 +217,7 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     # the original, and the user's own analysis of the result checks itself
     # with budget=, the user's optimizer: the analyses that decide the rewrites are then also the
     # training step the budget is fitted to (one analysis of the graph serves both)
-    kw = opts.replace(optimizer=optimizer if budget is not None else None, mode="auto", check=False)
+    kw = opts.replace(optimizer=opts.optimizer if fit is not None else None, mode="auto", check=False)
     try:
         probes, verify_at = probe(gm, specs, symbols, probe_sizes, name)
     except ShapeError:
@@ -241,11 +233,10 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
                         f"them: give hints inside it, or leave hints out (outside it the result runs the model's own "
                         f"forward, or a second graph where the region leaves out one size, such as L == block_size)")
     point = _left_out(region, specs, symbols, input_specs)
-    at_point = point is not None and budget is not None and dims[point[0]] == point[1]
-    if region is not None and budget is not None and not at_point and not region[0].holds(dims):
+    at_point = point is not None and fit is not None and fit.dims[point[0]] == point[1]
+    if region is not None and fit is not None and not at_point and not region[0].holds(fit.dims):
         # at dims the result runs the model's own forward: no rewrite or recomputation reaches them
-        _must_fit(model, input_specs, kw, budget,
-                  dims,
+        _must_fit(model, input_specs, kw, fit,
                   f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and at the dims the result "
                   f"runs the model's own forward; what to do: checkpoint the model's blocks yourself "
                   f"(torch.utils.checkpoint), dims inside that region, or a larger budget")
@@ -257,8 +248,8 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     if traced.reason:  # two graphs, switched by the flag: returned as traced, with the model's modules
         share_modules(gm, model)
         fitted = None
-        if budget is not None:  # a training step runs the train-mode trace: recomputation there, verified
-            gm, fitted = _fit_train_mode(traced, model, input_specs, kw, budget, dims, verify_inputs, state)
+        if fit is not None:  # a training step runs the train-mode trace: recomputation there, verified
+            gm, fitted = _fit_train_mode(traced, model, input_specs, kw, fit, state)
         else:
             state.faithful(gm)
         log = first + [log_entry("train/eval", "declined", name, f"declined: {traced.reason}",
@@ -282,11 +273,11 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
         switched = _switch(state, alt, model, specs, symbols, name)
         state.switch = alt.condition if switched is not None else None  # which sizes this form runs at
     # the budget is fitted by the form that runs at dims: this graph only inside its region
-    fits_here = budget is not None and (region is None or region[0].holds(dims))
-    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, fits_here)
+    fits_here = fit is not None and (region is None or region[0].holds(fit.dims))
+    state.best = _finish(state, model, specs, symbols, hints, input_specs, kw, verify_at, fit, fits_here)
     if switched is not None:
         alt, entry = switched
-        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims, fits_here)
+        alt.best = _finish(alt, model, specs, symbols, hints, input_specs, kw, verify_at, fit, fits_here)
         best = _forms(alt.condition, switch.positions(alt.condition, specs, symbols), alt.best, state.best, model)
         log = _tagged(state.log, f"not ({alt.condition})") + _tagged(alt.log, str(alt.condition)) + [entry]
     else:
@@ -294,10 +285,10 @@ def _optimize(model: torch.nn.Module, input_specs: tuple, options: AnalysisOptio
     if not any(e["status"] == "applied" for e in log):  # returned as captured: verified as every rewrite is
         state.faithful(best)
     if region is not None:  # the captured graph holds within the model's own bounds: its forward elsewhere
-        elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, budget if at_point else None,
-                                    dims, name)
+        elsewhere, more = _at_point(point, model, specs, symbols, opts, settings, fit if at_point else None, name,
+                                    optimistic, dropped)
         if at_point and elsewhere is None:  # no second graph: the model's own step must fit there, or say so
-            _must_fit(model, input_specs, kw, budget, dims,
+            _must_fit(model, input_specs, kw, fit,
                       f"the graph TorchDynamo captured of {name} holds only where {region[0]}, and no second graph "
                       f"could be made at {point[0]} == {point[1]} ({more[0]['details']})")
         best, entry = _within(region, best, model, name, elsewhere, point if elsewhere is not None else None)
@@ -360,18 +351,19 @@ def _whole(state: "_Search", groups: list, rule: Pass) -> bool:
     return verdict == "no gain" and state.last is not None and (state.last.same or state.last.verdict == "switch")
 
 
-def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, budget, dims,
+def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, verify_at, fit: Budget | None,
             fits_here: bool = True) -> torch.fx.GraphModule:
     """The whole-graph passes of the registry (reorder, then recompute), in order, on one line's
     best graph: each proposes, the driver verifies (:func:`_accepted`); their entries go to its log."""
-    runs_at_dims = budget is not None and fits_here and (state.condition is None or state.condition.holds(dims)) and (
-        state.condition is not None or state.switch is None or not state.switch.holds(dims))
+    runs_at_dims = fit is not None and fits_here and (
+        state.condition is None or state.condition.holds(fit.dims)) and (
+        state.condition is not None or state.switch is None or not state.switch.holds(fit.dims))
     step = step_options(kw)
     # the analyses made already serve when they are of the same training step (not a line that
     # looked at other sizes)
     reuse = state.kw == kw and kw.grad
-    line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, budget,
-                dims, runs_at_dims, state.memory,
+    line = Line(model, specs, input_specs, choose_hints(symbols, hints), verify_at, state.verify_inputs, step, fit,
+                runs_at_dims, state.memory,
                 state.analysed if reuse else (lambda g: None),
                 lambda g: share_modules(g, model))
     best = state.best
@@ -379,7 +371,7 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
         for p in GRAPH_PASSES:
             proposed, entry = p.run(best, line)
             if proposed is not best:
-                proposed, entry = _accepted(state, p, best, proposed, entry)
+                proposed, entry = _accepted(state, p.failed, best, proposed, entry)
             best = proposed
             state.log.append(entry)
     except BudgetError:
@@ -389,17 +381,18 @@ def _finish(state: "_Search", model, specs, symbols, hints, input_specs, kw, ver
     return best
 
 
-def _accepted(state: "_Search", p: Any, before: torch.fx.GraphModule, proposed: torch.fx.GraphModule,
+def _accepted(state: "_Search", failed: Any, before: torch.fx.GraphModule, proposed: torch.fx.GraphModule,
               entry: dict) -> tuple[torch.fx.GraphModule, dict]:
     """The driver's side of a whole-graph pass's proposal: verified against the model as a rule's
     rewrite is (with what the rules kept before it, where that was deferred); the graph before it
-    and a declined entry where it differs, or ``p.failed`` raises."""
+    and a declined entry where it differs, or ``failed(entry, difference)`` (the pass's
+    :attr:`~.base.GraphPass.failed`) raises."""
     diff = state.verify(proposed)
     if diff.ok:
         entry["verification"] = "passed"
         return proposed, entry
-    if p.failed is not None:
-        p.failed(entry, diff)
+    if failed is not None:
+        failed(entry, diff)
     entry.update(status="declined", verification=_failed(diff), details=f"{entry.get('details') or ''}; "
                  f"verification failed: {_failed(diff)}".lstrip("; "),
                  reason=f"declined: verification failed (max diff {diff.max_abs:.3g}); the graph before it is kept")
@@ -473,11 +466,14 @@ def _left_out(region: tuple | None, specs: Sequence[InputSpec], symbols: Mapping
 
 
 def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[InputSpec], symbols: Mapping,
-              opts: AnalysisOptions, settings: dict, budget: Any, dims: Mapping | None, name: str) -> tuple:
+              opts: AnalysisOptions, settings: dict, fit: Budget | None, name: str, optimistic: bool,
+              dropped: list) -> tuple:
     """The model optimized with ``point``'s dim fixed at its size (its own capture, rewrites,
-    verification and, with ``budget`` - dims at that size - recomputation), switched in where the
+    verification and, with ``fit`` - dims at that size - recomputation), switched in where the
     call's size is that one; and its entries. ``(None, [])`` when there is no such point or the
-    second capture fails (the model's own forward then runs there, as the region's record says)."""
+    second capture fails (the model's own forward then runs there, as the region's record says).
+    One more pass of this call (:func:`_optimize`, with its options and its optimism), not a call
+    of :func:`optimize`: the user's hooks go on the result once, not also on the graph inside it."""
     if point is None:
         return None, []
     dim, size = point
@@ -489,12 +485,10 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
             d = sympy.sympify(d).xreplace({sym: sympy.Integer(size)})
             shape.append(int(d) if d.is_Integer else str(d))
         fixed.append(TensorSpec(tuple(shape), dtype=spec.dtype, requires_grad=spec.requires_grad, fill=spec.fill))
-    rest = {k: v for k, v in (dims or {}).items() if k != dim} if budget is not None else None
+    hints = {k: v for k, v in (opts.hints or {}).items() if k != dim} or None
     try:
-        second = optimize(model, *fixed, options=opts.replace(optimizer=opts.optimizer if budget is not None else None,
-                                                             hints={k: v for k, v in (opts.hints or {}).items()
-                                                                    if k != dim} or None),
-                          settings=settings or None, budget=budget, dims=rest)
+        second = _optimize(model, tuple(fixed), opts.replace(hints=hints), None, settings,
+                           fit.without(dim) if fit is not None else None, optimistic, dropped)
     except BudgetError:
         raise
     except FxMemError as exc:
@@ -523,20 +517,18 @@ def _tagged(log: list[dict], when: str | None) -> list[dict]:
     return out
 
 
-def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any, dims: dict,
-              why: str) -> None:
-    """Raise :class:`BudgetError` unless the model's own training step (``step_options(kw)``) fits ``budget`` at ``dims``."""
+def _must_fit(model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, fit: Budget, why: str) -> None:
+    """Raise :class:`BudgetError` unless the model's own training step (``step_options(kw)``) fits
+    ``fit.limit`` at ``fit.dims``."""
     report = analyze(model, *input_specs, options=step_options(kw))
-    peak = report.evaluate(**dims)["train_peak"]
-    limit = parse_bytes(budget)
-    if peak > limit:
-        at = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training step at {at} takes {peak:,} bytes, over "
+    peak = report.evaluate(**fit.dims)["train_peak"]
+    if peak > fit.limit:
+        raise BudgetError(f"fxmem.optimize({fit.said()}): the training step at {fit.at()} takes {peak:,} bytes, over "
                           f"the budget, and nothing could be rewritten or recomputed: {why}", peak, {})
 
 
-def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, budget: Any,
-                    dims: dict, verify_inputs: list, state: "_Search") -> tuple[torch.fx.GraphModule, dict]:
+def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw: AnalysisOptions, fit: Budget,
+                    state: "_Search") -> tuple[torch.fx.GraphModule, dict]:
     """``budget=`` on a model whose train and eval modes run other code (timm's drop path: ``if
     self.training``): the blocks of the train-mode trace are recomputed (a training step runs it),
     the eval-mode trace is left as it is, and the result - the two again, switched by the flag - is
@@ -544,8 +536,7 @@ def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw:
     train, evals = traced.modes
     share_modules(train, model)
     try:
-        recomputed, entry = fit_budget(train, model, input_specs, step_options(kw), budget, dims, verify_inputs,
-                                       verify=lambda m: state.verify(_per_mode_shared(model, m, evals)))
+        recomputed, entry = plan_budget(train, input_specs, step_options(kw), fit)
     except BudgetError as exc:  # said with why only the train-mode graph was looked at
         raise BudgetError(f"{exc} (the model runs other code in train and eval mode, so only its train-mode "
                           f"graph was recomputed and nothing else rewritten: {traced.reason})",
@@ -553,8 +544,9 @@ def _fit_train_mode(traced: Any, model: torch.nn.Module, input_specs: tuple, kw:
     if recomputed is train:  # it fits as it is: the two traces, as traced
         out = traced.graph_module
         state.faithful(out)
-    else:
-        out = _per_mode_shared(model, recomputed, evals)
+    else:  # proposed to the driver as the recompute pass's plans are: verified in every mode
+        out, entry = _accepted(state, unverified, traced.graph_module, _per_mode_shared(model, recomputed, evals),
+                               entry)
     entry["details"] = (f"recomputed in the train-mode graph (the model runs other code in eval mode, where its own "
                         f"trace runs unchanged): {entry.get('details') or entry['reason']}")
     return out, entry

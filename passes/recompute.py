@@ -7,7 +7,7 @@
     replaying the base analysis under it (:mod:`.recompute_estimate`) -> short: ask for more;
     within: ask for less -> the cheapest plan estimated to fit -> fxmem's exact analysis of the
     rewritten model -> over budget by what the estimate left out? choose again below the budget
-    by that much -> verified (outputs and gradients) -> kept
+    by that much -> proposed to optimize's driver, which verifies it (outputs and gradients) -> kept
 
 Whole recomputation (``torch.utils.checkpoint``) keeps only a block's inputs and recomputes its
 forward in backward; selective recomputation keeps the matrix products' outputs and recomputes
@@ -38,7 +38,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxmem.isolation import isolated
 from fxmem import _torch_compat as tc
-from fxmem.units import parse_bytes
 from fxmem.analyze import analyze
 from fxmem.errors import FxMemError, SpecError
 from fxmem.options import AnalysisOptions
@@ -48,7 +47,7 @@ from fxmem.units import format_bytes
 from fxmem.passes.modes import in_mode
 from fxmem.passes.recompute_estimate import Estimator
 from fxmem.passes.segments import Block, blocks, extract
-from fxmem.passes.verify import compare
+from fxmem.passes.budget import Budget
 
 RULE = "recompute"
 LOOKS_FOR = "blocks to recompute in backward so that the training step fits budget= at dims="
@@ -159,24 +158,6 @@ def cheapest(choices: Sequence[BlockCost], need: int, ways: Sequence[str] = HOW)
     return tuple(plan)
 
 
-def fit_budget(gm: torch.fx.GraphModule, model: torch.nn.Module, input_specs: tuple, options: AnalysisOptions,
-               budget: Any, dims: Mapping[str, int], verify_inputs: list,
-               base: Report | None = None, verify: Callable | None = None) -> tuple[torch.fx.GraphModule, dict]:
-    """``gm`` with the cheapest recomputation whose training-step peak at ``dims`` fits ``budget``
-    (:func:`plan_budget`), verified: ``verify(module)`` compares it with the model (default:
-    :func:`.verify.compare` on ``verify_inputs``); :func:`unverified` where it differs.
-    Returns the module and its ``meta["fxmem"]`` entry; raises :class:`BudgetError` when no plan
-    fits. ``gm`` itself is returned when the step already fits.
-    """
-    module, entry = plan_budget(gm, input_specs, options, budget, dims, base)
-    if module is not gm:
-        diff = verify(module) if verify is not None else compare(model, module, verify_inputs)
-        if not diff.ok:
-            unverified(entry, diff)
-        entry["verification"] = "passed"
-    return module, entry
-
-
 def unverified(entry: dict, diff: Any) -> None:
     """A recomputed plan that does not compute what the model does: a :class:`BudgetError` (a
     budget that is not met is an error, never a warning beside a module that misses it)."""
@@ -191,12 +172,16 @@ def unverified(entry: dict, diff: Any) -> None:
         entry["peak_at_dims_before"], {})
 
 
-def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisOptions, budget: Any,
-                dims: Mapping[str, int], base: Report | None = None) -> tuple[torch.fx.GraphModule, dict]:
-    """The plan of :func:`fit_budget`, not yet verified (its entry's ``verification`` None): what
-    the recompute pass proposes to optimize's driver, which verifies it. ``base``: the training
-    step of ``gm`` analysed with ``options`` already (not analysed again)."""
-    limit = parse_bytes(budget)
+def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisOptions, budget: Budget,
+                base: Report | None = None) -> tuple[torch.fx.GraphModule, dict]:
+    """``gm`` with the cheapest recomputation whose training-step peak (``options``: a training
+    step with its optimizer) at ``budget.dims`` fits ``budget.limit`` bytes, and its
+    ``meta["fxmem"]`` entry; ``gm`` itself where the step fits already. Not yet verified (the
+    entry's ``verification`` None): what the recompute pass proposes to optimize's driver, which
+    verifies it (:func:`unverified` where it differs). Raises :class:`BudgetError` when no plan
+    fits. ``base``: the training step of ``gm`` analysed with ``options`` already (not analysed
+    again)."""
+    limit, dims = budget.limit, budget.dims
     planner = _Planner(gm, input_specs, options, dims)
     base = planner.trial((), known=base)
     entry = {"rule": RULE, "status": "declined", "where": "", "budget": limit, "dims": dict(dims),
@@ -204,7 +189,7 @@ def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisO
              "train_peak_before": str(base.report.train_peak), "train_peak_after": None,
              "peak_at_dims_before": base.peak, "peak_at_dims_after": None, "recompute_flops": 0,
              "forward_flops": planner.forward_flops, "plan": []}
-    at = ", ".join(f"{k}={v}" for k, v in dims.items())
+    at = budget.at()
     if base.peak <= limit:
         entry["reason"] = (f"declined: the training step already fits: peak {format_bytes(base.peak)} at {at} "
                            f"<= budget {format_bytes(limit)}; nothing is recomputed")
@@ -212,7 +197,7 @@ def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisO
     choices = planner.choices()
     if not choices:
         refusals = "; ".join(f"{b.name}: {b.refusal}" for b in planner.blocks if b.refusal)
-        raise BudgetError(f"fxmem.optimize(budget={budget!r}): the training-step peak at {at} is "
+        raise BudgetError(f"fxmem.optimize({budget.said()}): the training-step peak at {at} is "
                           f"{format_bytes(base.peak)}, over the budget, and the model has no block that can be "
                           f"recomputed ({refusals or 'no submodule runs as a contiguous block of the graph'}); "
                           f"what to do: a larger budget, smaller dims, or a model made of blocks "
@@ -252,7 +237,7 @@ def plan_budget(gm: torch.fx.GraphModule, input_specs: tuple, options: AnalysisO
         parts = planner.parts(best)
         worst = max(choices, key=lambda c: c.saved)
         raise BudgetError(
-            f"fxmem.optimize(budget={budget!r}): no recomputation fits the training step at {at} into "
+            f"fxmem.optimize({budget.said()}): no recomputation fits the training step at {at} into "
             f"{format_bytes(limit)}; the smallest peak reached is {format_bytes(best.peak)} (recomputing "
             f"{_where(best.plan)}), of which " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
             + f"; the largest block, {worst.block.name}, keeps {format_bytes(worst.saved)} for backward, which a "
@@ -285,11 +270,11 @@ def propose(gm: torch.fx.GraphModule, line: Any) -> tuple[torch.fx.GraphModule, 
     if line.budget is None:
         return gm, log_entry(RULE, "no match", name, "no budget= given: nothing is recomputed")
     if not line.runs_at_dims:  # the other form runs at dims: the budget is its to meet
-        return gm, log_entry(RULE, "no match", name, f"at dims {dict(line.dims)} the other form runs; the budget is "
+        return gm, log_entry(RULE, "no match", name, f"at dims {dict(line.budget.dims)} the other form runs; the budget is "
                                                      f"fitted there")
     line.share(gm)  # the model's modules under their names (tied weights by both names)
     known = line.analysed(gm)
-    return plan_budget(gm, line.input_specs, line.step_options, line.budget, line.dims,
+    return plan_budget(gm, line.input_specs, line.step_options, line.budget,
                        base=known.report if known is not None else None)
 
 

@@ -15,7 +15,7 @@ What checkpoint itself holds - the CPU random generator's state (5,056 bytes) it
 that dropout draws the same masks again, and 64 bytes more - is added once per block, as if all were held at the
 peak (an upper bound); its early stop (a recomputation that ends at the last tensor backward
 needs) is left out. The plan it chooses is then analysed exactly, and that analysis, never the
-estimate, is what :func:`.recompute.fit_budget` reports and checks against the budget.
+estimate, is what :func:`.recompute.plan_budget` reports and checks against the budget.
 
 >>> est = Estimator(base_report, dims)                                  # doctest: +SKIP
 >>> est.peak([(block, "whole")]) <= est.peak([])                        # doctest: +SKIP

@@ -167,7 +167,7 @@ def test_a_causal_lm_as_shipped_with_use_cache_is_rewritten_without_its_cache():
 @pytest.mark.slow  # ~45 s; the second graph that is made is checked in CI by
 # test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal
 def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there_is_refused(monkeypatch):
-    """The second graph at L == block_size is one more optimize call; where it fails, the result
+    """The second graph at L == block_size is one more pass of the optimize call; where it fails, the result
     runs the model's own forward there, its record does not claim a second graph, and a budget at
     that size the model's own step does not meet is a BudgetError, never silence."""
     import importlib
@@ -175,14 +175,14 @@ def test_where_no_second_graph_can_be_made_the_record_says_so_and_a_budget_there
     from fxmem.passes.recompute import BudgetError
 
     driver = importlib.import_module("fxmem.passes.optimize")
-    original = driver.optimize
+    original, inner = driver.optimize, driver._optimize
 
-    def failing(model, *specs, **kw):  # only the second call: its spec has L fixed at 48
+    def failing(model, specs, *rest):  # only the second graph's pass: its spec has L fixed at 48
         if any(isinstance(s, fxmem.TensorSpec) and 48 in s.shape for s in specs):
             raise fxmem.TraceError("no graph here (made to fail by the test)")
-        return original(model, *specs, **kw)
+        return inner(model, specs, *rest)
 
-    monkeypatch.setattr(driver, "optimize", failing)
+    monkeypatch.setattr(driver, "_optimize", failing)
     torch.manual_seed(0)
     model = P.NanoGPT(n_layer=1, block_size=48)
     ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
@@ -204,9 +204,16 @@ def test_a_size_bound_the_model_asserts_is_a_region_not_a_refusal():
     # L <= block_size. The result runs the rewritten graph there and the model's forward elsewhere
     torch.manual_seed(0)
     model = P.NanoGPT(n_layer=1, block_size=48, dropout=0.1)
+    lengths = []  # the user's hook on the model: the result runs it once per call, at every size
+    hook = model.register_forward_hook(lambda m, args, out: lengths.append(args[0].shape[1]))
     ids = fxmem.TensorSpec(("B", "L"), dtype=torch.int64)
     opt = fxmem.optimize(model, ids)
     log = opt.meta["fxmem"]
+    for t in (5, 48):  # at 48 the second graph runs inside the result: its hooks are the result's
+        lengths.clear()
+        opt(torch.randint(0, 64, (2, t)))
+        assert lengths == [t]
+    hook.remove()
     (region,) = [e for e in log if e["rule"] == "region"]
     assert region["status"] == "applied" and "L <= 48" in region["reason"], region
     assert "sdpa" in _applied(opt), log

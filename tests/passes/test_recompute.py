@@ -205,6 +205,10 @@ def test_budget_arguments_are_checked():
         fxmem.optimize(model, IDS, dims=DIMS)
     with pytest.raises(fxmem.SpecError, match="dims"):
         fxmem.optimize(model, IDS, budget="1GiB", dims=dict(B=2, Q=3))
+    with pytest.raises(fxmem.SpecError, match=r"no size for \['L'\]"):  # said before anything is analysed
+        fxmem.optimize(model, IDS, budget="1GiB", dims=dict(B=2))
+    with pytest.raises(fxmem.SpecError, match="a positive int"):
+        fxmem.optimize(model, IDS, budget="1GiB", dims=dict(B=2, L=2.5))
     with pytest.raises(fxmem.SpecError, match="fxmem.passes.max_size"):
         fxmem.analyze(model, IDS, optimizer=sgd).max_size("B", "1GiB", recompute=True, L=3)
     with pytest.raises(fxmem.SpecError, match="optimizer="):

@@ -72,7 +72,7 @@ def analyze(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in a Module whose "
             f"forward calls it, or pass a factory with hparams=/init=")
     training = Training(opts.optimizer, opts.loss, opts.step) if opts.optimizer is not None else None
-    parallel = Parallel(opts.world_size, opts.rank or 0, opts.parallelize) if opts.parallelize is not None else None
+    parallel = Parallel.of(opts) if opts.parallelize is not None else None
     if isinstance(model, torch.nn.Module):
         check_runnable(model)
         adopted = adopt(model) if parallel is None else None

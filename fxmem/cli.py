@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--checkpointing", action="store_true", help="Hugging Face gradient checkpointing")
     m.add_argument("--fsdp", type=int, metavar="W", help="FSDP2 over W ranks (every decoder layer, then the root): "
                                                         "per-rank numbers")
+    m.add_argument("--tp", type=int, metavar="T", help="tensor parallelism over T ranks by the model's own plan "
+                                                      "(its config's base_model_tp_plan); with --fsdp W, a W x T "
+                                                      "mesh: per-rank numbers")
     m.add_argument("--serve", action="store_true",
                    help="the memory of generate() (prefill and --new-tokens decode steps with a KV cache) "
                         "instead of a training step")
@@ -327,7 +330,7 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
         raise SpecError("fxmem llm needs --seq L (the training step's sequence length), or --serve")
     progress.say("analysing one training step")
     answer = llm_answer(model, batch=args.batch, seq=args.seq, optimizer=args.train, gpu=args.gpu, lora=args.lora,
-                        checkpointing=args.checkpointing, fsdp=args.fsdp, recipe=args.recipe)
+                        checkpointing=args.checkpointing, fsdp=args.fsdp, recipe=args.recipe, tp=args.tp)
     print(answer)
     return 0
 

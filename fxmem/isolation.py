@@ -137,7 +137,10 @@ class _UserModules:
         self.flags = [(t, t.requires_grad, t.grad) for t in tensors.values()]
         tensors.update({id(t.grad): t.grad for t in list(tensors.values()) if isinstance(t.grad, torch.Tensor)})
         # dense tensors with data (sparse ones have no single storage; fxmem never writes them)
-        real = [t for t in tensors.values() if t.device.type != "meta" and not tc.is_fake(t) and t.layout == torch.strided]
+        # a DTensor by its rank's shard: an op on DTensors (cloning, comparing) may be a collective
+        # over the user's process group, which the other ranks would never join
+        real = [tc.local_tensor(t) for t in tensors.values()
+                if t.device.type != "meta" and not tc.is_fake(t) and t.layout == torch.strided]
         small = sum(t.untyped_storage().nbytes() for t in real) <= SNAPSHOT_LIMIT
         with torch.no_grad():
             self.values = [(t, _version(t), t.clone() if small else None) for t in real]

@@ -6,8 +6,8 @@ sequence length that fit a GPU. ``fxmem llm config.json ...`` prints the same.
 The training step is the one a Hugging Face user runs: ``model(input_ids=x, labels=x).loss``,
 ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()`` (the loss computed inside the
 model, as ``Trainer`` does), optionally with LoRA adapters (peft: the base frozen, so it has no
-gradient and no optimizer state), gradient checkpointing, or FSDP2 over ``fsdp`` ranks (per-rank
-numbers), in a named precision recipe (``recipe="amp-bf16"``: float32 master weights, the forward
+gradient and no optimizer state), gradient checkpointing, FSDP2 over ``fsdp`` ranks and tensor
+parallelism over ``tp`` (per-rank numbers), in a named precision recipe (``recipe="amp-bf16"``: float32 master weights, the forward
 under bfloat16 autocast; see :mod:`fxmem.recipes`; the default trains the model in its own dtype).
 All byte counts are bytes.
 
@@ -192,6 +192,53 @@ def fsdp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+# Hugging Face's names of tensor-parallel styles (a config's ``base_model_tp_plan``) that are
+# torch's own ParallelStyles; the others (gathered or local outputs, packed projections) are not
+_TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face base model (``LlamaModel``) inside a training step's module."""
+    hf = getattr(model, "model", model)
+    hf = getattr(hf, "base_model", hf)  # (peft's wrapper: its base_model is the causal LM)
+    return getattr(hf, "base_model", hf)
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict:
+    """The model's own tensor-parallel plan (its config's ``base_model_tp_plan``, module paths
+    with ``*`` for each layer) as torch's ParallelStyles; a :class:`SpecError` where the config has
+    none, or a style that is not column- or row-wise."""
+    from torch.distributed.tensor import parallel as tp
+
+    base = _base_model(model)
+    plan = getattr(getattr(base, "config", None), "base_model_tp_plan", None)
+    name = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
+    if not plan:
+        raise SpecError(f"tp=: the {name} config has no tensor-parallel plan (transformers' base_model_tp_plan); "
+                        f"use fsdp= alone, or fxmem.analyze with your own parallelize_module plan")
+    unknown = sorted({style for style in plan.values() if style not in _TP_STYLES})
+    if unknown:
+        raise SpecError(f"tp=: the {name} config's tensor-parallel plan uses {unknown}, which fxmem does not map "
+                        f"to torch's ParallelStyles (only {sorted(_TP_STYLES)}); use fxmem.analyze with your own "
+                        f"parallelize_module plan")
+    return {path: getattr(tp, _TP_STYLES[style])() for path, style in plan.items()}
+
+
+def fsdp_tp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """Tensor parallelism by the model's own plan over the mesh's ``"tp"`` dim, then FSDP2 on every
+    decoder layer and the root over its ``"dp"`` dim (a 1-D mesh: tensor parallelism alone)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp_mesh = mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    parallelize_module(_base_model(model), tp_mesh, tensor_parallel_plan(model))
+    if not mesh.mesh_dim_names or "dp" not in mesh.mesh_dim_names:
+        return model
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def training_module(model: torch.nn.Module, lora: str | dict | None = None,
                     checkpointing: bool = False, recipe: Any = None) -> CausalLMStep:
     """A copy of ``model`` as the training step runs it: parameters in ``recipe``'s dtypes (a
@@ -238,7 +285,8 @@ class LLMAnswer:
     recipe: str = ""  # the recipe's name (fxmem.recipes), e.g. "amp-bf16"
     recipe_text: str = ""  # what it is, in a line, and how it was chosen
     context: int | None = None  # the config's max_position_embeddings (positions), where it has one
-    ranks: int = 1  # FSDP's world size: the numbers are one rank's
+    ranks: int = 1  # the world size (FSDP's, tensor parallelism's, or both): the numbers are one rank's
+    tp: int = 1  # of which the tensor-parallel degree
     optimizer: str = "adamw"
 
     @property
@@ -251,8 +299,10 @@ class LLMAnswer:
         ``"16.00 B per parameter (parameters 4.00 + gradients 4.00 + optimizer state 8.00)"``."""
         n = max(self.parameters, 1)
         parts = (self.parameter_bytes / n, self.gradient_bytes / n, self.optimizer_state_bytes / n)
-        # FSDP: this rank holds a shard, so its bytes per parameter of the whole model are a fraction
-        rank = f" on this rank (1/{self.ranks} of each)" if self.ranks > 1 else ""
+        # FSDP: this rank holds a shard, so its bytes per parameter of the whole model are a fraction;
+        # tensor parallelism replicates what its plan does not split (embeddings, norms, the head)
+        rank = "" if self.ranks == 1 else f" on this rank (1/{self.ranks} of each)" if self.tp == 1 else \
+            f" on this rank, one of {self.ranks}"
         return (f"{self.model_states / n:.2f} B per parameter{rank} (parameters {parts[0]:.2f} + gradients "
                 f"{parts[1]:.2f} + optimizer state {parts[2]:.2f})")
 
@@ -294,7 +344,7 @@ def past_context(context: int | None, positions: int | None) -> str | None:
 
 def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str = "adamw", gpu: Any = None,
                lora: str | dict | None = None, checkpointing: bool = False, fsdp: int | None = None,
-               device: str = "cpu", recipe: Any = None) -> LLMAnswer:
+               device: str = "cpu", recipe: Any = None, tp: int | None = None) -> LLMAnswer:
     """Analyse one training step of causal LM ``model`` (built by :func:`from_config` or real) at
     sequence length ``seq``; the numbers at ``batch``; with ``gpu`` (bytes or ``"80GiB"``) the
     largest batch (at ``seq``) and sequence length (at ``batch``) whose step fits.
@@ -308,6 +358,9 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     answer says which. ``"lora"`` without ``lora=`` uses peft's default adapters (r=8).
 
     ``fsdp=W``: one rank of W, FSDP2 on every decoder layer and the root (per-rank numbers).
+    ``tp=T``: tensor parallelism over T ranks by the model's own plan (its config's
+    ``base_model_tp_plan``); with ``fsdp=W`` too, the ``{"dp": W, "tp": T}`` mesh of W x T ranks
+    (torchtitan's layout: tensor parallelism inside each group of T, FSDP2 across them).
     The user's ``model`` is not changed (adapters and checkpointing go on a copy).
 
     >>> llm_answer(model, batch=1, seq=4096, recipe="amp-bf16").recipe   # doctest: +SKIP
@@ -325,13 +378,20 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     chosen, recipe_text = _recipe(model, recipe, optimizer)
     if chosen is not None and chosen.lora and lora is None:
         lora = {}  # peft's defaults: r=8 on the architecture's usual projections
-    if chosen is not None and chosen.loss_scaling and fsdp is not None:
-        raise SpecError(f"recipe={chosen.name!r} with fsdp=: its GradScaler step with FSDP2 is not simulated yet; "
-                        f"use recipe='amp-bf16' (no loss scaling) with fsdp=, or drop fsdp=")
+    for name, value in (("fsdp", fsdp), ("tp", tp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SpecError(f"{name}={value!r}: a number of ranks, a positive int")
+    if chosen is not None and chosen.loss_scaling and (fsdp is not None or tp is not None):
+        raise SpecError(f"recipe={chosen.name!r} with fsdp= or tp=: its GradScaler step with sharded parameters is "
+                        f"not simulated yet; use recipe='amp-bf16' (no loss scaling), or drop fsdp= and tp=")
     budget = parse_bytes(gpu) if gpu is not None else None
     step = training_module(model, lora=lora, checkpointing=checkpointing, recipe=recipe)
     kw: dict = _step_options(chosen, device)
-    if fsdp is not None:
+    if tp is not None:
+        tensor_parallel_plan(step)  # refused before anything is analysed
+        kw.update(world_size=(fsdp or 1) * tp, parallelize=fsdp_tp_per_block, rank=0,
+                  mesh={"dp": fsdp, "tp": tp} if fsdp is not None else None)
+    elif fsdp is not None:
         kw.update(world_size=fsdp, parallelize=fsdp_per_block, rank=0)
     report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
                      optimizer=OPTIMIZERS[optimizer],
@@ -352,8 +412,13 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
         max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None,
         notes=_inexact(report.notes) + _scaler_notes(report.notes), report=report,
         recipe=chosen.name if chosen is not None else "as built", recipe_text=recipe_text, optimizer=optimizer,
-        context=context_length(model), ranks=fsdp or 1)
-    if fsdp is not None:
+        context=context_length(model), ranks=(fsdp or 1) * (tp or 1), tp=tp or 1)
+    if tp is not None:
+        layout = (f"{fsdp} x {tp}: tensor parallelism by the model's own plan within each group of {tp}, FSDP2 on "
+                  f"every decoder layer and the root across the {fsdp} groups" if fsdp is not None else
+                  f"{tp}: tensor parallelism by the model's own plan")
+        answer.notes.insert(0, f"per rank: rank 0 of {layout}")
+    elif fsdp is not None:
         answer.notes.insert(0, f"per rank: rank 0 of {fsdp} (FSDP2 on every decoder layer and the root)")
     if device == "cpu":
         answer.notes.insert(0, "the CPU's allocator: on a GPU each allocation is rounded up to 512 bytes and "

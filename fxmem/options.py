@@ -93,6 +93,11 @@ class AnalysisOptions:
             ``DistributedDataParallel``, returning the model to run. fxmem calls it on its own fake
             copy, with a 1-D ``DeviceMesh`` over torch's fake process group of ``world_size`` ranks
             (the original forward runs: eager mode).
+        mesh: the ``DeviceMesh`` ``parallelize`` is given, as ``{dim name: size}`` in order:
+            ``{"dp": 2, "tp": 4}`` is torchtitan's 2-D mesh for FSDP2 with tensor parallelism
+            (``fully_shard(..., mesh=mesh["dp"])``, ``parallelize_module(..., mesh["tp"], plan)``),
+            ``{"replicate": 2, "shard": 4}`` HSDP's. The sizes multiply to ``world_size``; default a
+            1-D mesh of ``world_size`` ranks.
         rank: which rank's memory to report (default 0; for a model you wrapped already, this
             process's rank in its group).
         step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
@@ -131,6 +136,7 @@ class AnalysisOptions:
     repeats: bool = True
     world_size: int | None = None
     parallelize: Callable[..., torch.nn.Module] | None = None
+    mesh: Mapping[str, int] | None = None
     rank: int | None = None
     step: Callable[..., Any] | None = None
     verbose: bool = False
@@ -206,9 +212,11 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
             raise SpecError(f"{name}= must be a dict, got {type(value).__name__} {value!r:.60}")
     if opts.parallelize is not None and opts.world_size is None:
         raise SpecError(WORLD_SIZE_AND_PARALLELIZE)
+    if opts.mesh is not None and opts.parallelize is None:
+        raise SpecError("mesh= is the DeviceMesh parallelize= is given: pass parallelize=fn and world_size= too")
     if opts.parallelize is not None:
         from .distributed import Parallel
-        Parallel(opts.world_size, opts.rank or 0, opts.parallelize).check()
+        Parallel.of(opts).check()
         if opts.device not in ("cpu", "cuda"):
             raise SpecError(f"device={opts.device!r} with parallelize=: use 'cpu' or 'cuda'")
         if opts.mode == "graph":

@@ -15,7 +15,8 @@ FSDP2's private modules under ``torch.distributed.fsdp._fully_shard`` (``_fsdp_s
 ``_fsdp_param_group``, ``_fsdp_init`` / ``_fully_shard``, ``_fsdp_collectives``), the attributes of
 ``FSDPParamGroup`` / ``FSDPParam`` and the composable registry key; DDP's attributes (``reducer``,
 ``bucket_bytes_cap`` ..., ``_get_ddp_logging_data``) and the start-up helpers of
-``torch.nn.parallel.distributed``; ``ShardingPropagator._fake_mode_lock``;
+``torch.nn.parallel.distributed``; ``ShardingPropagator._fake_mode_lock`` and ``propagate_op_sharding``'s cache, and
+``torch._C._clear_DTensor_sharding_propagator_cache``;
 ``torch.distributed._tools.fsdp2_mem_tracker``.
 
 Imports :mod:`.ops` (dispatch modes, pytree, ``real_mode``) and :mod:`.fake` (storage keys).
@@ -47,9 +48,11 @@ _private_worlds = itertools.count()
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int, device: str = "cpu") -> Iterator[Any]:
+def fake_process_group(world_size: int, rank: int, device: str = "cpu",
+                       dims: tuple[tuple[str, int], ...] | None = None) -> Iterator[Any]:
     """torch's in-process fake process group (backend ``"fake"``: collectives do nothing) of
-    ``world_size`` ranks, seen from ``rank``, with a 1-D ``device`` mesh over it.
+    ``world_size`` ranks, seen from ``rank``, with a ``device`` mesh over it: 1-D, or of the named
+    ``dims`` (``(("dp", 2), ("tp", 2))``, whose sizes multiply to ``world_size``).
 
     It lives in a private copy of c10d's state: a process group the user started (their default
     group, their sub-groups, the names torch's C++ registry resolves them by, ``sys.excepthook``,
@@ -73,10 +76,16 @@ def fake_process_group(world_size: int, rank: int, device: str = "cpu") -> Itera
     # default names are str(group_count): start far from the user's so the C++ registry never
     # holds two groups under one name
     c10d._group_count = (1 << 30) + (next(_private_worlds) << 16)
+    forget_dtensor_shardings()  # a sharding the user's run cached names the user's groups
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        yield init_device_mesh(device, (world_size,))
+        if dims is None:
+            yield init_device_mesh(device, (world_size,))
+        else:
+            yield init_device_mesh(device, tuple(size for _, size in dims),
+                                   mesh_dim_names=tuple(name for name, _ in dims))
     finally:
+        forget_dtensor_shardings()  # ... and one cached here names fxmem's, gone on exit
         try:
             for pg, name in list(c10d._world.pg_names.items()):
                 with contextlib.suppress(Exception):
@@ -89,6 +98,29 @@ def fake_process_group(world_size: int, rank: int, device: str = "cpu") -> Itera
             c10d._world = world
             sys.excepthook = hook
             torch._C._distributed_c10d._set_global_rank(users_rank)
+
+
+def forget_dtensor_shardings() -> None:
+    """Empty DTensor's caches of sharding propagation (Python's and the C++ dispatch fast path's).
+
+    They are keyed by the ops' input specs, whose mesh compares by shape and ranks, not by process
+    group; an entry's output spec keeps the mesh it was made with. So an entry made on another
+    process group's mesh - the user's, or an earlier fake world's - would send this world's
+    collectives to a group that is not this one's (torch raises "Could not resolve the process
+    group registered under the name ..."), or the user's later ops to fxmem's gone fake group.
+    Emptying them costs the next ops a propagation each; it changes no result."""
+    import sys
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:  # never imported: nothing cached
+        return
+    dispatcher = getattr(getattr(tensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    cached = getattr(propagator, "propagate_op_sharding", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # torch >= 2.8
+    if native is not None:
+        native()
 
 
 def dtensor_type() -> type | None:
@@ -346,11 +378,21 @@ def fsdp_meshes_outside_fake() -> Iterator[None]:
                 return original(*args, **kwargs)
         return build
 
+    from torch.distributed.device_mesh import DeviceMesh
+    # the meshes made from a mesh: mesh["tp"] (a sub-mesh), FSDP2's DP x TP mesh of a parameter
+    # tensor parallelism placed (_concatenate), flattened ones
+    built = {name: DeviceMesh.__dict__[name] for name in ("__getitem__", "_concatenate", "_flatten", "_unflatten")
+             if name in DeviceMesh.__dict__}
     for m, fn in saved:
         m._get_post_forward_mesh_info = outside_fake(fn)
+    for name, fn in built.items():
+        setattr(DeviceMesh, name, staticmethod(outside_fake(fn.__func__)) if isinstance(fn, staticmethod)
+                else outside_fake(fn))
     try:
         yield
     finally:
+        for name, fn in built.items():
+            setattr(DeviceMesh, name, fn)
         for m, fn in saved:
             m._get_post_forward_mesh_info = fn
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +43,22 @@ class Parallel:
     rank: int
     fn: Callable[[torch.nn.Module, Any], torch.nn.Module]
     how: str = "parallelize="  # what the report says parallelised the model
+    mesh: tuple[tuple[str, int], ...] | None = None  # ((dim name, size), ...): the mesh fn is given; None: 1-D
+
+    @classmethod
+    def of(cls, options: Any) -> "Parallel":
+        """The analysis options' ``world_size=``, ``rank=``, ``parallelize=`` and ``mesh=``."""
+        mesh = options.mesh
+        if mesh is not None and not isinstance(mesh, dict):
+            raise SpecError(f"mesh= must be a dict {{dim name: size}}, e.g. {{'dp': 2, 'tp': 4}}; got {mesh!r:.60}")
+        return cls(options.world_size, options.rank or 0, options.parallelize,
+                   mesh=tuple(mesh.items()) if mesh is not None else None)
+
+    def shape(self) -> str:
+        """The mesh ``fn`` is given, as messages name it."""
+        if self.mesh is None:
+            return f"(1-D, {self.world_size} ranks)"
+        return "(" + " x ".join(f"{name} {size}" for name, size in self.mesh) + ")"
 
     def check(self) -> None:
         """Refuse what cannot mean anything, naming the argument."""
@@ -52,16 +69,27 @@ class Parallel:
         if not callable(self.fn):
             raise SpecError("parallelize= must be a function fn(model, mesh) that applies fully_shard or "
                             "DistributedDataParallel and returns the model to run")
+        if self.mesh is not None:
+            shown = dict(self.mesh)
+            if not self.mesh or any(not isinstance(k, str) or not k or isinstance(v, bool) or not isinstance(v, int)
+                                    or v < 1 for k, v in self.mesh):
+                raise SpecError(f"mesh={shown!r}: give each dim of the DeviceMesh a name and a positive size, e.g. "
+                                f"{{'dp': 2, 'tp': 4}}")
+            if math.prod(v for _, v in self.mesh) != self.world_size:
+                raise SpecError(f"mesh={shown!r} has {math.prod(v for _, v in self.mesh)} ranks, but world_size="
+                                f"{self.world_size}: the mesh's sizes multiply to the world size")
         if not tc.distributed_available() or tc.dtensor_type() is None:  # (imports DTensor for the recorder)
             raise FxMemError("this torch was built without torch.distributed: world_size=/parallelize= need it")
 
     @contextlib.contextmanager
     def world(self, device: str = "cpu") -> Iterator[Any]:
-        """torch's fake process group for this rank, with a 1-D device mesh; removed on exit.
+        """torch's fake process group for this rank, with its device mesh (1-D, or ``self.mesh``'s
+        named dims); removed on exit.
 
         A process group the user started is set aside meanwhile (never used: its collectives would
         reach the other ranks) and is back, untouched, on exit."""
-        with tc.fake_process_group(self.world_size, self.rank, device) as mesh, tc.fsdp_without_gpu(device):
+        with tc.fake_process_group(self.world_size, self.rank, device, self.mesh) as mesh, \
+                tc.fsdp_without_gpu(device):
             yield mesh
 
     def notes(self, storages: list, device: str = "cpu") -> list[str]:
@@ -69,8 +97,9 @@ class Parallel:
         much an asynchronous backend can hold beyond it (bytes)."""
         gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
         reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
-        out = [f"rank {self.rank} of {self.world_size}, parallelised by {self.how}: torch's fake process group "
-               f"ran the collectives (they allocate nothing of their own there)"]
+        layout = f" over the mesh {dict(self.mesh)}" if self.mesh is not None else ""
+        out = [f"rank {self.rank} of {self.world_size}{layout}, parallelised by {self.how}: torch's fake process "
+               f"group ran the collectives (they allocate nothing of their own there)"]
         if device == "cuda":
             out.append("on CUDA, NCCL's own buffers live outside PyTorch's caching allocator and are not counted "
                        "(neither does torch.cuda.max_memory_allocated); FSDP2's streams are taken in program order "
@@ -105,11 +134,12 @@ class Parallel:
             raise ModelError(
                 "parallelize= read the values of a tensor fxmem only has as a fake one (a DeviceMesh built inside "
                 "it from a tensor, or a check on parameter values); build meshes from the one fxmem passes in "
-                "(fully_shard's reshard_after_forward=<int> is supported)") from exc
+                "(slicing it, mesh['tp'], and fully_shard's reshard_after_forward=<int> are supported; for a "
+                "mesh of more than one dimension pass mesh={'dp': ..., 'tp': ...}: fxmem builds it)") from exc
         except Exception as exc:
             raise ModelError(f"parallelize= raised {type(exc).__name__}: {exc}".splitlines()[0] +
-                             "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with a 1-D "
-                             f"DeviceMesh of {self.world_size} ranks over torch's fake process group") from exc
+                             "; it is called as fn(model, mesh) on fxmem's fake copy of the model, with the "
+                             f"DeviceMesh {self.shape()} over torch's fake process group") from exc
         if out is None:
             out = model  # fully_shard works in place: returning nothing means the model itself
         if not isinstance(out, torch.nn.Module):
@@ -117,7 +147,7 @@ class Parallel:
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")
         from .ddp import install_allreduce, reducer_state
         from .wrappers import refuse_unmodelled
-        refuse_unmodelled(out, "parallelize=")
+        refuse_unmodelled(out, "parallelize=", placed_here=True)
         if getattr(mesh, "device_type", "cpu") == "cuda" and any(
                 type(m).__name__ == "DistributedDataParallel" for m in out.modules()):
             raise ModelError("DistributedDataParallel with device='cuda' is not modelled yet: its C++ reducer "

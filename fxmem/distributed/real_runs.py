@@ -43,18 +43,19 @@ class RankMeasurement:
 
 def measure_ranks(make_model: Callable[[], torch.nn.Module], inputs: tuple, parallelize: Callable,
                   world_size: int, optimizer: Callable, loss: Callable = default_loss, threads: int = 1,
-                  probe: Callable | None = None) -> list[RankMeasurement]:
+                  probe: Callable | None = None, mesh: dict | None = None) -> list[RankMeasurement]:
     """Train ``make_model()`` parallelised on ``world_size`` gloo processes; each rank's step measured.
 
     ``probe(model, inputs, optimizer, loss) -> dict``: optional, run on every rank after the measured
-    step (e.g. another tool's own figures), its result in ``RankMeasurement.extra``.
+    step (e.g. another tool's own figures), its result in ``RankMeasurement.extra``. ``mesh``: the
+    DeviceMesh ``parallelize`` is given, ``{dim name: size}`` as fxmem's ``mesh=`` (default 1-D).
     """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         mp.start_processes(_rank_main, args=(world_size, port, out, make_model, inputs, parallelize, optimizer,
-                                             loss, threads, probe),
+                                             loss, threads, probe, _dims(mesh)),
                            nprocs=world_size, start_method="spawn", join=True)
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
@@ -65,8 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _dims(mesh: dict | None) -> tuple | None:
+    return tuple(mesh.items()) if mesh is not None else None
+
+
 def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Callable, inputs: tuple,
-               parallelize: Callable, optimizer: Callable, loss: Callable, threads: int, probe: Any) -> None:
+               parallelize: Callable, optimizer: Callable, loss: Callable, threads: int, probe: Any,
+               dims: tuple | None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -74,7 +80,8 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh("cpu", (world_size,)) if dims is None else init_device_mesh(
+            "cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
         result = measure_rank(rank, mesh, make_model, inputs, parallelize, optimizer, loss, probe)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -83,11 +90,12 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
 
 def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple, parallelize: Callable,
                         world_size: int, rank: int, optimizer: Callable,
-                        loss: Callable = default_loss) -> RankMeasurement:
+                        loss: Callable = default_loss, mesh: dict | None = None) -> RankMeasurement:
     """Rank ``rank``'s real step in this process, in torch's fake process group: real tensors and
     allocator, FSDP2's and DDP's own code, collectives that do nothing - the synchronous schedule
     (each buffer freed as soon as the code lets go of it). DDP gets the Python form of its
-    built-in all-reduce (the fake group's futures carry no value)."""
+    built-in all-reduce (the fake group's futures carry no value). ``mesh``: as for
+    :func:`measure_ranks`."""
     from .. import _torch_compat as tc
     from .ddp import _allreduce
 
@@ -99,8 +107,8 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
             out.register_comm_hook(None, _allreduce)
         return out
 
-    with tc.fake_process_group(world_size, rank) as mesh:
-        return measure_rank(rank, mesh, make_model, inputs, wrapped, optimizer, loss)
+    with tc.fake_process_group(world_size, rank, dims=_dims(mesh)) as device_mesh:
+        return measure_rank(rank, device_mesh, make_model, inputs, wrapped, optimizer, loss)
 
 
 def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,

@@ -71,6 +71,9 @@ def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = No
         raise SpecError(f"sizes= must be a list of world sizes, e.g. [1, 2, 4, 8], got {sizes!r}")
     if "world_size" in options:
         raise SpecError("world_sizes() takes sizes=[...]; world_size= is for one analysis (fxmem.analyze)")
+    if "mesh" in options:
+        raise SpecError("world_sizes() varies a 1-D mesh; a mesh= of named dims has its own world size: analyse "
+                        "each layout with fxmem.analyze(..., world_size=, mesh=)")
     if parallelize is None and adopt(model) is None:
         raise SpecError("world_sizes() needs parallelize=fn (fn(model, mesh) calls fully_shard or wraps in "
                         "DistributedDataParallel), or a model you wrapped already")

@@ -3,8 +3,10 @@
 A model the user wrapped already with ``DistributedDataParallel`` at its root or ``fully_shard``
 is read and wrapped again in fxmem's own fake group (:mod:`fxmem.distributed.adopt`); what is left
 here is what cannot be read back: DDP nested inside the model, ``DataParallel``, FSDP1, and a
-wrapping with settings fxmem does not recreate. Tensor parallelism (DTensor parameters the user placed, ``parallelize_module``),
-FSDP1's ``FullyShardedDataParallel``, pipeline stages and DeepSpeed engines are not modelled.
+wrapping with settings fxmem does not recreate, and a model whose parameters are DTensors already
+or over a mesh of more than one dimension (fxmem applies the user's ``parallelize_module`` plan or
+2-D wrapping itself, through ``parallelize=`` and ``mesh=``). FSDP1's ``FullyShardedDataParallel``,
+pipeline stages and DeepSpeed engines are not modelled.
 
 >>> refuse_wrapped(torch.nn.Linear(2, 2))   # an ordinary model passes                # doctest: +SKIP
 """
@@ -51,9 +53,11 @@ def refuse_wrapped(model: torch.nn.Module) -> None:
     refuse_unmodelled(model, "the model")
 
 
-def refuse_unmodelled(model: torch.nn.Module, source: str) -> None:
-    """Refuse what ``source`` produced that fxmem does not model: FSDP1, pipeline stages, DTensor
-    parameters FSDP2 does not manage (tensor parallelism), FSDP2 over a 2-D mesh (HSDP)."""
+def refuse_unmodelled(model: torch.nn.Module, source: str, placed_here: bool = False) -> None:
+    """Refuse what ``source`` produced that fxmem does not model: FSDP1, pipeline stages, and the
+    DTensor parameters of a model given already placed - by tensor parallelism, or over a mesh of
+    more than one dimension - whose plan fxmem cannot read back (``placed_here``: ``source`` is the
+    ``parallelize=`` fxmem ran itself, whose placements it models)."""
     fsdp1 = tc.fsdp1_type()
     dtensor = tc.dtensor_type_if_loaded()
     managed = tc.fsdp2_managed(model)
@@ -69,12 +73,14 @@ def refuse_unmodelled(model: torch.nn.Module, source: str) -> None:
     for qual, p in model.named_parameters():
         if dtensor is None or not isinstance(p, dtensor):
             continue
-        if id(p) not in managed:
+        if id(p) not in managed and not placed_here:
             raise ModelError(
-                f"{source}: parameter '{qual}' is a DTensor fully_shard does not manage (tensor parallelism, "
-                f"parallelize_module or distribute_tensor), which fxmem does not model; analyse with "
-                f"fully_shard (FSDP2) or DistributedDataParallel in parallelize=")
-        if p.device_mesh.ndim != 1:
+                f"{source}: parameter '{qual}' is a DTensor already (tensor parallelism: parallelize_module or "
+                f"distribute_tensor), and fxmem cannot read back the plan that placed it; pass the model before "
+                f"parallelize_module, with your plan as parallelize=lambda m, mesh: parallelize_module(m, mesh, "
+                f"{{...}}) and world_size=")
+        if p.device_mesh.ndim != 1 and not placed_here:
             raise ModelError(f"{source}: parameter '{qual}' is sharded over a {p.device_mesh.ndim}-D mesh (HSDP or "
-                             f"FSDP with tensor parallelism), which fxmem does not model; use fully_shard over the "
-                             f"1-D mesh fxmem passes to parallelize=")
+                             f"FSDP with tensor parallelism), a wrapping fxmem cannot read back; pass the unwrapped "
+                             f"model with your wrapping code as parallelize=fn, world_size= and the mesh's dims as "
+                             f"mesh={{'dp': ..., 'tp': ...}} (fxmem builds that mesh and hands it to fn)")

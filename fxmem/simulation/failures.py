@@ -294,6 +294,14 @@ def internal_cause(exc: BaseException) -> tuple[str, str] | None:
     if last is not None and last.filename.startswith(_FXMEM_DIR) and not _runner(last.filename):
         return (f"fxmem itself failed at {short_path(last.filename)}:{last.lineno} (a bug of fxmem)",
                 f"try mode='eager' (or mode='graph'); {_REPORT}")
+    if any(_in_dtensor(f.filename) for f in frames) and re.search(r"symbolic|unbacked|SymInt", text):
+        # sequence parallelism: a dim sharded over the ranks that a view then flattens with a
+        # symbolic one (B*L) is a _StridedShard whose split factor DTensor wants as a number
+        return ("PyTorch's DTensor cannot propagate this sharding with symbolic sizes (its sharding rules need "
+                "some sizes as numbers: sequence parallelism's shards of a dim a view flattens with another)",
+                "give every size as a number (input specs such as (8, 512, 4096), or real tensors) for the memory "
+                "at that size, or analyse without sequence parallelism (SequenceParallel and the layouts around "
+                "it)")
     if any(t in text for t in _SYMBOLIC_LIMITS) and not isinstance(exc, AssertionError):
         return "PyTorch's kernel cannot run this call on fake tensors with symbolic sizes", _OP_ADVICE
     if isinstance(exc, (RuntimeError, ValueError, IndexError)):
@@ -314,6 +322,10 @@ def internal_cause(exc: BaseException) -> tuple[str, str] | None:
 
 def _in_torch(filename: str) -> bool:
     return filename.startswith(os.path.dirname(torch.__file__))
+
+
+def _in_dtensor(filename: str) -> bool:
+    return filename.startswith(os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", ""))
 
 
 def _runner(filename: str) -> bool:

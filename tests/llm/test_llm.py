@@ -1,6 +1,7 @@
 """fxmem.from_config / fxmem.llm_answer / `fxmem llm`: a Hugging Face config to the training step's
 memory, against real training steps of the same config with random weights (CPU allocator), at
-sizes the analysis did not see: plain, gradient checkpointing, LoRA (peft), FSDP2 per rank."""
+sizes the analysis did not see: plain, gradient checkpointing, LoRA (peft), FSDP2 and tensor
+parallelism per rank."""
 from __future__ import annotations
 
 import json
@@ -82,6 +83,33 @@ def test_fsdp_rank_is_exact_against_the_synchronous_real_step():
             (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
 
 
+@pytest.mark.parametrize("fsdp, tp", [(None, 2), (2, 2)], ids=["tp2", "fsdp2xtp2"])
+def test_tensor_parallel_rank_is_exact_against_the_synchronous_real_step(fsdp, tp):
+    """tp=: the config's own plan (transformers' base_model_tp_plan: q, k, v, gate and up column-wise,
+    o and down row-wise); with fsdp= too, FSDP2 across the tensor-parallel groups of a 2-D mesh."""
+    from fxmem.distributed.real_runs import measure_synchronous
+    from fxmem.llm import fsdp_tp_per_block
+
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=tp, fsdp=fsdp)
+    assert answer.ranks == (fsdp or 1) * tp and "tensor parallelism by the model's own plan" in answer.notes[1]
+    torch.set_num_threads(1)
+    for b, l in ((3, 37), (2, 61)):
+        x = torch.randint(3, 90, (b, l))
+        real = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)), fsdp_tp_per_block, answer.ranks, 0,
+                                   OPTIMIZERS["adamw"], loss=lambda out: out,
+                                   mesh={"dp": fsdp, "tp": tp} if fsdp is not None else None)
+        at = answer.report.evaluate(B=b, L=l)
+        assert (real.peak_above_start, real.retained, real.optimizer_state) == \
+            (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
+
+
+def test_tensor_parallelism_needs_the_configs_plan():
+    with pytest.raises(fxmem.SpecError, match="the gpt2 config has no tensor-parallel plan"):
+        llm_answer(fxmem.from_config(GPT2), batch=2, seq=48, tp=2)
+    with pytest.raises(fxmem.SpecError, match="tp=0: a number of ranks"):
+        llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=0)
+
+
 def test_answers_and_their_reasons(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA))
@@ -112,3 +140,9 @@ def test_cli_llm(tmp_path):
     answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, gpu="4MiB")
     assert f"largest batch           {answer.max_batch:,}" in out.stdout
     assert "26,784 parameters" in out.stdout and fxmem.format_bytes(answer.step_peak) in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--batch", "2", "--seq", "48",
+                          "--tp", "2", "--quiet"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=2)
+    assert "rank 0 of 2: tensor parallelism" in out.stdout and fxmem.format_bytes(answer.step_peak) in out.stdout

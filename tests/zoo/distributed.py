@@ -149,3 +149,102 @@ def analyse_wrapped(model, inputs, optimizer, loss):
                           e["optimizer_state"]),
             "notes": report.notes, "all_reduce": total.item(), "groups_kept": names == dict(
                 dist.distributed_c10d._world.pg_names), "peak_again": again.peak_above_start}
+
+
+class Attention(nn.Module):
+    """Heads of ``hd`` features: q, k, v and o as separate Linears, so tensor parallelism splits heads
+    (every world size of 2, 3 or 4 gets whole heads at the default sizes)."""
+
+    def __init__(self, d: int = 24, hd: int = 2):
+        super().__init__()
+        self.hd = hd
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t = x.shape[:2]
+        q, k, v = (p(x).view(b, t, -1, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / 4, dim=-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPBlock(nn.Module):
+    def __init__(self, d: int = 24, h: int = 48):
+        super().__init__()
+        self.ln, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class TPDecoder(nn.Module):
+    """A decoder whose blocks tensor parallelism can split into 2, 3 or 4: whole heads and MLP
+    features per rank (DTensor's ``from_local`` between a column- and a row-wise Linear assumes
+    even shards: an uneven split fails in torch itself)."""
+
+    def __init__(self, n: int = 2, d: int = 24, h: int = 48, v: int = V):
+        super().__init__()
+        self.layers = nn.ModuleList([TPBlock(d, h) for _ in range(n)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, v)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _block_plan(sequence: bool = False) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    if not sequence:  # Megatron's: activations replicated between blocks, one all-reduce per row-wise Linear
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    # torchtitan's Llama layout: norms on sequence shards, an all-gather into each sub-block and a
+    # reduce-scatter out of it
+    into = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"ln": SequenceParallel(), "ln2": SequenceParallel(), "attn": into,
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)), "up": ColwiseParallel(),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def tp(model, mesh):
+    """Megatron-style tensor parallelism of every block (parallelize_module); norms and head replicated."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    for layer in model.layers:
+        parallelize_module(layer, mesh, _block_plan())
+    return model
+
+
+def tp_sequence(model, mesh):
+    """Tensor and sequence parallelism (torchtitan's layout): the blocks' inputs and outputs are
+    sequence shards, as are the norms' activations; the final norm and the head see the whole
+    sequence again."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+    first, last = model.layers[0], model.layers[-1]
+    for layer in model.layers:
+        parallelize_module(layer, mesh, _block_plan(sequence=True))
+    parallelize_module(first, mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                         use_local_output=True))
+    parallelize_module(last, mesh, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
+    return model
+
+
+def fsdp_tp(model, mesh):
+    """FSDP2 over a 2-D mesh's "dp" dim and tensor parallelism over its "tp" dim (torchtitan's
+    Llama layout, without sequence parallelism): each block's plan, then fully_shard of it."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], _block_plan())
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def hsdp(model, mesh):
+    """HSDP: FSDP2 over a 2-D mesh (replicated over its first dim, sharded over its second)."""
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

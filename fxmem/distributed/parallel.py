@@ -104,6 +104,11 @@ class Parallel:
             out.append("on CUDA, NCCL's own buffers live outside PyTorch's caching allocator and are not counted "
                        "(neither does torch.cuda.max_memory_allocated); FSDP2's streams are taken in program order "
                        "(the order its events enforce)")
+        buckets = [int(s.bytes) for s in storages if s.name.startswith("DDP gradient bucket ") and s.bytes.is_number]
+        if buckets:
+            out.append(f"DDP: the steady state's numbers; the one step in which DDP rebuilds its gradient buckets in "
+                       f"the order backward made the gradients (the second, or with static_graph=True the third) "
+                       f"holds the new buckets beside the old at its peak: {sum(buckets):,} bytes more")
         if gathers and device == "cpu":
             late = late_bytes(gathers, reduces)
             out.append(

@@ -1,10 +1,11 @@
-"""``fxmem.world_sizes``: one rank's memory at several world sizes, as a table.
+"""``fxmem.world_sizes``: one rank's memory at several world sizes or mesh layouts, as a table.
 
 Each world size is its own analysis (the model parallelised by the same ``parallelize`` over a
-fake process group of that size); the table lists each rank's resident bytes (parameter shards,
-DDP's buckets, optimizer state, inputs) and its training-step peak, as formulas in the user's
-dims, or in bytes at given dims; :meth:`WorldSizes.max_size` is the largest size of a dim whose
-step fits a budget, per world size.
+fake process group of that size); a size may also be a mesh of named dims (``{"dp": 4, "tp": 2}``,
+as ``mesh=`` of :func:`fxmem.analyze`: a layout of data and tensor parallelism). The table lists
+each rank's resident bytes (parameter shards, DDP's buckets, optimizer state, inputs) and its
+training-step peak, as formulas in the user's dims, or in bytes at given dims;
+:meth:`WorldSizes.max_size` is the largest size of a dim whose step fits a budget, per row.
 
 >>> table = fxmem.world_sizes(model, ("B", "L", 13), parallelize=fsdp, sizes=[1, 2, 4],
 ...                           optimizer=lambda p: torch.optim.AdamW(p))          # doctest: +SKIP
@@ -22,7 +23,8 @@ from ..views.text import formula_text, text_table
 
 
 class WorldSizes(dict):
-    """``{world size: Report}`` (rank ``rank``'s), printable as a table."""
+    """``{world size: Report}`` (rank ``rank``'s), printable as a table; a mesh layout's key is its
+    text, ``"dp 4 x tp 2"``."""
 
     def __init__(self, reports: Mapping[int, Any], dims: Mapping[str, int] | None = None):
         super().__init__(reports)
@@ -33,7 +35,8 @@ class WorldSizes(dict):
         return WorldSizes(self, dims)
 
     def max_size(self, dim: str, budget: Any, train: bool = True, **fixed: int) -> dict[int, int]:
-        """``{world size: the largest dim whose step fits budget}`` (bytes or ``"80GiB"``), per rank."""
+        """``{world size or layout: the largest dim whose step fits budget}`` (bytes or ``"80GiB"``),
+        per rank."""
         return {w: report.max_size(dim, budget, train=train, **fixed) for w, report in self.items()}
 
     def rows(self) -> list[tuple]:
@@ -51,17 +54,41 @@ class WorldSizes(dict):
 
     def __str__(self) -> str:
         train = any(r.training for r in self.values())
-        header = ("world size", "resident per rank", ("step peak" if train else "peak") + " per rank")
-        return text_table(header, [(str(w), a, b) for w, a, b in self.rows()],
-                          right=(0, 1, 2) if self.dims else (0,))
+        meshes = any(isinstance(w, str) for w in self)
+        header = ("ranks" if meshes else "world size", "resident per rank",
+                  ("step peak" if train else "peak") + " per rank")
+        return text_table(header, [(_row_name(w, self[w]), a, b) for w, a, b in self.rows()],
+                          right=(1, 2) if self.dims and meshes else (0, 1, 2) if self.dims else () if meshes else (0,))
 
     __repr__ = __str__
 
 
+def _row_name(key: Any, report: Any) -> str:
+    """A row's first cell: the world size, or the ranks of a mesh layout and the layout."""
+    return str(key) if isinstance(key, int) else f"{report.options.world_size} ({key})"
+
+
+def _layout(size: Any) -> tuple[Any, dict]:
+    """``(key, options)`` of one entry of ``sizes=``: a world size, or a mesh ``{dim name: size}``."""
+    if isinstance(size, Mapping):
+        mesh = dict(size)
+        ranks = 1
+        for v in mesh.values():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"sizes=: the mesh {mesh!r} needs a positive int per dim")
+            ranks *= v
+        return " x ".join(f"{k} {v}" for k, v in mesh.items()), {"world_size": ranks, "mesh": mesh}
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise SpecError(f"sizes=: each entry is a world size (an int) or a mesh {{dim name: size}}, got {size!r}")
+    return size, {"world_size": size}
+
+
 def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = None,
-                sizes: Sequence[int] = (1, 2, 4, 8), **options: Any) -> WorldSizes:
+                sizes: Sequence[Any] = (1, 2, 4, 8), **options: Any) -> WorldSizes:
     """Analyse ``model`` parallelised by ``parallelize`` at each world size in ``sizes`` (rank
     ``rank=``, default 0); ``options`` as for :func:`fxmem.analyze` (``optimizer=`` for a step).
+    An entry of ``sizes`` may be a mesh of named dims instead, ``{"dp": 4, "tp": 2}`` (handed to
+    ``parallelize`` as ``mesh=`` hands it: layouts of data and tensor parallelism side by side).
     A model you wrapped already (``DistributedDataParallel``, ``fully_shard``) needs no
     ``parallelize``: its own wrapping is applied again at each size."""
     from ..analyze import analyze
@@ -72,11 +99,12 @@ def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = No
     if "world_size" in options:
         raise SpecError("world_sizes() takes sizes=[...]; world_size= is for one analysis (fxmem.analyze)")
     if "mesh" in options:
-        raise SpecError("world_sizes() varies a 1-D mesh; a mesh= of named dims has its own world size: analyse "
-                        "each layout with fxmem.analyze(..., world_size=, mesh=)")
+        raise SpecError("world_sizes() takes the meshes in sizes=[{'dp': 4, 'tp': 2}, ...]; mesh= is for one "
+                        "analysis (fxmem.analyze)")
     if parallelize is None and adopt(model) is None:
         raise SpecError("world_sizes() needs parallelize=fn (fn(model, mesh) calls fully_shard or wraps in "
                         "DistributedDataParallel), or a model you wrapped already")
     if parallelize is not None:
         options["parallelize"] = parallelize
-    return WorldSizes({int(w): analyze(model, *input_specs, world_size=w, **options) for w in sizes})
+    layouts = [_layout(size) for size in sizes]
+    return WorldSizes({key: analyze(model, *input_specs, **layout, **options) for key, layout in layouts})

@@ -91,6 +91,33 @@ def test_ddp_that_reads_which_parameters_got_gradients(fn):
             f"{fn.__name__} at {dims}"
 
 
+@pytest.mark.parametrize("fn, rebuilt", [(ddp_small, 1), (ddp_static, 2)])
+def test_ddp_notes_the_step_that_rebuilds_its_buckets(fn, rebuilt):
+    """The report is DDP's steady state; the step that rebuilds the buckets is higher by what the
+    note says, on a real run (steps counted from 0)."""
+    import re
+
+    from fxmem import _torch_compat as tc
+    from fxmem.distributed.ddp import _allreduce
+    from fxmem.measure import measure
+    from fxmem.training import default_loss, train_step
+
+    torch.set_num_threads(1)
+    report = analyse(fn, 2, 0)
+    (note,) = [n for n in report.notes if n.startswith("DDP: the steady state")]
+    more = int(re.search(r"([\d,]+) bytes more", note).group(1).replace(",", ""))
+    x = torch.randn(5, 7, D)
+    with tc.fake_process_group(2, 0) as mesh:
+        torch.manual_seed(0)
+        model = fn(Decoder(), mesh)
+        model.register_comm_hook(None, _allreduce)  # the Python form of its all-reduce (measure_synchronous's)
+        opt = adamw(model.parameters())
+        peaks = [measure(lambda: train_step(model, (x,), opt, default_loss), warmup=0).peak_above_start
+                 for _ in range(4)]
+    steady = predicted(report, dict(B=5, L=7))[0]
+    assert peaks[rebuilt] == steady + more and peaks[3] == steady, (peaks, steady, more)
+
+
 def test_ddp_forward_counts_the_buckets_as_resident():
     # a forward alone (evaluation under DDP) touches no bucket; DDP allocated them when it was built
     from fxmem import _torch_compat as tc
@@ -239,7 +266,7 @@ def test_mesh_arguments_are_checked():
         fxmem.analyze(TPDecoder(), ("B", "L", TP_D), mesh={"dp": 2, "tp": 2})
     with pytest.raises(SpecError, match="a name and a positive size"):
         fxmem.analyze(TPDecoder(), ("B", "L", TP_D), world_size=4, parallelize=fsdp_tp, mesh={"dp": 4, "tp": 1.0})
-    with pytest.raises(SpecError, match="world_sizes\\(\\) varies a 1-D mesh"):
+    with pytest.raises(SpecError, match="world_sizes\\(\\) takes the meshes in sizes="):
         fxmem.world_sizes(TPDecoder(), ("B", "L", TP_D), parallelize=fsdp_tp, sizes=[4], mesh={"dp": 2, "tp": 2})
 
 
@@ -387,6 +414,21 @@ def test_world_sizes_table_against_real_runs():
         assert (e["train_resident"], e["train_peak"]) == (real.resident, real.resident + real.peak_above_start)
     for w, b in table.max_size("B", 150_000, L=7).items():  # per rank: the largest batch fits, the next does not
         assert table[w].evaluate(B=b, L=7)["train_peak"] <= 150_000 < table[w].evaluate(B=b + 1, L=7)["train_peak"]
+
+
+def test_world_sizes_table_of_mesh_layouts_against_real_runs():
+    """Layouts of the same 4 ranks side by side: FSDP2 alone (tensor parallelism of 1) and 2 x 2."""
+    torch.set_num_threads(1)
+    layouts = [{"dp": 4, "tp": 1}, {"dp": 2, "tp": 2}]
+    table = fxmem.world_sizes(TPDecoder(), ("B", "L", TP_D), parallelize=fsdp_tp, sizes=layouts, optimizer=adamw)
+    assert list(table) == ["dp 4 x tp 1", "dp 2 x tp 2"] and "4 (dp 2 x tp 2)" in str(table.at(B=5, L=7))
+    x = torch.randn(5, 7, TP_D)
+    for mesh, report in zip(layouts, table.values()):
+        real = measure_synchronous(TPDecoder, (x,), fsdp_tp, 4, 0, adamw, mesh=mesh)
+        e = report.evaluate(B=5, L=7)
+        assert (e["train_resident"], e["train_peak"]) == (real.resident, real.resident + real.peak_above_start)
+    best = table.max_size("B", 400_000, L=7)
+    assert best["dp 2 x tp 2"] > best["dp 4 x tp 1"]  # the activations of a block are split too
 
 
 def _cpu_forward_in_cuda_blocks(make_model, parallelize, world_size, rank, dims):

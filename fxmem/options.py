@@ -89,10 +89,11 @@ class AnalysisOptions:
             fxmem reads the wrapping and your group's size (``world_size=`` then asks about another
             number of ranks). See :mod:`fxmem.distributed.adopt`.
         parallelize: ``fn(model, mesh)`` - your training script's code that applies
-            ``fully_shard`` (FSDP2, per block and on the root) or wraps the model in
-            ``DistributedDataParallel``, returning the model to run. fxmem calls it on its own fake
-            copy, with a 1-D ``DeviceMesh`` over torch's fake process group of ``world_size`` ranks
-            (the original forward runs: eager mode).
+            ``fully_shard`` (FSDP2, per block and on the root), ``parallelize_module`` (tensor
+            parallelism) or both, or wraps the model in ``DistributedDataParallel``, returning the
+            model to run. fxmem calls it on its own fake copy, with a ``DeviceMesh`` over torch's
+            fake process group of ``world_size`` ranks (1-D, or ``mesh=``'s) (the original forward
+            runs: eager mode).
         mesh: the ``DeviceMesh`` ``parallelize`` is given, as ``{dim name: size}`` in order:
             ``{"dp": 2, "tp": 4}`` is torchtitan's 2-D mesh for FSDP2 with tensor parallelism
             (``fully_shard(..., mesh=mesh["dp"])``, ``parallelize_module(..., mesh["tp"], plan)``),

@@ -92,7 +92,17 @@ class Parallel:
                 tc.fsdp_without_gpu(device):
             yield mesh
 
-    def notes(self, storages: list, device: str = "cpu") -> list[str]:
+    @staticmethod
+    def tensor_parallel(model: torch.nn.Module) -> bool:
+        """Whether ``model`` (what :meth:`apply` returned) has DTensor parameters FSDP2 does not
+        manage: tensor parallelism alone (FSDP2 over tensor-parallel parameters manages them)."""
+        dtensor = tc.dtensor_type_if_loaded()
+        if dtensor is None:
+            return False
+        managed = tc.fsdp2_managed(model)
+        return any(isinstance(p, dtensor) and id(p) not in managed for p in model.parameters())
+
+    def notes(self, storages: list, device: str = "cpu", tensor_parallel: bool = False) -> list[str]:
         """What the report says about the collectives: the schedule its numbers are for, and how
         much an asynchronous backend can hold beyond it (bytes)."""
         gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
@@ -109,6 +119,12 @@ class Parallel:
             out.append(f"DDP: the steady state's numbers; the one step in which DDP rebuilds its gradient buckets in "
                        f"the order backward made the gradients (the second, or with static_graph=True the third) "
                        f"holds the new buckets beside the old at its peak: {sum(buckets):,} bytes more")
+        if tensor_parallel and device == "cpu":
+            out.append("tensor parallelism's collectives as a synchronous schedule (each buffer freed when the code "
+                       "lets go of it); with asynchronous ones (gloo on CPU) an all-reduce holds its buffers until it "
+                       "completes, so a rank's peak and what the step leaves allocated can be higher by whole "
+                       "activation buffers (one [B, L, hidden] buffer left after a step was seen on gloo); no bound "
+                       "is stated for them yet")
         if gathers and device == "cpu":
             late = late_bytes(gathers, reduces)
             out.append(

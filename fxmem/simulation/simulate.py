@@ -294,6 +294,7 @@ def simulate_once(
         warm, held = None, []
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
+            tensor_parallel = parallel.tensor_parallel(fake_model)
             wrapped.enter_context(parallel.reads(fake_model, held))  # DDP's used-parameter map
             if training is not None:  # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state
                 warm = _warm_up(fake_model, inputs, training, recorder)
@@ -374,7 +375,7 @@ def simulate_once(
         del inputs, fake_model, warm
     recorder.autograd.close()
     if parallel is not None:
-        for text in parallel.notes(table.storages, device):
+        for text in parallel.notes(table.storages, device, tensor_parallel):
             log.note(text)
     facts = {**environment(device), **({"autocast": str(options.autocast)} if options.autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),

@@ -207,8 +207,14 @@ def test_gloo_tensor_parallel_exact_on_every_rank():
         report = fxmem.analyze(TPDecoder(), ("B", "L", TP_D), optimizer=adamw, world_size=2, parallelize=tp,
                                rank=r.rank)
         peak, retained, resident, state = predicted(report, dict(B=5, L=7))
-        assert (r.peak_above_start, r.retained, r.optimizer_state) == (peak, retained, state)
-        assert r.extra["state_storages"] == resident  # the allocator's count may hold a late free of gloo's
+        assert (r.optimizer_state, r.extra["state_storages"]) == (state, resident)
+        # gloo completes the all-reduces asynchronously: what they may still hold is activations of
+        # a block's output, [B, L, D] float32, at most one per all-reduce of the step (2 blocks x 2
+        # row-wise Linears, forward and backward: 8); the notes say so
+        activation = 5 * 7 * TP_D * 4
+        assert any("an all-reduce holds its buffers until it completes" in n for n in report.notes)
+        for real, sync in ((r.peak_above_start, peak), (r.retained, retained)):
+            assert sync <= real <= sync + 8 * activation, (r.rank, real, sync)
 
 
 def test_sequence_parallel_exact_at_numeric_sizes_and_symbolic_ones_refused_as_torchs_limit():

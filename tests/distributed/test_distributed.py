@@ -247,6 +247,7 @@ def test_two_dimensional_meshes_exact_per_rank(fn, mesh, rank):
         assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims)
 
 
+@pytest.mark.slow  # ~60 s (4 analyses, 4 processes); CI: every rank's synchronous schedule on the 2 x 2 mesh
 def test_gloo_fsdp_with_tensor_parallelism_on_a_2x2_mesh_within_the_stated_bound():
     torch.set_num_threads(1)
     mesh = {"dp": 2, "tp": 2}

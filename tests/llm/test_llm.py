@@ -83,7 +83,8 @@ def test_fsdp_rank_is_exact_against_the_synchronous_real_step():
             (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
 
 
-@pytest.mark.parametrize("fsdp, tp", [(None, 2), (2, 2)], ids=["tp2", "fsdp2xtp2"])
+@pytest.mark.parametrize("fsdp, tp", [(None, 2), pytest.param(2, 2, marks=pytest.mark.slow)],  # CI: tp=2; the 2-D
+                         ids=["tp2", "fsdp2xtp2"])  # mesh of the same model in tests/distributed's 2 x 2 tests
 def test_tensor_parallel_rank_is_exact_against_the_synchronous_real_step(fsdp, tp):
     """tp=: the config's own plan (transformers' base_model_tp_plan: q, k, v, gate and up column-wise,
     o and down row-wise); with fsdp= too, FSDP2 across the tensor-parallel groups of a 2-D mesh."""

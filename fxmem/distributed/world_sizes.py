@@ -58,7 +58,7 @@ class WorldSizes(dict):
         header = ("ranks" if meshes else "world size", "resident per rank",
                   ("step peak" if train else "peak") + " per rank")
         return text_table(header, [(_row_name(w, self[w]), a, b) for w, a, b in self.rows()],
-                          right=(1, 2) if self.dims and meshes else (0, 1, 2) if self.dims else () if meshes else (0,))
+                          right=tuple(range(1 if meshes else 0, 3 if self.dims else 1)))
 
     __repr__ = __str__
 

@@ -107,6 +107,8 @@ def test_tensor_parallel_rank_is_exact_against_the_synchronous_real_step(fsdp, t
 def test_tensor_parallelism_needs_the_configs_plan():
     with pytest.raises(fxmem.SpecError, match="the gpt2 config has no tensor-parallel plan"):
         llm_answer(fxmem.from_config(GPT2), batch=2, seq=48, tp=2)
+    with pytest.raises(fxmem.SpecError, match="tp= with LoRA adapters is not modelled"):
+        llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=2, lora={"r": 4, "target_modules": ["q_proj"]})
     with pytest.raises(fxmem.SpecError, match="tp=0: a number of ranks"):
         llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=0)
 

@@ -165,6 +165,11 @@ def deadline(seconds: float | None) -> Iterator[None]:
                 break
             except _Expired:
                 continue
+    if watch.fired_in is not None:
+        # the block returned although its time was up: the interruption landed where something
+        # swallowed it (a weakref callback - the storage table's record of a death -, a bare
+        # except) and the call went on without that work, so what it computed is not returned
+        raise AnalysisTimeout(_message(seconds, watch.fired_in))
 
 
 def timed(options_in: str | None) -> Callable[[F], F]:

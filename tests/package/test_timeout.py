@@ -48,6 +48,22 @@ class SwallowsErrors(Loops):
                 pass
 
 
+class SwallowsOnce(Loops):
+    """A forward that swallows the interruption (a bare except) and returns normally: its run
+    missed what the interruption cut short, so no number may come back."""
+
+    slept = False
+
+    def forward(self, x):
+        if not self.slept:  # once: the analysis then ends before the watchdog's next interruption
+            self.slept = True
+            try:
+                time.sleep(10)
+            except BaseException:  # noqa: BLE001 - the point of this model
+                pass
+        return self.lin(x)
+
+
 class CtrlC(Loops):
     def forward(self, x):
         raise KeyboardInterrupt
@@ -107,6 +123,15 @@ def test_stopped_from_a_worker_thread():
     worker.start()
     worker.join(30)
     assert got == ["stopped"]
+    _clean(m, params, before)
+
+
+def test_a_call_that_swallowed_the_interruption_returns_no_number():
+    m = SwallowsOnce()
+    params = {k: v.clone() for k, v in m.state_dict().items()}
+    before = state()
+    message, took = _stopped(m, mode="eager", check=False)
+    assert "timeout=1 s, in the simulation phase" in message and took < 8
     _clean(m, params, before)
 
 

@@ -486,10 +486,12 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
             shape.append(int(d) if d.is_Integer else str(d))
         fixed.append(TensorSpec(tuple(shape), dtype=spec.dtype, requires_grad=spec.requires_grad, fill=spec.fill))
     hints = {k: v for k, v in (opts.hints or {}).items() if k != dim} or None
+    mine: list[str] = []  # this pass's warnings: the call's only where its graph is used
     try:
         second = _optimize(model, tuple(fixed), opts.replace(hints=hints), None, settings,
-                           fit.without(dim) if fit is not None else None, optimistic, dropped)
+                           fit.without(dim) if fit is not None else None, optimistic, mine)
     except BudgetError:
+        dropped.extend(mine)
         raise
     except FxMemError as exc:
         first = str(exc).splitlines()[0]
@@ -499,6 +501,7 @@ def _at_point(point: tuple | None, model: torch.nn.Module, specs: Sequence[Input
                                                 f"leaves out) could not be made: {first}; the model's own forward "
                                                 f"runs there", condition=f"{dim} == {size}")],
                              f"{dim} == {size}")
+    dropped.extend(mine)
     at = switch.Guards([sympy.Eq(sym, size)])
     return _forms(at, switch.positions(at, specs, symbols), second, model, model), \
         _tagged(second.meta["fxmem"], f"{dim} == {size}")

@@ -106,7 +106,9 @@ class AnalysisOptions:
             losses ...), with ``optimizer=``: the training formulas are of that function's steady
             state (its second call), not of the default step (``out = model(*inputs)``, ``loss =
             loss_fn(out)``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad(set_to_none=True)``,
-            with ``out`` and ``loss`` held until it returns). See :mod:`fxmem.training`.
+            with ``out`` and ``loss`` held until it returns). With ``parallelize=`` it is handed the
+            parallelised model (gradient accumulation under FSDP2's ``set_requires_gradient_sync`` or
+            DDP's ``no_sync``). See :mod:`fxmem.training`.
         verbose: ``True`` prints progress to stderr as the analysis goes (tracing, simulating,
             calibrating kernels, re-analysing outside the region) - the ``fxmem`` logger's INFO
             records, which any ``logging`` handler can also receive.
@@ -198,9 +200,6 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
             raise SpecError("step= computes its own loss: pass loss= or step=, not both")
         if not opts.grad:
             raise SpecError("step= is a training step: it needs grad=True")
-        if getattr(opts, "parallelize", None) is not None:
-            raise SpecError("step= together with parallelize= is not supported yet: analyse your step on one "
-                            "device, or the default step with parallelize=")
         import inspect
 
         if inspect.isgeneratorfunction(opts.step) or inspect.iscoroutinefunction(opts.step):

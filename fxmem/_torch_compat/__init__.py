@@ -143,7 +143,10 @@ from .distributed import (
     fake_process_group,
     fsdp1_type,
     fsdp2_groups,
+    fsdp2_lazy_init,
     fsdp2_managed,
+    functional_collective,
+    pipeline_stage_types,
     fsdp2_set_knobs,
     fsdp2_state,
     fsdp2_unsharded_copy,
@@ -183,7 +186,7 @@ __all__ = [
     # distributed
     "ddp_bucket_bytes", "ddp_keep_buckets", "ddp_on_fake_tensors", "ddp_reducer_params", "ddp_settings",
     "ddp_used_map", "ddp_used_map_reads", "distributed_available", "dtensor_propagation_quiet", "dtensor_type",
-    "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_managed",
+    "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_lazy_init", "fsdp2_managed", "functional_collective", "pipeline_stage_types",
     "fsdp2_set_knobs", "fsdp2_state", "fsdp2_unsharded_copy", "fsdp_mem_tracker", "fsdp_meshes_outside_fake",
     "fsdp_without_gpu", "local_tensor", "on_storage_resize", "tensors_made",
 ]

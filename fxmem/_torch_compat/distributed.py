@@ -123,6 +123,17 @@ def forget_dtensor_shardings() -> None:
         native()
 
 
+def functional_collective(name: str) -> Any:
+    """``torch.ops._c10d_functional.<name>`` (the ops DTensor's and functional collectives run),
+    or None in a torch built without torch.distributed."""
+    if not distributed_available():
+        return None
+    try:
+        return getattr(torch.ops._c10d_functional, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def dtensor_type() -> type | None:
     """DTensor's class (None where torch.distributed is not built)."""
     try:
@@ -192,6 +203,27 @@ def fsdp2_state(module: torch.nn.Module) -> Any:
     except ImportError:
         return None
     return _get_module_fsdp_state(module)
+
+
+def pipeline_stage_types() -> list:
+    """The classes whose construction starts a pipeline stage (``torch.distributed.pipelining``'s
+    ``PipelineStage`` and the tracer front end's stages share one base), where that package is
+    imported already; else none."""
+    import sys
+    module = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(module, "_PipelineStageBase", None) if module is not None else None
+    return [base] if isinstance(base, type) else []
+
+
+def fsdp2_lazy_init(module: torch.nn.Module) -> None:
+    """FSDP2's lazy initialisation, now rather than at the first forward: each state ``fully_shard``
+    put in ``module``'s tree that no other one initialised (top-most first, as the first forward
+    would reach them) picks its root and re-creates its sharded parameters (a shard FSDP2 pads
+    gets new storage there), so what is read after this is what every later step uses."""
+    for sub in module.modules():  # pre-order: a root before the states inside it
+        state = fsdp2_state(sub)
+        if state is not None and getattr(state, "_is_root", False) is None:
+            state._lazy_init()
 
 
 def fsdp2_managed(module: torch.nn.Module) -> set[int]:

@@ -43,19 +43,22 @@ class RankMeasurement:
 
 def measure_ranks(make_model: Callable[[], torch.nn.Module], inputs: tuple, parallelize: Callable,
                   world_size: int, optimizer: Callable, loss: Callable = default_loss, threads: int = 1,
-                  probe: Callable | None = None, mesh: dict | None = None) -> list[RankMeasurement]:
+                  probe: Callable | None = None, mesh: dict | None = None,
+                  step: Callable | None = None) -> list[RankMeasurement]:
     """Train ``make_model()`` parallelised on ``world_size`` gloo processes; each rank's step measured.
 
     ``probe(model, inputs, optimizer, loss) -> dict``: optional, run on every rank after the measured
     step (e.g. another tool's own figures), its result in ``RankMeasurement.extra``. ``mesh``: the
     DeviceMesh ``parallelize`` is given, ``{dim name: size}`` as fxmem's ``mesh=`` (default 1-D).
+    ``step``: the training step, ``step(model, optimizer, *inputs)`` as fxmem's ``step=`` (default:
+    forward, ``loss``, backward, ``optimizer.step()``, ``zero_grad``).
     """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         mp.start_processes(_rank_main, args=(world_size, port, out, make_model, inputs, parallelize, optimizer,
-                                             loss, threads, probe, _dims(mesh)),
+                                             loss, threads, probe, _dims(mesh), step),
                            nprocs=world_size, start_method="spawn", join=True)
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
@@ -72,7 +75,7 @@ def _dims(mesh: dict | None) -> tuple | None:
 
 def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Callable, inputs: tuple,
                parallelize: Callable, optimizer: Callable, loss: Callable, threads: int, probe: Any,
-               dims: tuple | None) -> None:
+               dims: tuple | None, step: Callable | None = None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -82,7 +85,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
     try:
         mesh = init_device_mesh("cpu", (world_size,)) if dims is None else init_device_mesh(
             "cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
-        result = measure_rank(rank, mesh, make_model, inputs, parallelize, optimizer, loss, probe)
+        result = measure_rank(rank, mesh, make_model, inputs, parallelize, optimizer, loss, probe, step)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -90,11 +93,12 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, make_model: Call
 
 def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple, parallelize: Callable,
                         world_size: int, rank: int, optimizer: Callable,
-                        loss: Callable = default_loss, mesh: dict | None = None) -> RankMeasurement:
+                        loss: Callable = default_loss, mesh: dict | None = None,
+                        step: Callable | None = None) -> RankMeasurement:
     """Rank ``rank``'s real step in this process, in torch's fake process group: real tensors and
     allocator, FSDP2's and DDP's own code, collectives that do nothing - the synchronous schedule
     (each buffer freed as soon as the code lets go of it). DDP gets the Python form of its
-    built-in all-reduce (the fake group's futures carry no value). ``mesh``: as for
+    built-in all-reduce (the fake group's futures carry no value). ``mesh``, ``step``: as for
     :func:`measure_ranks`."""
     from .. import _torch_compat as tc
     from .ddp import _allreduce
@@ -108,16 +112,22 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
         return out
 
     with tc.fake_process_group(world_size, rank, dims=_dims(mesh)) as device_mesh:
-        return measure_rank(rank, device_mesh, make_model, inputs, wrapped, optimizer, loss)
+        return measure_rank(rank, device_mesh, make_model, inputs, wrapped, optimizer, loss, step=step)
 
 
 def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,
-                 optimizer: Callable, loss: Callable = default_loss, probe: Any = None) -> RankMeasurement:
+                 optimizer: Callable, loss: Callable = default_loss, probe: Any = None,
+                 step: Callable | None = None) -> RankMeasurement:
     """This process's rank: resident bytes after set-up and three steps, then one step measured.
 
     On gloo the allocator's resident count can include a late free (800 B once, with DDP, on a loaded
     machine): ``extra["state_storages"]`` (+ ``extra["ddp_bucket_bytes"]``) count storages instead."""
     from .. import _torch_compat as tc
+
+    def one_step(model: torch.nn.Module, opt: Any) -> Any:
+        if step is not None:
+            return step(model, opt, *inputs)
+        return train_step(model, inputs, opt, loss)
 
     def setup() -> tuple:
         # built, parallelised, and three steps taken (DDP rebuilds its buckets in the second, or
@@ -128,12 +138,12 @@ def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, para
         model = parallelize(model, mesh) or model
         opt = optimizer(list(model.parameters()))
         for _ in range(3):
-            train_step(model, inputs, opt, loss)
+            one_step(model, opt)
         return model, opt
 
     made = measure(setup, warmup=0, keep_result=True)
     model, opt = made.result
-    m = measure(lambda: train_step(model, inputs, opt, loss), warmup=0)
+    m = measure(lambda: one_step(model, opt), warmup=0)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     extra = probe(model, inputs, opt, loss) if probe is not None else {}
     extra["state_storages"] = _storages([*model.parameters(), *model.buffers(), *opt_state_tensors(opt), *tensors])

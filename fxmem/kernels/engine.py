@@ -107,3 +107,18 @@ def _fills_fresh_zeros(call: Call, table: Any, between_nodes: bool, node: str) -
     if made_here and ".".join((rec.op or "").split(".")[:2]) in _ZEROS and not rec.saved_by:
         return base
     return None
+
+
+def _returns_its_input(call: Call, table: Any, between_nodes: bool, node: str) -> torch.Tensor | None:
+    """``wait_tensor`` waits for a collective and returns its argument itself (no allocation); its
+    fake kernel returns a new tensor. (Tensor parallelism waits on every all-reduce it issues: one
+    activation-sized buffer too many at each, in forward and backward, otherwise.)"""
+    outs, args = call.outputs, call.args
+    if len(outs) != 1 or not args or not isinstance(args[0], torch.Tensor) or table.lookup(outs[0]) is not None:
+        return None  # the fake output is the argument's own storage already
+    return args[0] if table.lookup(args[0]) is not None else None
+
+
+_WAIT = tc.functional_collective("wait_tensor")  # None without torch.distributed
+if _WAIT is not None:
+    rule(Kind.ENGINE, _WAIT, device=ANY)(_returns_its_input)

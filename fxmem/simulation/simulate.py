@@ -47,7 +47,7 @@ from .recorder import Recorder
 from .repeats import find_chain, find_module_chain, shorten, shorten_module
 from .unroll import unroll
 from .storages import StorageTable
-from .user_step import Router, objects_kept, register_leftovers, step_guards, values_read
+from .user_step import Router, kept_alive, objects_kept, register_leftovers, step_guards, values_read
 from .outside import outside_dispatch
 from .values import tracing_checks
 
@@ -296,8 +296,16 @@ def simulate_once(
             fake_model, held = parallel.apply(fake_model, mesh)
             tensor_parallel = parallel.tensor_parallel(fake_model)
             wrapped.enter_context(parallel.reads(fake_model, held))  # DDP's used-parameter map
-            if training is not None:  # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state
+            # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state; a step= of the user's
+            # makes its own warm-up call (_warm_user_step), with the optimizers it is handed
+            if training is not None and training.step is None:
                 warm = _warm_up(fake_model, inputs, training, recorder)
+            elif training is not None:  # the step's warm-up call comes after the parameters are read
+                with recorder, recorder.quiet():
+                    tc.fsdp2_lazy_init(fake_model)
+            elif tc.fsdp2_managed(fake_model):
+                _warm_forward(fake_model, inputs, grad, recorder)
+                held += kept_alive(fake_mode, "kept between forwards (FSDP2: the root's unsharded parameters)")
         for spec, t in zip(specs, inputs):
             table.add(t, Role.INPUT, spec.arg)
         named_params = list(fake_model.named_parameters(remove_duplicate=True))
@@ -514,6 +522,16 @@ def _warm_caches(model: torch.nn.Module, inputs: list, caches: list, recorder: R
         log.note(f"the model caches tensors between calls ({what}): analysed is a call after the first, as a "
                  f"loop repeats it; the first call also builds them, and what the caches hold is counted as resident")
     return after, filled
+
+
+def _warm_forward(model: torch.nn.Module, inputs: list, grad: bool, recorder: Recorder) -> None:
+    """One forward, quietly, so the recorded forward is a steady-state one: FSDP2 initialises itself
+    lazily in the first (it picks its root and re-creates the shards it pads) and from then on keeps
+    the root's unsharded parameters between forwards (resident)."""
+    with recorder, recorder.quiet(), failures("a first (warm-up) forward", recorder.rename), \
+            (torch.enable_grad() if grad else torch.no_grad()):
+        out = model(*inputs)
+    del out
 
 
 def _warm_up(model: torch.nn.Module, inputs: list, training: Training, recorder: Recorder) -> torch.optim.Optimizer:

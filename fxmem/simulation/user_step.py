@@ -36,7 +36,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import _torch_compat as tc
-from ..errors import SpecError, TraceError, UnsupportedOpError
+from ..errors import ModelError, SpecError, TraceError, UnsupportedOpError
 from ..records import Phase, Role
 from .patching import patched
 
@@ -174,7 +174,7 @@ def step_guards(step: Callable, module: torch.nn.Module) -> Iterator[None]:
                         f"on fake tensors, and a compiled step frees and saves other tensors (Inductor fuses "
                         f"kernels), so its numbers would not be the compiled step's; pass the function "
                         f"without torch.compile (the numbers are then of the eager step)")
-    with _compile_refused(step), _placeholders_refused(module):
+    with _compile_refused(step), _pipelines_refused(step), _placeholders_refused(module):
         yield
 
 
@@ -226,6 +226,21 @@ def _compile_refused(step: Callable) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _pipelines_refused(step: Callable) -> Iterator[None]:
+    """A pipeline stage built by the step (``torch.distributed.pipelining``) raises a
+    :class:`ModelError`: its schedule is not modelled (see the message)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ModelError(
+            f"step= ({_name(step)}) builds a pipeline stage (torch.distributed.pipelining): pipeline schedules are "
+            f"not modelled yet - a stage learns its neighbours' shapes, and the schedule its start-up mode, from "
+            f"point-to-point messages that fxmem's fake process group does not carry. What to do: analyse one "
+            f"stage's submodule on its own at the micro-batch size; its saved activations are held for every "
+            f"micro-batch in flight (GPipe: all of them; 1F1B: up to the number of stages)")
+    with patched([(cls, "__init__", refuse) for cls in tc.pipeline_stage_types()]):
+        yield
+
+
+@contextlib.contextmanager
 def _placeholders_refused(module: torch.nn.Module) -> Iterator[None]:
     """In graph mode, the submodules of the traced model that hold tensors but no code (fx keeps
     only the code the forward runs; the rest of the model's tensors sit on plain ``nn.Module``
@@ -259,22 +274,34 @@ def register_leftovers(table: Any, named_params: list, optimizers: list[torch.op
     the optimizer's state, and any other tensor still alive (a GradScaler's scale) as step state.
     Returns what was found, for the notes."""
     found = []
+    # a DTensor (FSDP2, tensor parallelism) is counted by its local shard, as parameters are: the
+    # scan below then finds that shard known, not a second tensor
     for qual, p in named_params:
-        if p.grad is not None and table.counts(p.grad) and table.lookup(p.grad) is None:
-            table.add(p.grad, Role.GRADIENT, f"{qual}.grad")
+        grad = tc.local_tensor(p.grad) if p.grad is not None else None
+        if grad is not None and table.counts(grad) and table.lookup(grad) is None:
+            table.add(grad, Role.GRADIENT, f"{qual}.grad")
             found.append(f"{qual}.grad")
     name_of = {id(p): qual for qual, p in named_params}
     for p, state in [item for optimizer in optimizers for item in optimizer.state.items()]:
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and table.lookup(value) is None:
-                table.add(value, Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
-    gc.collect()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), tc.FakeTensor) and obj.fake_mode is fake_mode and table.counts(obj) \
-                and table.lookup(obj) is None:  # type(), not isinstance: no lazy attribute of any object runs
+            if isinstance(value, torch.Tensor) and table.lookup(tc.local_tensor(value)) is None:
+                table.add(tc.local_tensor(value), Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
+    for _, obj in kept_alive(fake_mode, "step state"):
+        if table.counts(obj) and table.lookup(obj) is None:
             table.add(obj, Role.OPTIMIZER_STATE, f"step state {tuple(obj.shape)}")
             found.append(f"a {obj.dtype} tensor {tuple(obj.shape)} the step keeps")
     return found
+
+
+def kept_alive(fake_mode: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    """``(name + shape, tensor)`` of every tensor of ``fake_mode`` alive now (after a collection)
+    with bytes in its storage: after a quiet warm-up call, what the loop keeps between calls.
+    (A storage of no bytes - FSDP2's unsharded parameters between all-gathers, resized to 0 -
+    holds nothing.)"""
+    gc.collect()
+    # type(), not isinstance: no lazy attribute of any object runs
+    return [(f"{name} {tuple(obj.shape)}", obj) for obj in gc.get_objects()
+            if issubclass(type(obj), tc.FakeTensor) and obj.fake_mode is fake_mode and tc.storage_nbytes(obj) != 0]
 
 
 @contextlib.contextmanager

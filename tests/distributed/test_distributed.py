@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fxmem
-from zoo.distributed import (D, Decoder, Elementwise, PartlyUsed, TPDecoder, adamw, analyse_wrapped, ddp_small,
+from zoo.distributed import (D, Decoder, Elementwise, PartlyUsed, TPDecoder, accumulate_ddp, accumulate_fsdp, adamw,
+                                analyse_wrapped, ddp_small, microbatches,
                                 ddp_static, ddp_unused, ddp_view, fsdp, fsdp_bf16, fsdp_keep, fsdp_offload,
                                 fsdp_reshard_2, fsdp_tp, fsdp_tuned, hsdp, tp, tp_sequence)
 from fxmem.distributed.parallel import late_bytes
@@ -150,6 +151,81 @@ def test_gloo_fsdp_within_the_stated_late_bound():
         assert r.extra["state_storages"] == resident and r.optimizer_state == state
         assert peak <= r.peak_above_start <= peak + late, f"rank {r.rank}"
         assert retained <= r.retained <= retained + late
+
+
+@pytest.mark.parametrize("make, fn, step, world_size, rank", [
+    (Decoder, fsdp, accumulate_fsdp, 3, 2),  # set_requires_gradient_sync(False) for the first micro-batch
+    (Decoder, ddp_small, accumulate_ddp, 2, 1),  # no_sync() for the first micro-batch
+    (TPDecoder, tp, microbatches, 2, 1)])
+def test_users_own_step_exact_per_rank(make, fn, step, world_size, rank):
+    """step= with parallelize=: gradient accumulation as training scripts write it, every rank's
+    step against its real synchronous run, at sizes the analysis did not see (B=5 splits 3 + 2)."""
+    torch.set_num_threads(1)
+    d = TP_D if make is TPDecoder else D
+    report = fxmem.analyze(make(), ("B", "L", d), optimizer=adamw, world_size=world_size, parallelize=fn,
+                           step=step, rank=rank)
+    assert not any("your step keeps" in n for n in report.notes)  # FSDP2's own tensors are not step state
+    for dims in SIZES:
+        x = torch.randn(dims["B"], dims["L"], d)
+        real = measure_synchronous(make, (x,), fn, world_size, rank, adamw, step=step)
+        assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims), \
+            f"{fn.__name__} with {step.__name__}, W={world_size} rank {rank} at {dims}"
+
+
+def test_gloo_fsdp_gradient_accumulation_within_the_stated_late_bound():
+    torch.set_num_threads(1)
+    x = torch.randn(5, 7, D)
+    for r in measure_ranks(Decoder, (x,), fsdp, 2, adamw, step=accumulate_fsdp):
+        report = fxmem.analyze(Decoder(), ("B", "L", D), optimizer=adamw, world_size=2, parallelize=fsdp,
+                               step=accumulate_fsdp, rank=r.rank)
+        peak, retained, resident, state = predicted(report, dict(B=5, L=7))
+        gathers = [int(s.bytes) for s in report.storages if s.name.startswith("all-gather ")]
+        reduces = [int(s.bytes) for s in report.storages if s.name.startswith("reduce-scatter ")]
+        late = late_bytes(gathers, reduces)
+        assert r.extra["state_storages"] == resident and r.optimizer_state == state
+        assert peak <= r.peak_above_start <= peak + late, f"rank {r.rank}"
+        assert retained <= r.retained <= retained + late
+
+
+@pytest.mark.parametrize("make, fn, world_size, rank", [(Decoder, fsdp, 3, 2), (TPDecoder, tp, 2, 1)])
+def test_forward_exact_per_rank(make, fn, world_size, rank):
+    """A forward (no optimizer), every rank against its real synchronous forward in torch's fake
+    group after one forward before it (FSDP2 initialises itself in the first and keeps the root's
+    unsharded parameters from then on), at sizes the analysis did not see."""
+    from fxmem import _torch_compat as tc
+    from fxmem.measure import measure
+
+    torch.set_num_threads(1)
+    d = TP_D if make is TPDecoder else D
+    report = fxmem.analyze(make(), ("B", "L", d), grad=False, world_size=world_size, parallelize=fn, rank=rank)
+    for dims in SIZES:
+        x = torch.randn(dims["B"], dims["L"], d)
+        with tc.fake_process_group(world_size, rank) as mesh, torch.no_grad():
+            def first():
+                torch.manual_seed(0)
+                model = fn(make(), mesh) or make()
+                model(x)
+                return model
+            made = measure(first, warmup=0, keep_result=True)
+            model = made.result
+            real = measure(lambda: model(x), warmup=0)
+        e = report.evaluate(**dims)
+        resident = made.retained + x.untyped_storage().nbytes()
+        assert (real.peak_above_start, real.retained, resident) == (e["peak"] - e["resident"], e["retained"],
+                                                                     e["resident"]), f"{fn.__name__} at {dims}"
+
+
+def test_a_pipeline_stage_built_by_the_step_is_refused_by_name():
+    import torch.distributed.pipelining as pipelining
+
+    def pipelined(model, opt, x):
+        stage = pipelining.PipelineStage(model, 0, 2, torch.device("cpu"))
+        pipelining.ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: out.sum()).step(x)
+        opt.step()
+
+    with pytest.raises(ModelError, match="builds a pipeline stage .*not modelled yet.*point-to-point"):
+        fxmem.analyze(Decoder(), ("B", "L", D), optimizer=adamw, world_size=2, parallelize=lambda m, mesh: m,
+                      step=pipelined)
 
 
 def test_user_state_untouched_and_no_group_left():
@@ -322,10 +398,10 @@ def test_the_users_own_group_is_set_aside_and_back_untouched(users_group):
     assert torch.equal(t, torch.ones(2))
 
 
-@pytest.mark.parametrize("fn, world_size, rank, model", [
-    (fsdp_keep, 3, 2, Decoder), (fsdp_tuned, 3, 2, Decoder), (ddp_view, 3, 2, Decoder),
-    (fsdp_bf16, 3, 2, Elementwise)])
-def test_a_model_the_user_wrapped_is_analysed_as_that_wrapping(users_group, fn, world_size, rank, model):
+@pytest.mark.parametrize("fn, world_size, rank, model, step", [
+    (fsdp_keep, 3, 2, Decoder, None), (fsdp_tuned, 3, 2, Decoder, None), (ddp_view, 3, 2, Decoder, None),
+    (fsdp_bf16, 3, 2, Elementwise, None), (fsdp, 3, 2, Decoder, accumulate_fsdp)])
+def test_a_model_the_user_wrapped_is_analysed_as_that_wrapping(users_group, fn, world_size, rank, model, step):
     # the user's script: its own group (rank 2 of 3), its model wrapped in it; fxmem is given the wrapped
     # model alone and must find the wrapping, the world size and the rank
     from torch.distributed.device_mesh import init_device_mesh
@@ -333,13 +409,13 @@ def test_a_model_the_user_wrapped_is_analysed_as_that_wrapping(users_group, fn, 
     torch.manual_seed(0)
     wrapped = fn(model(), init_device_mesh("cpu", (3,))) or model
     before = {k: tc_local(v).clone() for k, v in wrapped.state_dict().items()}
-    report = fxmem.analyze(wrapped, ("B", "L", D), optimizer=adamw)
+    report = fxmem.analyze(wrapped, ("B", "L", D), optimizer=adamw, step=step)
     assert f"rank {rank} of {world_size}, parallelised by your " in report.notes[0]
     assert _state(users_group) == (3, 2, True, True)
     assert all(torch.equal(before[k], tc_local(v)) for k, v in wrapped.state_dict().items())
     for dims in SIZES:  # the same wrapping's real step, at sizes the analysis did not see
         x = torch.randn(dims["B"], dims["L"], D)
-        real = measure_synchronous(model, (x,), fn, world_size, rank, adamw)
+        real = measure_synchronous(model, (x,), fn, world_size, rank, adamw, step=step)
         assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == predicted(report, dims), \
             f"{fn.__name__} at {dims}"
 
@@ -440,7 +516,8 @@ def test_world_sizes_table_of_mesh_layouts_against_real_runs():
 
 def _cpu_forward_in_cuda_blocks(make_model, parallelize, world_size, rank, dims):
     """(peak above start, retained) bytes of a real forward (no grad) of rank ``rank`` on the CPU in
-    torch's fake process group, its allocator events replayed in CUDA's caching-allocator blocks
+    torch's fake process group, after a first one (FSDP2 initialises itself there and keeps the
+    root's unsharded parameters), its allocator events replayed in CUDA's caching-allocator blocks
     (each allocation rounded up to 512 bytes)."""
     from fxmem import _torch_compat as tc
     from fxmem.measure import allocator_events, cpu_memory_profile
@@ -449,6 +526,8 @@ def _cpu_forward_in_cuda_blocks(make_model, parallelize, world_size, rank, dims)
         torch.manual_seed(0)
         model = parallelize(make_model(), mesh)
         x = torch.randn(dims["B"], dims["L"], D)
+        with torch.no_grad():
+            model(x)
         with torch.no_grad(), cpu_memory_profile() as prof:
             out = model(x)
         del out

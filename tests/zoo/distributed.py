@@ -80,6 +80,30 @@ def ddp_unused(model, mesh):  # the reducer reads which parameters got a gradien
     return DistributedDataParallel(model, bucket_cap_mb=0.004, find_unused_parameters=True)
 
 
+def accumulate_fsdp(model, opt, x):  # step=: two micro-batches, FSDP2 reduce-scatters after the last only
+    for i, xb in enumerate(x.chunk(2)):
+        model.set_requires_gradient_sync(i == 1)
+        model(xb).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def accumulate_ddp(model, opt, x):  # step=: two micro-batches, DDP all-reduces after the last only
+    first, last = x.chunk(2)
+    with model.no_sync():
+        model(first).sum().backward()
+    model(last).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def microbatches(model, opt, x):  # step=: two micro-batches (tensor parallelism's collectives in each)
+    for xb in x.chunk(2):
+        model(xb).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 class PartlyUsed(nn.Module):
     """A decoder with a head the forward does not use: its parameter gets no gradient."""
 

@@ -187,8 +187,9 @@ def test_gloo_fsdp_gradient_accumulation_within_the_stated_late_bound():
         assert retained <= r.retained <= retained + late
 
 
-@pytest.mark.parametrize("make, fn, world_size, rank", [(Decoder, fsdp, 3, 2), (TPDecoder, tp, 2, 1)])
-def test_forward_exact_per_rank(make, fn, world_size, rank):
+@pytest.mark.parametrize("make, fn, world_size, rank, mesh", [
+    (Decoder, fsdp, 3, 2, None), (TPDecoder, tp, 2, 1, None), (TPDecoder, fsdp_tp, 4, 1, {"dp": 2, "tp": 2})])
+def test_forward_exact_per_rank(make, fn, world_size, rank, mesh):
     """A forward (no optimizer), every rank against its real synchronous forward in torch's fake
     group after one forward before it (FSDP2 initialises itself in the first and keeps the root's
     unsharded parameters from then on), at sizes the analysis did not see."""
@@ -197,13 +198,15 @@ def test_forward_exact_per_rank(make, fn, world_size, rank):
 
     torch.set_num_threads(1)
     d = TP_D if make is TPDecoder else D
-    report = fxmem.analyze(make(), ("B", "L", d), grad=False, world_size=world_size, parallelize=fn, rank=rank)
+    report = fxmem.analyze(make(), ("B", "L", d), grad=False, world_size=world_size, parallelize=fn, rank=rank,
+                           mesh=mesh)
+    layout = tuple(mesh.items()) if mesh else None
     for dims in SIZES:
         x = torch.randn(dims["B"], dims["L"], d)
-        with tc.fake_process_group(world_size, rank) as mesh, torch.no_grad():
+        with tc.fake_process_group(world_size, rank, dims=layout) as device_mesh, torch.no_grad():
             def first():
                 torch.manual_seed(0)
-                model = fn(make(), mesh) or make()
+                model = fn(make(), device_mesh)
                 model(x)
                 return model
             made = measure(first, warmup=0, keep_result=True)

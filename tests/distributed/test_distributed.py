@@ -156,7 +156,8 @@ def test_gloo_fsdp_within_the_stated_late_bound():
 @pytest.mark.parametrize("make, fn, step, world_size, rank", [
     (Decoder, fsdp, accumulate_fsdp, 3, 2),  # set_requires_gradient_sync(False) for the first micro-batch
     (Decoder, ddp_small, accumulate_ddp, 2, 1),  # no_sync() for the first micro-batch
-    (TPDecoder, tp, microbatches, 2, 1)])
+    # CI: FSDP2's and DDP's accumulation; tensor parallelism's micro-batches (~55 s) with the slow tests
+    pytest.param(TPDecoder, tp, microbatches, 2, 1, marks=pytest.mark.slow)])
 def test_users_own_step_exact_per_rank(make, fn, step, world_size, rank):
     """step= with parallelize=: gradient accumulation as training scripts write it, every rank's
     step against its real synchronous run, at sizes the analysis did not see (B=5 splits 3 + 2)."""
@@ -262,7 +263,7 @@ def test_refusals():
         fxmem.analyze(torch.nn.Sequential(wrapped), ("B", 3))  # DDP inside a model: not the model's wrapping
 
 
-@pytest.mark.parametrize("world_size, rank", [(2, 1), (4, 3)])
+@pytest.mark.parametrize("world_size, rank", [(2, 1), pytest.param(4, 3, marks=pytest.mark.slow)])  # CI: 2 ranks
 def test_tensor_parallel_exact_per_rank(world_size, rank):
     """parallelize_module (column-wise q, k, v and up; row-wise o and down): every rank's step
     against its real synchronous run, at sizes the analysis did not see."""
@@ -403,7 +404,8 @@ def test_the_users_own_group_is_set_aside_and_back_untouched(users_group):
 
 @pytest.mark.parametrize("fn, world_size, rank, model, step", [
     (fsdp_keep, 3, 2, Decoder, None), (fsdp_tuned, 3, 2, Decoder, None), (ddp_view, 3, 2, Decoder, None),
-    (fsdp_bf16, 3, 2, Elementwise, None), (fsdp, 3, 2, Decoder, accumulate_fsdp)])
+    (fsdp_bf16, 3, 2, Elementwise, None),
+    pytest.param(fsdp, 3, 2, Decoder, accumulate_fsdp, marks=pytest.mark.slow)])  # CI: step= unwrapped, above
 def test_a_model_the_user_wrapped_is_analysed_as_that_wrapping(users_group, fn, world_size, rank, model, step):
     # the user's script: its own group (rank 2 of 3), its model wrapped in it; fxmem is given the wrapped
     # model alone and must find the wrapping, the world size and the rank
@@ -502,6 +504,7 @@ def test_world_sizes_table_against_real_runs():
         assert table[w].evaluate(B=b, L=7)["train_peak"] <= 150_000 < table[w].evaluate(B=b + 1, L=7)["train_peak"]
 
 
+@pytest.mark.slow  # ~36 s; CI: each layout per rank above, the table as the README prints it
 def test_world_sizes_table_of_mesh_layouts_against_real_runs():
     """Layouts of the same 4 ranks side by side: FSDP2 alone (tensor parallelism of 1) and 2 x 2."""
     torch.set_num_threads(1)

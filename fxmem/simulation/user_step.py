@@ -299,9 +299,11 @@ def kept_alive(fake_mode: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     (A storage of no bytes - FSDP2's unsharded parameters between all-gathers, resized to 0 -
     holds nothing.)"""
     gc.collect()
-    # type(), not isinstance: no lazy attribute of any object runs
+    # type(), not isinstance: no lazy attribute of any object runs; only a number is compared with 0
+    # (a symbolic size compared would be a guard, or a data-dependent error)
     return [(f"{name} {tuple(obj.shape)}", obj) for obj in gc.get_objects()
-            if issubclass(type(obj), tc.FakeTensor) and obj.fake_mode is fake_mode and tc.storage_nbytes(obj) != 0]
+            if issubclass(type(obj), tc.FakeTensor) and obj.fake_mode is fake_mode
+            and not (isinstance(n := tc.storage_nbytes(obj), int) and n == 0)]
 
 
 @contextlib.contextmanager

@@ -22,6 +22,8 @@ import torch
 from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, cuda_block_bytes, max_size
 from .accounting.symbolic import evaluate
+from .accounting.caching_allocator import CachingAllocator, moved_order
+from .accounting.cuda_blocks import AllocatorConfig
 from .capture import Capture
 from .errors import SpecError
 from .kernels import environment
@@ -396,8 +398,10 @@ class Report:
         """The node during which the forward's peak happens (at ``dims``, or at the example sizes)."""
         return self.liveness(dims or None).peak_node
 
-    def max_size(self, dim: str, budget: Any, train: bool = False, **fixed: int) -> int:
+    def max_size(self, dim: str, budget: Any, train: bool = False, on: str = "peak", **fixed: int) -> int:
         """The largest ``dim`` whose peak (``train=True``: training-step peak) fits ``budget``.
+        ``on="reserved"`` (``device="cuda"``): whose caching-allocator segments fit it - what an
+        out-of-memory error is about (``reserved``, ``train_reserved`` in :meth:`evaluate`).
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
         dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
@@ -419,8 +423,16 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
-        return max_size(self.evaluate, list(self.symbols), dim, budget, key="train_peak" if train else "peak",
-                        start=self.hints.get(dim, 2), **fixed)
+        if on not in ("peak", "reserved"):
+            raise SpecError(f"max_size(on={on!r}): use 'peak' (the tensors' bytes) or 'reserved' (the CUDA caching "
+                            f"allocator's segments)")
+        if on == "reserved" and self.device != "cuda":
+            raise SpecError("max_size(on='reserved'): reserved memory is the CUDA caching allocator's; analyse with "
+                            "device='cuda' (a CUDA build of torch, no GPU needed for a forward)")
+        if on == "reserved":
+            AllocatorConfig.from_environment().check_replayable()
+        key = ("train_" if train else "") + on
+        return max_size(self.evaluate, list(self.symbols), dim, budget, key=key, start=self.hints.get(dim, 2), **fixed)
 
     # --- views ----------------------------------------------------------------------------------
     @property
@@ -487,9 +499,13 @@ class Report:
                 n = evaluate(plan.sizes[s.index], {report.symbols[k]: v for k, v in values.items()
                                                    if k in report.symbols})
                 sizes[s.index] = cuda_block_bytes(n) if cuda else n
+        config = AllocatorConfig.from_environment()
+        # on CUDA the caching allocator places the blocks (its segments, cached blocks included)
+        allocator = CachingAllocator(config) if cuda and not config.unreplayable else None
         return views.snapshot(events, forward, [sizes[i] for i in range(len(plan.rec.storages))],
                               plan.rec.storages, plan.rec.steps, report.nodes, train=train, path=path,
-                              meta={"model": self.model_name, "device": self.device, "dims": values})
+                              meta={"model": self.model_name, "device": self.device, "dims": values},
+                              allocator=allocator, first=[s.index for s in moved_order(plan.rec.storages)])
 
     def memory_viz(self, dims: Mapping[str, int] | None = None, path: str | None = None,
                    train: bool | None = None) -> str:

@@ -25,36 +25,68 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..errors import DeviceError
+
 SMALL = 1 << 20  # kSmallSize: requests up to 1 MiB use the small pool, split to 512 B
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: an oversize block may be this much larger than the request
 
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorConfig:
-    """The caching allocator's settings that change what it counts."""
+    """The caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``) that change what it counts
+    and reserves; read once per analysis and handed to what needs it. Bytes throughout."""
 
     expandable: bool = False
-    max_split: int | None = None  # bytes
-    power2_rounding: bool = False
+    max_split: int | None = None  # max_split_size_mb, in bytes
+    # roundup_power2_divisions: the divisions of each of the 16 power-of-two intervals from 1 MiB
+    # (one number given: all of them); None when not set
+    power2_divisions: tuple | None = None
+    non_split_rounding: int = LARGE_BUFFER  # max_non_split_rounding_mb, in bytes
+    unreplayable: str = ""  # a setting the replay of the allocator does not model (why, for the refusal)
+
+    @property
+    def power2_rounding(self) -> bool:
+        return self.power2_divisions is not None
 
     @classmethod
     def from_environment(cls) -> "AllocatorConfig":
         """Read ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (``key:value`` pairs, commas between)."""
         text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-        expandable, max_split, power2 = False, None, False
+        return cls.parse(text)
+
+    @classmethod
+    def parse(cls, text: str) -> "AllocatorConfig":
+        """The settings in ``text``, as ``PYTORCH_CUDA_ALLOC_CONF`` spells them."""
+        expandable, max_split, divisions, rounding, unreplayable = False, None, None, LARGE_BUFFER, []
+        if "[" in text:  # roundup_power2_divisions:[256:1,512:2,>:4] - its commas are not separators
+            unreplayable.append("roundup_power2_divisions given as a list of intervals")
+            text = text[:text.index("[")] + text[text.rfind("]") + 1:]
         for item in text.split(","):
             key, _, value = item.partition(":")
             key, value = key.strip(), value.strip()
-            if key == "expandable_segments":
-                expandable = value.lower() == "true"
-            elif key == "max_split_size_mb":
-                try:
+            try:
+                if key == "expandable_segments":
+                    expandable = value.lower() == "true"
+                elif key == "max_split_size_mb":
                     max_split = int(float(value) * 2**20)
-                except ValueError:
-                    pass
-            elif key == "roundup_power2_divisions":
-                power2 = True
-        return cls(expandable, max_split, power2)
+                elif key == "max_non_split_rounding_mb":
+                    rounding = int(float(value) * 2**20)
+                elif key == "roundup_power2_divisions" and value:
+                    divisions = (int(value),) * 16
+                elif key == "garbage_collection_threshold":
+                    unreplayable.append("garbage_collection_threshold (it acts near a memory fraction's limit)")
+            except ValueError:
+                unreplayable.append(f"{key}:{value} (not a number)")
+        if expandable:
+            unreplayable.append("expandable_segments:True (segments that grow by mapping pages)")
+        return cls(expandable, max_split, divisions, rounding, "; ".join(unreplayable))
+
+    def check_replayable(self) -> None:
+        """Refuse the settings :mod:`~fxmem.accounting.caching_allocator` does not replay."""
+        if self.unreplayable:
+            raise DeviceError(f"PYTORCH_CUDA_ALLOC_CONF sets {self.unreplayable}: fxmem's replay of the caching "
+                              f"allocator does not model it, so it gives no reserved memory; the allocated "
+                              f"numbers still hold. Unset it to see the default allocator's reserved memory.")
 
 
 def block_slack(nbytes: int, config: AllocatorConfig) -> int:
@@ -62,7 +94,7 @@ def block_slack(nbytes: int, config: AllocatorConfig) -> int:
     if nbytes <= SMALL or config.expandable:
         return 0
     if config.max_split is not None and nbytes >= config.max_split:
-        return LARGE_BUFFER
+        return config.non_split_rounding
     return SMALL
 
 

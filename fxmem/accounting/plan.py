@@ -28,7 +28,7 @@ from ..records import FREE, INEXACT, NODE, STEP, Recording, Role
 from ..kernels.calibrate import VERIFY_ELEMENTS
 from ..kernels.measured import MeasuredBytes
 from ..specs import dim_symbol
-from . import cuda_blocks
+from . import caching_allocator, cuda_blocks
 from .cuda_blocks import AllocatorConfig, block_slack
 from .compiled import compile_conditions, compile_terms
 from .replay import Liveness, StepLiveness, liveness, step_liveness, walk
@@ -59,7 +59,10 @@ class Evaluation(Mapping):
     Training step (None without one): ``train_resident``, ``train_peak``,
     ``train_peak_above_resident``, ``grads``, ``optimizer_state``, ``train_retained``.
     CUDA only: ``allocator_slack`` and ``train_allocator_slack``, the most the caching allocator's
-    unsplit blocks can add to ``peak`` and ``train_peak`` (:mod:`~fxmem.accounting.cuda_blocks`).
+    unsplit blocks can add to ``peak`` and ``train_peak`` (:mod:`~fxmem.accounting.cuda_blocks`);
+    ``reserved`` and ``train_reserved``, the memory the caching allocator reserves (its segments:
+    what an out-of-memory error is about), replayed in a fresh process
+    (:mod:`~fxmem.accounting.caching_allocator`).
     """
 
     resident: int
@@ -81,6 +84,9 @@ class Evaluation(Mapping):
     # ``train_peak`` in max_memory_allocated (see fxmem.accounting.cuda_blocks)
     allocator_slack: int | None = None
     train_allocator_slack: int | None = None
+    # CUDA only: the caching allocator's segments at their most (fxmem.accounting.caching_allocator)
+    reserved: int | None = None
+    train_reserved: int | None = None
 
     @property
     def liveness(self) -> Liveness:
@@ -405,6 +411,9 @@ class MemoryPlan:
         if self.device == "cuda":
             config = AllocatorConfig.from_environment()
             notes.append(cuda_blocks.note(config))
+            if config.unreplayable:
+                notes.append(f"CUDA: no reserved memory: PYTORCH_CUDA_ALLOC_CONF sets {config.unreplayable}, which "
+                             f"fxmem's replay of the caching allocator does not model")
             if config.power2_rounding:
                 notes.append(f"PYTORCH_CUDA_ALLOC_CONF sets roundup_power2_divisions: the allocator rounds requests to "
                              f"power-of-two divisions, not to 512 bytes as fxmem counts; {INEXACT}")
@@ -444,18 +453,19 @@ class MemoryPlan:
         return out
 
     # --- numbers --------------------------------------------------------------------------------
-    def trace(self, values: Mapping[sympy.Symbol, int]) -> tuple[list, int]:
+    def trace(self, values: Mapping[sympy.Symbol, int], raw: bool = False) -> tuple[list, int]:
         """Every allocation and free of the run at ``values``, in order, as ``(action, what, bytes,
-        step)`` (see :func:`~fxmem.accounting.replay.walk`; on CUDA storages in 512-byte blocks),
+        step)`` (see :func:`~fxmem.accounting.replay.walk`; on CUDA storages in 512-byte blocks
+        unless ``raw``: the bytes requested, as the caching allocator is asked for them),
         and how many of them the forward made (the rest are the training step's). The same walk as
         :meth:`evaluate`, so its running sum reaches exactly the peaks ``evaluate`` gives."""
-        block = self.bytes_at(values)
+        block = self.bytes_at(values, raw)
         events: list = []
 
         def hear(action: str, what: Any, nbytes: int, step: int | None) -> None:
             events.append((action, what, int(nbytes), step))  # hidden scratch as evaluate() counts it
 
-        walk(self.rec, lambda i: block[i], self._delta(values), 0, operator.add,
+        walk(self.rec, lambda i: block[i], self._delta(values, raw), 0, operator.add,
              operator.neg, lambda d: d > 0, mark=self.rec.forward_end, trace=hear)
         marks = [k for k, e in enumerate(events) if e[0] == "mark"]
         forward = marks[0] if marks else len(events)
@@ -477,15 +487,16 @@ class MemoryPlan:
         dims = {str(k): int(v) for k, v in values.items()}
         return step_liveness(events, self.rec.steps, dims, resident, block)
 
-    def bytes_at(self, values: Mapping[sympy.Symbol, int]) -> list[int]:
-        """Each storage's bytes at ``values``, as the walks count them (on CUDA, 512-byte blocks)."""
-        raw = [evaluate(e, values) for e in self.sizes]
-        return [cuda_block_bytes(n) for n in raw] if self.device == "cuda" else raw
+    def bytes_at(self, values: Mapping[sympy.Symbol, int], raw: bool = False) -> list[int]:
+        """Each storage's bytes at ``values``, as the walks count them (on CUDA, 512-byte blocks,
+        unless ``raw``)."""
+        sizes = [evaluate(e, values) for e in self.sizes]
+        return [cuda_block_bytes(n) for n in sizes] if self.device == "cuda" and not raw else sizes
 
-    def _delta(self, values: Mapping[sympy.Symbol, int]) -> Any:
+    def _delta(self, values: Mapping[sympy.Symbol, int], raw: bool = False) -> Any:
         """A kernel's hidden allocation or free in bytes at ``values``; on CUDA each is its own
-        caching-allocator block, rounded up to 512 bytes like a tensor's storage."""
-        if self.device != "cuda":
+        caching-allocator block, rounded up to 512 bytes like a tensor's storage (unless ``raw``)."""
+        if self.device != "cuda" or raw:
             return lambda p: evaluate(self.to_user(p), values)
 
         def rounded(p: Any) -> int:
@@ -493,6 +504,18 @@ class MemoryPlan:
             return cuda_block_bytes(n) if n >= 0 else -cuda_block_bytes(-n)
 
         return rounded
+
+    def reserved_at(self, values: Mapping[sympy.Symbol, int]) -> dict:
+        """CUDA: what the caching allocator reserves at ``values`` (bytes), by replaying its algorithm
+        on this run (:mod:`~fxmem.accounting.caching_allocator`): ``reserved`` for forwards from a
+        fresh process, ``train_reserved`` for training steps; ``{}`` where PYTORCH_CUDA_ALLOC_CONF
+        sets what the replay does not model (the report's notes say which)."""
+        config = AllocatorConfig.from_environment()
+        if config.unreplayable:
+            return {}
+        events, forward = self.trace(values, raw=True)
+        return caching_allocator.predicted_reserved(self.rec, events, forward, self.bytes_at(values, raw=True),
+                                                    self.training, config)
 
     def _allocator_slack(self, values: Mapping[sympy.Symbol, int], block: list, peak: int,
                          train_peak: int | None) -> dict:
@@ -581,6 +604,7 @@ class MemoryPlan:
                          optimizer_state=state, train_retained=w.final)
         if cuda:
             train.update(self._allocator_slack(values, block, live.peak, train.get("train_peak")))
+            train.update(self.reserved_at(values))
         return Evaluation(resident=resident, peak=live.peak, peak_above_resident=live.peak_above_resident,
                           retained=w.at_mark, saved=sum(block[i] for i in self.alive if storages[i].saved_by),
                           output=sum(block[i] for i in self.alive if storages[i].is_output), _live=live, **train)

@@ -11,11 +11,15 @@ peaks, byte for byte; ``--predict`` also prints fxmem's ``reserved`` / ``train_r
 
     python benchmarks/allocator_recordings.py                 # every model, one process each
     python benchmarks/allocator_recordings.py --only seed     # models whose name contains "seed"
+    PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 python benchmarks/allocator_recordings.py --suffix split64
+
+The allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``) are recorded with each run and replayed with it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -63,7 +67,7 @@ def record(name: str, predict: bool) -> dict:
         torch.cuda.synchronize()
         snapshot = take()
     stats = torch.cuda.memory_stats()
-    rec = {"model": name, "dims": dims, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    rec = {"model": name, "dims": dims, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "events": _events(snapshot), "max_allocated": stats["allocated_bytes.all.peak"],
            "max_reserved": stats["reserved_bytes.all.peak"],
            "segment_sizes": [s["total_size"] for s in snapshot["segments"]]}
@@ -77,6 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="models whose name contains this")
     p.add_argument("--predict", action="store_true", help="also print fxmem's reserved memory next to the recording")
+    p.add_argument("--suffix", default="", help="added to each recording's file name (another allocator setting)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child process: record this model
     args = p.parse_args()
     if args.one:
@@ -93,7 +98,8 @@ def main() -> None:
             print(f"{name}: failed\n{done.stderr[-2000:]}")
             continue
         rec = json.loads(done.stdout.strip().splitlines()[-1])
-        (OUT / f"{name.replace(' ', '_')}.json").write_text(json.dumps(rec))
+        stem = name.replace(" ", "_") + (f"-{args.suffix}" if args.suffix else "")
+        (OUT / f"{stem}.json").write_text(json.dumps(rec))
         print(name, rec["max_reserved"], rec["max_allocated"], rec.get("fxmem", ""))
 
 

@@ -232,6 +232,10 @@ def summary(report: Any, evaluation: Mapping[str, int] | None = None, dims: Mapp
         lines.append(line + more)
     if report.device == "cuda":
         lines.append("  (bytes as requested; evaluate() rounds every block up to 512 B like the CUDA allocator)")
+        for k in ("reserved", "train_reserved"):  # the caching allocator's segments (fresh process)
+            if evaluation is not None and evaluation.get(k) is not None:
+                lines.append(f"  {k:<15} = the caching allocator's segments   -> {evaluation[k]:,} B "
+                             f"({format_bytes(evaluation[k])})")
     facts = report.facts
     if "threads" in facts:
         lines.append(f"assumed: {facts['threads']} intra-op thread(s), oneDNN {'on' if facts.get('onednn') else 'off'}, "

@@ -61,7 +61,7 @@ def test_recorded_runs_replay_byte_for_byte():
     found = _recordings()
     for path in found:
         rec = json.loads(path.read_text())
-        a = ca.replay([tuple(e) for e in rec["events"]])
+        a = ca.replay([tuple(e) for e in rec["events"]], AllocatorConfig.parse(rec.get("conf", "")))
         assert a.max_reserved == rec["max_reserved"], path.name
         assert a.max_allocated == rec["max_allocated"], path.name
         assert sorted(size for _, size, _ in a.segments) == sorted(rec["segment_sizes"]), path.name

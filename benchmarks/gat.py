@@ -25,6 +25,7 @@ and parameters included) fits ``--budget-gib``, from fxmem's exact formulas.
 
     python benchmarks/gat.py --device cpu            # here: sizes whose predicted peak fits --budget-gib
     python benchmarks/gat.py --device cuda           # on a GPU: every N until out of memory
+    FXMEM_TRITON_ATTENTION=1 python benchmarks/gat.py --device cuda   # the fused form on its Triton kernels
 Results: benchmarks/results/gat_<device>.{json,md}
 """
 from __future__ import annotations

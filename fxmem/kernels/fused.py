@@ -6,7 +6,10 @@ contiguous copies of their operands, then one block's temporaries in the order t
 and frees them. Every block frees what it made before the next one starts, and the first block is
 the largest, so one block's program has the kernel's peak. Each entry below names the line of the
 kernel it mirrors; ``tests/passes/test_fused_attention.py`` and ``tests/passes/test_message_passing.py`` compare
-them with the CPU allocator on real runs (one block, several blocks, a last partial block).
+them with the CPU allocator on real runs (one block, several blocks, a last partial block). On
+CUDA, where Triton is installed and ``FXMEM_TRITON_ATTENTION=1`` opts in, the two attention ops without
+dropout run Triton kernels (:mod:`fxmem.ops.attention_triton`) instead: their rules list what the kernels' wrappers allocate
+(``tests/kernels/test_triton_attention.py`` compares them with the wrappers' allocations).
 
 A comparison with a Python number wraps the number in a tensor on CPU and casts it (and an
 operand of another dtype) to the common dtype first, as :mod:`fxmem.kernels.scalars` describes
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..ops import attention_triton as _triton
 from ..ops.attention import block_rows, gemm_ready, groups_merge
 from ..ops.edge_attention import noise_rows
 from ..ops.spmm import chunk_rows
@@ -101,7 +105,6 @@ def _unchecked_on_gpu(call: Call, program: list) -> list:
 
 
 @hidden(_ATTENTION, device="cpu")
-@hidden(_ATTENTION, device="cuda")
 @hidden(_DROPOUT, device="cpu")
 @hidden(_DROPOUT, device="cuda")
 def _masked_attention(call: Call) -> list:
@@ -121,7 +124,6 @@ def _masked_attention(call: Call) -> list:
 
 
 @hidden(_ATTENTION_BACKWARD, device="cpu")
-@hidden(_ATTENTION_BACKWARD, device="cuda")
 @hidden(_DROPOUT_BACKWARD, device="cpu")
 @hidden(_DROPOUT_BACKWARD, device="cuda")
 def _masked_attention_backward(call: Call) -> list:
@@ -156,6 +158,47 @@ def _masked_attention_backward(call: Call) -> list:
     block = [scores, *mask, scores, *grad_rows, scores, *noise, row, -row, -scores, *check, *unmask,
              scores, -scores, -scores, row, -row, g * m * es, -g * m * es, *[-b for b in grad_rows], -scores]
     return _unchecked_on_gpu(call, [*copies, OUT, *block, *[-c for c in reversed(copies)]])
+
+
+def _triton_takes(call: Call) -> bool:
+    """Whether a CUDA call runs the Triton kernels: registered in this process (a CUDA build with
+    Triton), opted in (``FXMEM_TRITON_ATTENTION=1``) and of operands they take (float64 runs the
+    PyTorch row blocks)."""
+    grad = call.arg("grad")
+    return _triton.registered() and _triton.enabled() and _triton.handles(call.arg("s"), call.arg("t"), call.arg("h"), call.arg("adj"),
+                                                    call.arg("threshold"), grad)
+
+
+@hidden(_ATTENTION, device="cuda")
+def _masked_attention_cuda(call: Call) -> list:
+    """Masked attention on CUDA: Triton's fused kernel allocates its outputs only (else the row blocks).
+
+    ``ops.attention_triton.masked_attention_forward`` allocates ``out`` and ``top`` and launches one
+    kernel; it reads its operands through their strides (no contiguous copies) and the Triton kernel
+    allocates nothing itself: its score tiles live in registers. Where the Triton kernels are not
+    registered (no Triton, a CPU build) or not taken (float64), the PyTorch row blocks' program.
+    """
+    if not _triton_takes(call):
+        return _masked_attention(call)
+    return [OUT]
+
+
+@hidden(_ATTENTION_BACKWARD, device="cuda")
+def _masked_attention_backward_cuda(call: Call) -> list:
+    """The attention's backward on CUDA: Triton's outputs, then its float32 row statistics (else the row blocks).
+
+    ``ops.attention_triton.masked_attention_backward`` allocates ``ds, dt, dh, dadj`` (``dadj``
+    empty unless the additive mask needs its gradient), then one float32 [2, G, N] buffer of each
+    row's softmax sum and ``D_i = sum_j P_ij dP_ij`` (8·G·N bytes, G = Gm·Gh), freed when it returns
+    after the kernels' launches. Operands are read through their strides (no copies, an expanded
+    gradient included); the Triton kernels allocate nothing themselves. Where the Triton kernels are
+    not registered or not taken (float64), the PyTorch row blocks' program.
+    """
+    if not _triton_takes(call):
+        return _masked_attention_backward(call)
+    gm, gh, n = call.arg("s").shape
+    stats = 8 * gm * gh * n
+    return [OUT, stats, -stats]
 
 
 _EDGE_DROPOUT = torch.ops.fxmem.edge_dropout

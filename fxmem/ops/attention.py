@@ -28,8 +28,11 @@ each), a bool mask and the block's output rows in the forward, and one more scor
 (dP) and the block's gradient rows (when the gradient is expanded) in the backward - exactly, as
 :mod:`fxmem.kernels.fused` says (its tests compare with the allocator on real runs).
 
-The kernel is plain PyTorch, registered for every device; a faster CUDA kernel (FlexAttention, or
-Triton) can be registered for the ``cuda`` key of the same op, with its own memory rule.
+The kernel is plain PyTorch, registered for every device. On CUDA, where Triton is installed,
+:mod:`fxmem.ops.attention_triton` puts fused Triton kernels on the ``cuda`` key of the two ops without
+dropout (float32, float16, bfloat16; float64 and the dropout ops keep this kernel), with their own
+memory rule in :mod:`fxmem.kernels.fused`; they are taken with ``FXMEM_TRITON_ATTENTION=1`` (off until
+checked on a GPU).
 
 >>> out = masked_attention(s, t, h, adj, compare="gt", threshold=0.0, fill=-9e15, slope=0.2)  # doctest: +SKIP
 """
@@ -120,8 +123,7 @@ def _forward_buffers(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> tuple
     return (s3, t3, h3), (out, top), (out.view(g, n, f), top.view(g, n, 1))
 
 
-@torch.library.custom_op("fxmem::masked_attention", mutates_args=())
-def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
+def _masked_attention_rows(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: torch.Tensor, compare: str,
                         threshold: float, keep: bool, fill: float, slope: float, block_bytes: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, top)``: the attention output [Gm, Gh, N, F] and each row's largest masked score [Gm, Gh, N, 1]."""
@@ -131,6 +133,9 @@ def masked_attention_op(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, adj: 
     for r0 in range(0, n, step):
         _forward_block(s3, t3, h3, adj, s.shape[1], out3, top3, r0, min(step, n - r0), compare, threshold, keep, fill, slope)
     return out, top
+
+
+masked_attention_op = torch.library.custom_op("fxmem::masked_attention", mutates_args=())(_masked_attention_rows)
 
 
 def _forward_block(s3, t3, h3, adj, heads, out3, top3, r0, rows, compare, threshold, keep, fill, slope,
@@ -173,8 +178,7 @@ def _backward_buffers(grad, s, t, h, adj, top, need_adj: bool) -> tuple:
     return (s3, t3, h3, grad3), (ds, dt, dh, dadj), views
 
 
-@torch.library.custom_op("fxmem::masked_attention_backward", mutates_args=())
-def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
+def _masked_attention_backward_rows(grad: torch.Tensor, s: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
                                  adj: torch.Tensor, top: torch.Tensor, compare: str, threshold: float, keep: bool,
                                  fill: float, slope: float, block_bytes: int, need_adj: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,6 +195,10 @@ def masked_attention_backward_op(grad: torch.Tensor, s: torch.Tensor, t: torch.T
         _backward_block(grad3, s3, t3, h3, adj, top3, gh, ds2, dt2, dh3, r0, min(step, n - r0), compare, threshold,
                         keep, fill, slope, below, dadj if need_adj else None)
     return ds, dt, dh, dadj
+
+
+masked_attention_backward_op = torch.library.custom_op("fxmem::masked_attention_backward",
+                                                       mutates_args=())(_masked_attention_backward_rows)
 
 
 def _backward_block(grad3, s3, t3, h3, adj, top3, heads, ds2, dt2, dh3, r0, rows, compare, threshold, keep, fill,
@@ -251,6 +259,13 @@ def _backward(ctx: Any, grad: torch.Tensor, grad_top: Any) -> tuple:
 
 
 masked_attention_op.register_autograd(_backward, setup_context=_setup)
+
+# on CUDA, Triton kernels where a CUDA build has Triton (nothing changes elsewhere); what they do not take
+# (float64) runs the loops above
+from . import attention_triton as _triton  # noqa: E402 - registers on the ops defined above
+
+_triton.register(masked_attention_op, masked_attention_backward_op, _masked_attention_rows,
+                 _masked_attention_backward_rows)
 
 
 # --- with dropout on the attention weights --------------------------------------------------------------

@@ -101,3 +101,54 @@ def test_the_caching_allocators_unsplit_blocks_stay_within_allocator_slack():
     fwd, step = v.rows[0], v.rows[2]
     assert fwd.predicted <= fwd.measured <= fwd.predicted + at["allocator_slack"], str(v)
     assert step.predicted <= step.measured <= step.predicted + at["train_allocator_slack"], str(v)
+
+
+@pytest.mark.parametrize("compare,am,dtype", [("gt", 1, torch.float32), ("add", 2, torch.float32),
+                                              ("true", 2, torch.float16), ("gt", 2, torch.bfloat16)])
+def test_triton_attention_on_the_gpu_computes_and_allocates_what_fxmem_says(monkeypatch, compare, am, dtype):
+    """The fused GAT attention's Triton kernels (opted in) on CUDA tensors: the PyTorch row blocks'
+    results, forward and backward; and the allocator's own counters during each wrapper are what
+    the CUDA rules in fxmem/kernels/fused.py list (outputs; the backward's row statistics)."""
+    from fxmem.kernels.registry import OUT, REGISTRY, Call, Kind
+    from fxmem.ops import attention as plain
+    from fxmem.ops import attention_triton as kernels
+    if not kernels.registered():
+        pytest.skip("no Triton in this CUDA build")
+    monkeypatch.setenv("FXMEM_TRITON_ATTENTION", "1")
+    gen = torch.Generator().manual_seed(0)
+    gm, gh, n, m, f = 2, 4, 300, 260, 64
+    s, t = torch.randn(gm, gh, n, generator=gen), torch.randn(gm, gh, m, generator=gen)
+    h, grad = torch.randn(gm, gh, m, f, generator=gen), torch.randn(gm, gh, n, f, generator=gen)
+    adj = torch.randn(am, n, m, generator=gen)
+    if compare == "true":
+        adj = adj > 0
+    elif compare == "add":
+        adj = torch.where(adj > 0, 0.0, float("-inf"))
+    s, t, h, grad = (x.to("cuda", dtype) for x in (s, t, h, grad))
+    adj = adj.to("cuda", dtype if adj.dtype.is_floating_point else adj.dtype)
+    options = (compare, 0.0, True, -9e15, 0.2)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}[dtype]
+    ref = plain._masked_attention_rows(s, t, h, adj, *options, 4 * 2**20)
+    start = torch.cuda.memory_allocated()
+    got = kernels.masked_attention_forward(s, t, h, adj, *options)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - start == sum(x.untyped_storage().nbytes() for x in got)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    need_adj = compare == "add"
+    ref_b = plain._masked_attention_backward_rows(grad, s, t, h, adj, ref[1], *options, 4 * 2**20, need_adj)
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    got_b = kernels.masked_attention_backward(grad, s, t, h, adj, ref[1], *options, need_adj)
+    torch.cuda.synchronize()
+    outs = sum(-(-x.untyped_storage().nbytes() // 512) * 512 for x in got_b)
+    stats = -(-8 * gm * gh * n // 512) * 512
+    assert torch.cuda.memory_allocated() - start == outs
+    assert torch.cuda.max_memory_allocated() - start == outs + stats
+    for a, b in zip(got_b, ref_b):
+        if b.numel():
+            torch.testing.assert_close(a.float(), b.float(), atol=tol * 10, rtol=tol * 10)
+    args = (grad, s, t, h, adj, ref[1], *options, 4 * 2**20, need_adj)
+    program = REGISTRY.lookup(Kind.HIDDEN, torch.ops.fxmem.masked_attention_backward.default, "cuda").fn(
+        Call(torch.ops.fxmem.masked_attention_backward.default, args, {}, got_b, "cuda"))
+    assert program == [OUT, 8 * gm * gh * n, -8 * gm * gh * n]

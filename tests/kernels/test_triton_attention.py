@@ -236,3 +236,44 @@ def test_without_the_opt_in_cuda_keeps_the_row_blocks_and_their_rule(monkeypatch
     assert len(program) > 1 and isinstance(program[-1], Unknown)
     monkeypatch.setenv("FXMEM_TRITON_ATTENTION", "1")
     assert REGISTRY.lookup(Kind.HIDDEN, FORWARD, "cuda").fn(Call(FORWARD, args, {}, outs, "cuda")) == [OUT]
+
+
+# --- compiled for real GPUs (no GPU needed: Triton compiles for a target it is told) --------------------
+# In a process of its own: this one runs Triton's interpreter, whose triton.language the compiler cannot use.
+
+_COMPILE = """
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fxmem.ops import attention_triton as k
+name, dtype, width, capability = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+scope = {"_forward_kernel": "forward", "_backward_rows": "rows", "_backward_columns": "columns", "_backward_adj": "adj"}
+kernel = k._kernels()[scope[name]]  # jitted for real here: no TRITON_INTERPRET in this process
+params = list(inspect.signature(kernel.fn).parameters)
+consts = {"COMPARE": 7, "KEEP": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "BN": k.BLOCK_ROWS,
+          "BM": k.BLOCK_COLS, "BF": width}
+signature = {p: "constexpr" if p in consts else ("*fp32" if p in ("sum_ptr", "d_ptr") else "*" + dtype)
+             if p.endswith("_ptr") else "fp32" if p in ("threshold", "fill", "slope") else "i64" for p in params}
+source = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(c),): v for c, v in consts.items()})
+compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+print(json.dumps({"shared": compiled.metadata.shared,
+                  "scratch": getattr(compiled.metadata, "global_scratch_size", 0)}))
+"""
+
+
+@pytest.mark.parametrize("dtype,width,capability", [("fp32", 128, 90), ("bf16", 64, 80)])
+def test_the_kernels_compile_for_the_gpu_without_scratch(dtype, width, capability):
+    """What the interpreter cannot say: each kernel compiles for an H100 (sm_90) or an A100 (sm_80)
+    at a wide feature block, needs no global scratch (the CUDA rules count none) and less shared
+    memory than an SM has (228 KiB on sm_90, 164 KiB on sm_80)."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    names = ("_forward_kernel", "_backward_rows", "_backward_columns", "_backward_adj")
+    runs = {name: subprocess.Popen([sys.executable, "-c", _COMPILE, name, dtype, str(width), str(capability)], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    for name, run in runs.items():  # the four at once: each is one process's work
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["scratch"] == 0 and got["shared"] <= (228 if capability == 90 else 164) * 1024, (name, got)

@@ -7,9 +7,10 @@ and frees them. Every block frees what it made before the next one starts, and t
 the largest, so one block's program has the kernel's peak. Each entry below names the line of the
 kernel it mirrors; ``tests/passes/test_fused_attention.py`` and ``tests/passes/test_message_passing.py`` compare
 them with the CPU allocator on real runs (one block, several blocks, a last partial block). On
-CUDA, where Triton is installed and ``FXMEM_TRITON_ATTENTION=1`` opts in, the two attention ops without
-dropout run Triton kernels (:mod:`fxmem.ops.attention_triton`) instead: their rules list what the kernels' wrappers allocate
-(``tests/kernels/test_triton_attention.py`` compares them with the wrappers' allocations).
+CUDA, where Triton is installed and ``FXMEM_TRITON_ATTENTION=1`` opts in, the two attention ops
+without dropout run Triton kernels (:mod:`fxmem.ops.attention_triton`) instead: their rules list
+what the kernels' wrappers allocate (``tests/kernels/test_triton_attention.py`` compares them with
+the wrappers' allocations).
 
 A comparison with a Python number wraps the number in a tensor on CPU and casts it (and an
 operand of another dtype) to the common dtype first, as :mod:`fxmem.kernels.scalars` describes
@@ -164,9 +165,10 @@ def _triton_takes(call: Call) -> bool:
     """Whether a CUDA call runs the Triton kernels: registered in this process (a CUDA build with
     Triton), opted in (``FXMEM_TRITON_ATTENTION=1``) and of operands they take (float64 runs the
     PyTorch row blocks)."""
-    grad = call.arg("grad")
-    return _triton.registered() and _triton.enabled() and _triton.handles(call.arg("s"), call.arg("t"), call.arg("h"), call.arg("adj"),
-                                                    call.arg("threshold"), grad)
+    if not (_triton.registered() and _triton.enabled()):
+        return False
+    return _triton.handles(call.arg("s"), call.arg("t"), call.arg("h"), call.arg("adj"), call.arg("threshold"),
+                           call.arg("grad"))
 
 
 @hidden(_ATTENTION, device="cuda")

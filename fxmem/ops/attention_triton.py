@@ -29,8 +29,8 @@ operands stay on the PyTorch kernel (:func:`handles`). Tensors are read through 
 What the wrappers allocate, in bytes (:mod:`fxmem.kernels.fused` states it as the CUDA rule):
 the forward its two outputs only; the backward its four outputs, then the 8·G·N-byte statistics
 buffer, freed on return. The Triton kernels themselves allocate nothing (no workspace, no TMA
-descriptors; compiled for sm_90 and sm_80 they need no global scratch: ``tests/kernels/test_triton_attention.py``): every byte is a
-torch allocation made here.
+descriptors; compiled for sm_90 and sm_80 they need no global scratch, as
+``tests/kernels/test_triton_attention.py`` checks): every byte is a torch allocation made here.
 
 CUDA calls take them only with ``FXMEM_TRITON_ATTENTION=1`` (:func:`enabled`) until a GPU has checked
 them; ``tests/gpu/test_gpu_kernels.py`` compares them with the PyTorch kernel on CUDA tensors, and

@@ -160,7 +160,8 @@ def _allocator_segments(allocator: Any, frames: dict) -> list[dict]:
                     "segment_type": "small" if small else "large",
                     "allocated_size": sum(b.size for b in used), "active_size": sum(b.size for b in used),
                     "requested_size": sum(b.requested for b in used),
-                    "blocks": [{"address": b.address, "size": b.size, "requested_size": b.requested if b.allocated else 0,
+                    "blocks": [{"address": b.address, "size": b.size,
+                                "requested_size": b.requested if b.allocated else 0,
                                 "state": "active_allocated" if b.allocated else "inactive",
                                 "frames": frames.get(b.address, []) if b.allocated else []} for b in blocks]})
     return out

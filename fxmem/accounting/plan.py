@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import operator
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -514,8 +515,13 @@ class MemoryPlan:
         if config.unreplayable:
             return {}
         events, forward = self.trace(values, raw=True)
-        return caching_allocator.predicted_reserved(self.rec, events, forward, self.bytes_at(values, raw=True),
-                                                    self.training, config)
+        try:
+            return caching_allocator.predicted_reserved(self.rec, events, forward, self.bytes_at(values, raw=True),
+                                                        self.training, config)
+        except (KeyError, ValueError) as exc:  # an event log the replay cannot follow: no number rather than a crash
+            warnings.warn(f"fxmem could not replay the caching allocator on this run ({exc!r}; an fxmem bug, "
+                          f"please report it): evaluate() gives no reserved memory here", stacklevel=3)
+            return {}
 
     def _allocator_slack(self, values: Mapping[sympy.Symbol, int], block: list, peak: int,
                          train_peak: int | None) -> dict:

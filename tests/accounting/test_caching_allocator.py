@@ -219,3 +219,15 @@ def test_a_cuda_snapshot_has_the_allocators_segments():
         peak = max(peak, live)
     assert peak == report.evaluate(B=20000)["peak"]
     assert "segments: 4" in viz.segsum(snap) and "total_reserved: 62.0MiB" in viz.segsum(snap)
+
+
+@pytest.mark.cuda_sim
+def test_a_replay_that_cannot_follow_the_log_gives_no_number_and_says_why(monkeypatch):
+    report = fxmem.analyze(nn.Linear(8, 8), ("B", 8), device="cuda")
+
+    def broken(*args, **kwargs):
+        raise KeyError(("scratch", 3, 0))
+    monkeypatch.setattr(ca, "predicted_reserved", broken)
+    with pytest.warns(UserWarning, match="could not replay the caching allocator"):
+        ev = report.evaluate(B=3)
+    assert "reserved" not in ev and ev["peak"] > 0

@@ -29,7 +29,7 @@ from typing import Any
 from .. import _torch_compat as tc
 from ..errors import ProfilerBusyError
 
-from . import calibrate, cpu, cuda, engine, fused, real_paths, rnn, scalars, symbolic  # noqa: F401 - registers the built-in rules
+from . import calibrate, cpu, cuda, edge_fused, engine, fused, real_paths, rnn, scalars, symbolic  # noqa: F401 - registers the built-in rules
 from .accepts import FakeKernelFails, KernelRefuses, check_call, real_accepts
 from .real_paths import RealPaths
 from .registry import ANY, CHECKED, OUT, REGISTRY, Call, Keep, Kind, OutAt, Rule, Unknown, register, unregister

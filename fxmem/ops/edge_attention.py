@@ -94,6 +94,11 @@ def edge_attention(s: torch.Tensor, t: torch.Tensor, h: torch.Tensor, edges: tor
     gm, gh, n = s.shape
     m, f = t.shape[-1], h.shape[-1]
     row, col = edges[0], edges[1]
+    if added is None and not dropout and s.device.type == "cuda":  # opted in: the fused Triton kernels
+        from . import edge_attention_triton as fused
+        if fused.takes(s, t, h):
+            rowptr = torch.searchsorted(row, torch.arange(mask_groups * n + 1, device=row.device))
+            return torch.ops.fxmem.edge_attention_fused(s, t, h, rowptr, row, col, n, m, float(fill), float(slope))[0]
     bias = None
     if added is not None:  # the mask's value at each edge: a gather (its gradient, where asked, is dense)
         bias = added[row // n, row % n, col % m]

@@ -152,3 +152,26 @@ def test_triton_attention_on_the_gpu_computes_and_allocates_what_fxmem_says(monk
     program = REGISTRY.lookup(Kind.HIDDEN, torch.ops.fxmem.masked_attention_backward.default, "cuda").fn(
         Call(torch.ops.fxmem.masked_attention_backward.default, args, {}, got_b, "cuda"))
     assert program == [OUT, 8 * gm * gh * n, -8 * gm * gh * n]
+
+
+def test_triton_edge_attention_on_the_gpu_computes_what_the_pytorch_form_computes(monkeypatch):
+    """The edge-list attention's Triton kernels (opted in) against its PyTorch form on the same CUDA
+    tensors: output and the gradients of s, t and h, on a sparse graph with a row without edges."""
+    from fxmem.ops import attention_triton, edge_attention as edge
+    if not attention_triton.registered():
+        pytest.skip("no Triton in this CUDA build")
+    gen = torch.Generator().manual_seed(1)
+    gm, gh, n, m, f = 2, 4, 700, 650, 32
+    adj = torch.rand(1, n, m, generator=gen) < 0.05
+    adj[0, 5] = False  # a row with no edge: uniform weights over all columns
+    leaves = [torch.randn(*shape, generator=gen).cuda().requires_grad_()
+              for shape in ((gm, gh, n), (gm, gh, m), (gm, gh, m, f))]
+    edges = edge.kept_edges(adj.cuda(), "true", 0.0, True)
+    grad = torch.randn(gm, gh, n, f, generator=gen).cuda()
+    results = []
+    for opted in ("0", "1"):
+        monkeypatch.setenv("FXMEM_TRITON_ATTENTION", opted)
+        out = edge.edge_attention(*leaves, edges, mask_groups=1, fill=-9e15, slope=0.2)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, grad)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

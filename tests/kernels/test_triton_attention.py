@@ -262,7 +262,8 @@ print(json.dumps({"shared": compiled.metadata.shared,
 """
 
 
-@pytest.mark.parametrize("dtype,width,capability", [("fp32", 128, 90), ("bf16", 64, 80)])
+@pytest.mark.parametrize("dtype,width,capability", [("fp32", 128, 90),
+                                                    pytest.param("bf16", 64, 80, marks=pytest.mark.slow)])
 def test_the_kernels_compile_for_the_gpu_without_scratch(dtype, width, capability):
     """What the interpreter cannot say: each kernel compiles for an H100 (sm_90) or an A100 (sm_80)
     at a wide feature block, needs no global scratch (the CUDA rules count none) and less shared

@@ -136,7 +136,8 @@ class CachingAllocator:
     def _remove_free(self, block: Block) -> None:
         pool = self._free[block.small]
         k = bisect.bisect_left(pool, (block.size, block.address))
-        assert pool[k][2] is block
+        if k == len(pool) or pool[k][2] is not block:
+            raise ValueError(f"a free block of {block.size} B at {block.address} is not in its pool")
         del pool[k]
 
     # --- malloc and free -------------------------------------------------------------------------

@@ -105,5 +105,7 @@ def note(config: AllocatorConfig) -> str:
                 "allocator splits every block, so max_memory_allocated counts the same")
     return ("CUDA: numbers are the tensors' 512-byte allocator blocks; the default caching allocator may hand a "
             "request over 1 MiB a cached block up to 1 MiB larger and count all of it, so max_memory_allocated can be "
-            "higher by evaluate()'s allocator_slack at most (none with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); "
-            "evaluate()'s reserved is the allocator's segments in a fresh process running this model alone")
+            "higher by evaluate()'s allocator_slack at most (none with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); evaluate()'s reserved is the allocator's segments in a "
+            "fresh process running this model alone (train_reserved: the optimizer's state made as its first step() "
+            "begins, as Adam and AdamW make it)")

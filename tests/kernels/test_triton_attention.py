@@ -17,13 +17,12 @@ import os
 import subprocess
 import sys
 
-# before Triton is imported: it reads this when it jits a kernel, its own library's (tl.zeros ...) included
-os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import triton_interpreter  # noqa: F401 - first: it sets TRITON_INTERPRET=1
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytestmark = pytest.mark.cuda_sim
+pytestmark = [pytest.mark.cuda_sim, pytest.mark.usefixtures("triton_interpreter")]
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
@@ -36,20 +35,11 @@ FORWARD, BACKWARD = torch.ops.fxmem.masked_attention.default, torch.ops.fxmem.ma
 SLOPE, THRESHOLD, BLOCK_BYTES = 0.2, 1.0, 4 * 2**20
 COMPARISONS = {"gt": float.__gt__, "ge": float.__ge__, "lt": float.__lt__, "le": float.__le__, "eq": float.__eq__,
                "ne": float.__ne__}
-# Triton imported earlier in this process, without the interpreter, cannot run kernels here (no GPU)
-INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
-WHY = "Triton was imported before this module set TRITON_INTERPRET=1: run it in a process of its own"
 
 
-@pytest.fixture(autouse=True)
-def interpreted(request):
-    """Every check here needs the interpreter (one test says so where it is missing)."""
-    if not INTERPRETED and request.node.name != "test_triton_runs_interpreted":
-        pytest.skip(WHY)
 
-
-def test_triton_runs_interpreted():
-    assert INTERPRETED, WHY
+def test_triton_runs_interpreted(triton_interpreter):
+    assert triton_interpreter, "Triton was imported before tests/kernels/triton_interpreter.py set TRITON_INTERPRET"
 
 
 def operands(compare: str, keep: bool, gm: int, gh: int, am: int, n: int, m: int, f: int,

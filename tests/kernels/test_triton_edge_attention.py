@@ -13,17 +13,14 @@ Runs in the CUDA-build phase of CI (conftest skips it elsewhere) and where Trito
 """
 from __future__ import annotations
 
-import os
-
-# before Triton is imported: it reads this when it jits a kernel, its own library's (tl.zeros ...) included
-os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import triton_interpreter  # noqa: F401 - first: it sets TRITON_INTERPRET=1
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-pytestmark = pytest.mark.cuda_sim
+pytestmark = [pytest.mark.cuda_sim, pytest.mark.usefixtures("triton_interpreter")]
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
@@ -36,18 +33,8 @@ from fxmem.ops.edge_attention import edge_attention, kept_edges  # noqa: E402
 FORWARD = torch.ops.fxmem.edge_attention_fused.default
 BACKWARD = torch.ops.fxmem.edge_attention_fused_backward.default
 SLOPE = 0.2
-INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
-WHY = "Triton was imported before this module set TRITON_INTERPRET=1: run it in a process of its own"
 
 
-@pytest.fixture(autouse=True)
-def interpreted(request):
-    if not INTERPRETED and request.node.name != "test_triton_runs_interpreted":
-        pytest.skip(WHY)
-
-
-def test_triton_runs_interpreted():
-    assert INTERPRETED, WHY
 
 
 def operands(gm, gh, am, n, m, f, dtype=torch.float32, strided=False, seed=0):

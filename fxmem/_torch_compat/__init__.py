@@ -20,10 +20,12 @@ a torch upgrade touches this folder only, and a break in one subsystem is read i
 * :mod:`.distributed` - c10d and the fake process group, DTensor, FSDP1/FSDP2, DDP,
   ``FSDPMemTracker``, storage resizes (imported inside functions only: ``torch.distributed`` is
   never loaded by importing fxmem).
+* :mod:`.pipelining` - ``torch.distributed.pipelining``'s schedules and stages, and their start-up
+  messages (the vote on the inference mode, the metadata objects) answered in one process.
 
 Each module's docstring says what it wraps and what breaks there on a torch upgrade. They import
 each other only downwards (``ops``; ``fake`` imports ``ops``; ``fx`` and ``distributed`` import
-``fake``; ``modules``, ``autograd``, ``devices``, ``conv_backend`` import none; ``fake`` uses
+``fake``; ``modules``, ``autograd``, ``devices``, ``conv_backend``, ``pipelining`` import none; ``fake`` uses
 ``conv_backend`` too), never this file.
 
 The rest of fxmem imports this package as ``tc`` (``from .. import _torch_compat as tc``) and calls
@@ -159,6 +161,17 @@ from .distributed import (
 )
 
 # the names fxmem calls as ``tc.<name>``, and ``_FakeMode`` (tests build one)
+from .pipelining import (
+    is_pipeline_schedule,
+    messages as pipeline_messages,
+    pipeline_schedule_type,
+    schedule_stages,
+    sends as pipeline_sends,
+    stage_buffers,
+    stage_index,
+    stage_static_vote,
+)
+
 __all__ = [
     # ops
     "NUMBERS", "DispatchMode", "argument_names", "bind_arguments", "is_op", "matmul_decomposition", "mutates",
@@ -190,4 +203,7 @@ __all__ = [
     "fsdp2_set_knobs", "fsdp2_state", "fsdp2_unsharded_copy", "fsdp_mem_tracker", "fsdp_meshes_outside_fake",
     "fsdp_without_gpu", "functional_collective", "local_tensor", "on_storage_resize", "pipeline_stage_types",
     "tensors_made",
+    # pipelining
+    "is_pipeline_schedule", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_stages",
+    "stage_buffers", "stage_index", "stage_static_vote",
 ]

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
+import sympy
 import torch
 
 from .. import _torch_compat as tc
@@ -33,6 +34,38 @@ def late_bytes(gathers: list[int], reduces: list[int]) -> int:
     worst all of them of one step are alive at once: their sum. (On gloo, rank 0 of a 4-block
     decoder on 2 ranks held three all-gather buffers past the end of the step.)"""
     return 3 * sum(gathers) + sum(reduces)
+
+
+# DTensor's collectives (tensor and sequence parallelism, a Partial gradient's all-reduce): the
+# op that allocated the buffer each returns, as the simulation records it on the storage
+DTENSOR_COLLECTIVES = ("_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
+                       "_c10d_functional.reduce_scatter_tensor")
+
+
+def dtensor_buffers(storages: list) -> tuple[list, list, list]:
+    """The buffers DTensor's collectives returned in the simulated step (bytes, sympy): its
+    all-reduces', all-gathers' and reduce-scatters' outputs."""
+    return tuple([s.bytes for s in storages if s.op == op] for op in DTENSOR_COLLECTIVES)
+
+
+def dtensor_late_bytes(all_reduces: list, all_gathers: list, reduce_scatters: list, group: int) -> Any:
+    """The most an asynchronous gloo backend can add to a synchronous schedule's live bytes
+    through DTensor's collectives (bytes, sympy), on groups of at most ``group`` ranks.
+
+    A collective's work holds the buffer it returns until gloo's worker thread drops the work,
+    so each output can outlive its synchronous free (and a free on the worker thread is never
+    seen by a profiler on the calling one: until then it counts as live). Besides, gloo runs an
+    all-gather into a flat buffer of the output's size it allocates on its worker, and holds the
+    input (at most the output's size); and it runs a reduce-scatter as an all-reduce of a clone
+    of its input (``group`` x the output), held until the reduce-scatter is waited on. At worst
+    all of them of one step are alive at once: their sum."""
+    return sum(all_reduces) + 3 * sum(all_gathers) + (1 + group) * sum(reduce_scatters)
+
+
+def _bytes(expr: Any) -> str:
+    """A byte count as the notes show it: ``1,234`` or a formula in the user's dims."""
+    expr = sympy.expand(expr)
+    return f"{int(expr):,}" if expr.is_number else str(expr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +135,11 @@ class Parallel:
         managed = tc.fsdp2_managed(model)
         return any(isinstance(p, dtensor) and id(p) not in managed for p in model.parameters())
 
-    def notes(self, storages: list, device: str = "cpu", tensor_parallel: bool = False) -> list[str]:
+    def notes(self, storages: list, device: str = "cpu", tensor_parallel: bool = False,
+              sent: list | None = None) -> list[str]:
         """What the report says about the collectives: the schedule its numbers are for, and how
-        much an asynchronous backend can hold beyond it (bytes)."""
+        much an asynchronous backend can hold beyond it (bytes). ``sent``: for a pipeline stage, the
+        bytes of each storage the recorded step sent to another stage."""
         gathers = [int(s.bytes) for s in storages if s.name.startswith("all-gather ") and s.bytes.is_number]
         reduces = [int(s.bytes) for s in storages if s.name.startswith("reduce-scatter ") and s.bytes.is_number]
         layout = f" over the mesh {dict(self.mesh)}" if self.mesh is not None else ""
@@ -119,21 +154,38 @@ class Parallel:
             out.append(f"DDP: the steady state's numbers; the one step in which DDP rebuilds its gradient buckets in "
                        f"the order backward made the gradients (the second, or with static_graph=True the third) "
                        f"holds the new buckets beside the old at its peak: {sum(buckets):,} bytes more")
-        if tensor_parallel and device == "cpu":
-            out.append("tensor parallelism's collectives as a synchronous schedule (each buffer freed when the code "
-                       "lets go of it); with asynchronous ones (gloo on CPU) an all-reduce holds its buffers until it "
-                       "completes, so a rank's peak and what the step leaves allocated can be higher by whole "
-                       "activation buffers (one [B, L, hidden] buffer left after a step was seen on gloo); no bound "
-                       "is stated for them yet")
-        if gathers and device == "cpu":
-            late = late_bytes(gathers, reduces)
+        if device != "cpu":
+            return out
+        if sent is not None:
+            out.append(
+                f"the pipeline's sends and receives as a synchronous schedule (a sent tensor freed when the schedule "
+                f"lets go of it); with asynchronous ones (gloo on CPU) a send's work holds its tensor until gloo's "
+                f"worker thread drops it: a rank's peak (and what the step leaves allocated) can then exceed these "
+                f"numbers by up to {_bytes(sum(sent))} bytes (the step's {len(sent)} sent activations and gradients)")
+        # a DTensor collective runs on one dim of the mesh: its group has at most the largest dim's ranks
+        group = max(size for _, size in self.mesh) if self.mesh is not None else self.world_size
+        dtensor = dtensor_buffers(storages)
+        late = dtensor_late_bytes(*dtensor, group)
+        parts = [f"{k} x the step's {len(b)} {what} buffers, {_bytes(sum(b))} B" if k != 1 else
+                 f"the step's {len(b)} {what} buffers, {_bytes(sum(b))} B"
+                 for k, b, what in ((1, dtensor[0], "all-reduce"), (3, dtensor[1], "all-gather"),
+                                    (1 + group, dtensor[2], "reduce-scatter output")) if b]
+        if gathers:
+            late += late_bytes(gathers, reduces)
+            parts = [f"3 x the step's {len(gathers)} all-gather buffers, {sum(gathers):,} B, + its {len(reduces)} "
+                     f"reduce-scatter buffers, {sum(reduces):,} B"] + [f"tensor parallelism's {p}" for p in parts]
             out.append(
                 f"FSDP2's collectives as a synchronous schedule (each buffer freed when its collective's result "
                 f"is used); with asynchronous ones (gloo on CPU) a buffer is freed when its collective completes, "
                 f"and gloo allocates temporaries of an all-gather's size: a rank's peak (and what the step leaves "
-                f"allocated) can then exceed these numbers by up to {late:,} bytes (3 x the step's {len(gathers)} "
-                f"all-gather buffers, {sum(gathers):,} B, + its {len(reduces)} reduce-scatter buffers, "
-                f"{sum(reduces):,} B)")
+                f"allocated) can then exceed these numbers by up to {_bytes(late)} bytes ({'; + '.join(parts)})")
+        elif tensor_parallel or parts:
+            out.append(
+                f"tensor parallelism's collectives as a synchronous schedule (each buffer freed when the code lets "
+                f"go of it); with asynchronous ones (gloo on CPU) a collective's work holds its buffer until gloo's "
+                f"worker thread drops it (an all-gather fills a flat buffer of its own there, a reduce-scatter "
+                f"all-reduces a copy of its input): a rank's peak (and what the step leaves allocated) can then "
+                f"exceed these numbers by up to {_bytes(late)} bytes ({'; + '.join(parts) or 'none recorded'})")
         return out
 
     def reads(self, model: torch.nn.Module, held: list[tuple[str, torch.Tensor]]) -> Any:
@@ -163,6 +215,9 @@ class Parallel:
                              f"DeviceMesh {self.shape()} over torch's fake process group") from exc
         if out is None:
             out = model  # fully_shard works in place: returning nothing means the model itself
+        from .pipeline import is_pipeline
+        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): its stage holds no wrapper
+            return out, []
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")

@@ -13,6 +13,7 @@ at module level (not lambdas) so they pickle.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -111,8 +112,20 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
             out.register_comm_hook(None, _allreduce)
         return out
 
-    with tc.fake_process_group(world_size, rank, dims=_dims(mesh)) as device_mesh:
-        return measure_rank(rank, device_mesh, make_model, inputs, wrapped, optimizer, loss, step=step)
+    from .pipeline import is_pipeline, real_start_up
+
+    with contextlib.ExitStack() as pipeline:
+        def started(model: torch.nn.Module, mesh: Any) -> Any:
+            out = wrapped(model, mesh)
+            if is_pipeline(out):
+                # the start-up messages the other ranks would send this rank's stage, from their own steps
+                mailbox = real_start_up(world_size, make_model, parallelize, optimizer, inputs, step)
+                mailbox.rank = rank
+                pipeline.enter_context(tc.pipeline_messages(mailbox))
+            return out
+
+        with tc.fake_process_group(world_size, rank, dims=_dims(mesh)) as device_mesh:
+            return measure_rank(rank, device_mesh, make_model, inputs, started, optimizer, loss, step=step)
 
 
 def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,
@@ -135,15 +148,18 @@ def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, para
         # memory, buckets included
         torch.manual_seed(0)
         model = make_model()
-        model = parallelize(model, mesh) or model
+        handed = parallelize(model, mesh) or model
+        # a pipeline schedule (fxmem.distributed.pipeline): the step gets it, the optimizer its stage's parameters
+        model = stage_model(handed) if is_pipeline(handed) else handed
         opt = optimizer(list(model.parameters()))
         for _ in range(3):
-            one_step(model, opt)
-        return model, opt
+            one_step(handed, opt)
+        return handed, model, opt
 
+    from .pipeline import is_pipeline, stage_model
     made = measure(setup, warmup=0, keep_result=True)
-    model, opt = made.result
-    m = measure(lambda: one_step(model, opt), warmup=0)
+    handed, model, opt = made.result
+    m = measure(lambda: one_step(handed, opt), warmup=0)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     extra = probe(model, inputs, opt, loss) if probe is not None else {}
     extra["state_storages"] = _storages([*model.parameters(), *model.buffers(), *opt_state_tensors(opt), *tensors])

@@ -6,7 +6,8 @@ here is what cannot be read back: DDP nested inside the model, ``DataParallel``,
 wrapping with settings fxmem does not recreate, and a model whose parameters are DTensors already
 or over a mesh of more than one dimension (fxmem applies the user's ``parallelize_module`` plan or
 2-D wrapping itself, through ``parallelize=`` and ``mesh=``). FSDP1's ``FullyShardedDataParallel``,
-pipeline stages and DeepSpeed engines are not modelled.
+the pipeline tracer front end (``pipeline()``'s ``Pipe``; stages built with ``PipelineStage`` in
+``parallelize=`` are modelled, :mod:`.pipeline`) and DeepSpeed engines are not modelled.
 
 >>> refuse_wrapped(torch.nn.Linear(2, 2))   # an ordinary model passes                # doctest: +SKIP
 """
@@ -68,8 +69,10 @@ def refuse_unmodelled(model: torch.nn.Module, source: str, placed_here: bool = F
                              f"FSDP2 (torch.distributed.fsdp.fully_shard, per block and on the root) in "
                              f"parallelize=, which fxmem models exactly")
         if "pipelining" in type(module).__module__:
-            raise ModelError(f"{source}: {where} is a pipeline-parallel {type(module).__name__}, which fxmem does "
-                             f"not model; analyse one stage's submodule (with its input specs) instead")
+            raise ModelError(f"{source}: {where} is a pipeline-parallel {type(module).__name__} (the tracer front end, "
+                             f"pipeline()), which fxmem does not model; build this rank's PipelineStage and its "
+                             f"ScheduleGPipe or Schedule1F1B in parallelize=fn(model, mesh), return the schedule, and "
+                             f"pass step=fn(schedule, optimizer, *inputs) (see fxmem.distributed.pipeline)")
     for qual, p in model.named_parameters():
         if dtensor is None or not isinstance(p, dtensor):
             continue

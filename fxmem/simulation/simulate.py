@@ -14,6 +14,7 @@ sees what is saved for backward; the result is a :class:`~fxmem.records.Recordin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from typing import Any, Iterator, Sequence
@@ -47,6 +48,7 @@ from .recorder import Recorder
 from .repeats import find_chain, find_module_chain, shorten, shorten_module
 from .unroll import unroll
 from .storages import StorageTable
+from ..distributed import pipeline
 from .user_step import Router, kept_alive, objects_kept, register_leftovers, step_guards, values_read
 from .outside import outside_dispatch
 from .values import tracing_checks
@@ -291,9 +293,12 @@ def simulate_once(
         fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
             tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
             requires_grad=trainable and t.requires_grad))
-        warm, held = None, []
+        warm, held, schedule, sent = None, [], None, []
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
+            if pipeline.is_pipeline(fake_model):  # the stage's module is what this rank trains
+                pipeline.check(parallel, training)
+                schedule, fake_model = fake_model, pipeline.stage_model(fake_model)
             tensor_parallel = parallel.tensor_parallel(fake_model)
             wrapped.enter_context(parallel.reads(fake_model, held))  # DDP's used-parameter map
             # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state; a step= of the user's
@@ -363,10 +368,22 @@ def simulate_once(
                 recorder.autograd.close()  # the forward has returned: what its graph frees later is not part of it
                 del out
             elif training.step is not None:
-                with objects_kept(training.step), step_guards(training.step, fake_model):
-                    optimizer = _warm_user_step(training, fake_model, named_params, specs, recorder, fake_mode,
-                                                symint, device, log)
-                    user_step(fake_model, tuple(inputs), optimizer, training.step, hooks)
+                step, starting = training.step, contextlib.nullcontext()
+                if schedule is not None:  # the step is handed the schedule; its stage's messages answered
+                    step = pipeline.handed(schedule, training.step)
+                    starting = _pipeline_started(parallel, source, training, specs, symint, recorder, device)
+                with objects_kept(training.step), starting, step_guards(training.step, fake_model):
+                    # a schedule's receive buffers, made by the warm-up step's start-up: named before what
+                    # else the step left behind is
+                    buffers = (lambda: pipeline.name_buffers(recorder.table, schedule)) if schedule is not None \
+                        else None
+                    optimizer = _warm_user_step(dataclasses.replace(training, step=step), fake_model, named_params,
+                                                specs, recorder, fake_mode, symint, device, log, buffers)
+                    sending = contextlib.nullcontext()
+                    if schedule is not None:  # what the recorded step sends: gloo may hold each until sent
+                        sending = tc.pipeline_sends(lambda t: sent.append(table.lookup(t)))
+                    with sending:
+                        user_step(fake_model, tuple(inputs), optimizer, step, hooks)
             else:
                 if warm is not None:  # a real step made its state already: all of it is kept
                     optimizer = hooks.optimizer = warm
@@ -383,7 +400,8 @@ def simulate_once(
         del inputs, fake_model, warm
     recorder.autograd.close()
     if parallel is not None:
-        for text in parallel.notes(table.storages, device, tensor_parallel):
+        sent_bytes = [table.storages[i].bytes for i in sorted(set(sent) - {None})] if schedule is not None else None
+        for text in parallel.notes(table.storages, device, tensor_parallel, sent_bytes):
             log.note(text)
     facts = {**environment(device), **({"autocast": str(options.autocast)} if options.autocast else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
@@ -460,11 +478,43 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
     return optimizer
 
 
+@contextlib.contextmanager
+def _pipeline_started(parallel: Any, source: torch.nn.Module, training: Training, specs: Sequence[InputSpec],
+                      symint: Any, recorder: Recorder, device: str) -> Iterator[None]:
+    """While the block runs, this rank's pipeline stage gets the start-up messages the other ranks
+    send it: each rank's stage built on a fake copy of ``source`` and its step run, quietly, in
+    turn (see :func:`fxmem.distributed.pipeline.start_up`)."""
+    def run_rank(rank: int, mailbox: Any) -> None:
+        with contextlib.ExitStack() as world:
+            with tc.real_mode():  # a DeviceMesh reads its ranks tensor: made outside the fake mode, as rank's own
+                mesh = world.enter_context(tc.fake_process_group(parallel.world_size, rank, device))
+            copy = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
+                requires_grad=trainable and t.requires_grad))
+            schedule, _ = parallel.apply(copy, mesh)
+            params = [p for p in pipeline.stage_model(schedule).parameters() if p.requires_grad]
+            handed, _ = training.make_for_step(params)
+            inputs = [torch.empty([symint(d) for d in spec.dims], dtype=spec.dtype, device=device,
+                                  requires_grad=spec.requires_grad) for spec in specs]
+            training.step(schedule, handed, *inputs)
+
+    mailbox = pipeline.Mailbox(parallel.world_size)
+    with tc.pipeline_messages(mailbox):
+        with recorder.quiet(), failures("your parallelize= and step= on the other ranks (the pipeline's start-up)",
+                                        recorder.rename):
+            pipeline.start_up(mailbox, run_rank)
+        mailbox.rank = parallel.rank
+        yield
+
+
 def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_params: list, specs: Sequence[InputSpec],
-                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog) -> Any:
+                    recorder: Recorder, fake_mode: Any, symint: Any, device: str, log: EventLog,
+                    known: Any = None) -> Any:
     """Build the optimizer(s) and call the user's step once, quietly, on inputs of its own: the
     recorded call that follows is the loop's steady state (see :func:`fxmem.training.user_step`).
-    Returns what the step is handed (what ``optimizer=`` returned: one optimizer, or several)."""
+    Returns what the step is handed (what ``optimizer=`` returned: one optimizer, or several).
+    ``known()``: names what the step left behind that is known already (a pipeline stage's
+    buffers), before the rest is found."""
     params = [p for _, p in named_params if p.requires_grad]
     if not params:
         raise NothingToTrainError("no parameter requires grad, so there is nothing to train")
@@ -481,6 +531,8 @@ def _warm_user_step(training: Training, fake_model: torch.nn.Module, named_param
     if result is not None and not isinstance(result, (torch.Tensor, float, int)) and hasattr(result, "__next__"):
         raise SpecError("step= is a generator function: it must run the step when called (no yield)")
     del result
+    if known is not None:
+        known()
     kept = register_leftovers(recorder.table, named_params, optimizers, fake_mode)
     if kept:
         log.note(f"your step keeps between calls: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''} "

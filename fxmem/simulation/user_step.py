@@ -228,14 +228,13 @@ def _compile_refused(step: Callable) -> Iterator[None]:
 @contextlib.contextmanager
 def _pipelines_refused(step: Callable) -> Iterator[None]:
     """A pipeline stage built by the step (``torch.distributed.pipelining``) raises a
-    :class:`ModelError`: its schedule is not modelled (see the message)."""
+    :class:`ModelError`: a stage is built once, by ``parallelize=`` (see the message)."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ModelError(
-            f"step= ({_name(step)}) builds a pipeline stage (torch.distributed.pipelining): pipeline schedules are "
-            f"not modelled yet - a stage learns its neighbours' shapes, and the schedule its start-up mode, from "
-            f"point-to-point messages that fxmem's fake process group does not carry. What to do: analyse one "
-            f"stage's submodule on its own at the micro-batch size; its saved activations are held for every "
-            f"micro-batch in flight (GPipe: all of them; 1F1B: up to the number of stages)")
+            f"step= ({_name(step)}) builds a pipeline stage (torch.distributed.pipelining) on every call, which fxmem "
+            f"does not model: a script builds its stage once. What to do: build the stage and its schedule in "
+            f"parallelize=fn(model, mesh) and return the schedule; your step= then gets it, step(schedule, optimizer, "
+            f"*inputs) (see fxmem.distributed.pipeline; ScheduleGPipe and Schedule1F1B are modelled)")
     with patched([(cls, "__init__", refuse) for cls in tc.pipeline_stage_types()]):
         yield
 

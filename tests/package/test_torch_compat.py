@@ -28,6 +28,7 @@ SUBSYSTEMS = {
     "fx": ("torch._dynamo", 2),
     "distributed": ("torch.distributed", 2),
     "conv_backend": ("torch._subclasses.fake_impls", 0),
+    "pipelining": ("torch.distributed.pipelining", 0),
 }
 # internals reached as attributes of torch objects (modules, ops, the ShapeEnv, optimizers)
 PRIVATE_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_schema",

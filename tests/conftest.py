@@ -20,6 +20,13 @@ from fxmem.measure import measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+# Triton's interpreter for the Triton kernels' tests (tests/kernels/triton_interpreter.py), set before
+# any test module is collected where no GPU runs the kernels compiled: Triton reads it once, when it
+# is first imported, and modules collected earlier may import it (torch.distributed.pipelining does, on
+# a CUDA build)
+if torch.backends.cuda.is_built() and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 _EXAMPLES: dict[str, Any] = {}
 
 

@@ -6,7 +6,8 @@ rank's ``PipelineStage`` and returns the **schedule**; ``step=fn(schedule, optim
 is their training step, which calls ``schedule.step(...)`` (inputs on the first stage, the target
 on the last) and the optimizer. The optimizer is built over the stage's parameters. fxmem runs the
 schedule's own code on fake tensors, so the micro-batches in flight are the schedule's: GPipe keeps
-every micro-batch's saved tensors until its backward pass, 1F1B at most ``stages - stage_index``.
+every micro-batch's saved tensors until its backward pass, 1F1B at most ``stages - stage_index``;
+ScheduleInterleaved1F1B runs several stages a rank (built as a list, each its own PipelineStage).
 
 >>> def parallelize(model, mesh):                                      # doctest: +SKIP
 ...     rank, stages = mesh.get_local_rank(), mesh.size()
@@ -41,8 +42,8 @@ import torch
 from .. import _torch_compat as tc
 from ..errors import InternalError, ModelError, ShapeError, SpecError
 
-# the schedules checked against real gloo runs (tests/distributed/test_pipeline.py)
-MODELLED = ("ScheduleGPipe", "Schedule1F1B")
+# the schedules checked against real runs, in one process and on gloo (tests/distributed/test_pipeline.py)
+MODELLED = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 
 STEP_NEEDED = ("a pipeline schedule runs from your own step: pass step=fn, fn(schedule, optimizer, *inputs) calling "
                "schedule.step(x) on the first stage, schedule.step(target=y) on the last, schedule.step() between "

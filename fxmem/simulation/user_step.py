@@ -234,7 +234,8 @@ def _pipelines_refused(step: Callable) -> Iterator[None]:
             f"step= ({_name(step)}) builds a pipeline stage (torch.distributed.pipelining) on every call, which fxmem "
             f"does not model: a script builds its stage once. What to do: build the stage and its schedule in "
             f"parallelize=fn(model, mesh) and return the schedule; your step= then gets it, step(schedule, optimizer, "
-            f"*inputs) (see fxmem.distributed.pipeline; ScheduleGPipe and Schedule1F1B are modelled)")
+            f"*inputs) (see fxmem.distributed.pipeline; ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B "
+            f"are modelled)")
     with patched([(cls, "__init__", refuse) for cls in tc.pipeline_stage_types()]):
         yield
 

@@ -3,7 +3,8 @@ gloo processes (spawned) can import them."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleLoopedBFS
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleLoopedBFS)
 
 from .distributed import Block, D, V
 
@@ -39,6 +40,16 @@ def gpipe(model, mesh):
 
 def one_f_one_b(model, mesh):
     return Schedule1F1B(_stage(model, mesh), n_microbatches=MICROBATCHES, loss_fn=mse)
+
+
+def interleaved(model, mesh):
+    """Two stages per rank, looped: rank r runs stages r and r + ranks of 2 x ranks."""
+    rank, ranks = mesh.get_local_rank(), mesh.size()
+    stages = 2 * ranks
+    cuts = [round(i * len(model.layers) / stages) for i in range(stages + 1)]
+    own = [PipelineStage(model.layers[cuts[s]:cuts[s + 1]], s, stages, torch.device("cpu"))
+           for s in (rank, rank + ranks)]
+    return ScheduleInterleaved1F1B(own, n_microbatches=MICROBATCHES, loss_fn=mse)
 
 
 def looped_bfs(model, mesh):

@@ -160,7 +160,6 @@ from .distributed import (
     tensors_made,
 )
 
-# the names fxmem calls as ``tc.<name>``, and ``_FakeMode`` (tests build one)
 from .pipelining import (
     is_pipeline_schedule,
     messages as pipeline_messages,
@@ -172,6 +171,7 @@ from .pipelining import (
     stage_static_vote,
 )
 
+# the names fxmem calls as ``tc.<name>``, and ``_FakeMode`` (tests build one)
 __all__ = [
     # ops
     "NUMBERS", "DispatchMode", "argument_names", "bind_arguments", "is_op", "matmul_decomposition", "mutates",

@@ -136,6 +136,7 @@ def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, para
     On gloo the allocator's resident count can include a late free (800 B once, with DDP, on a loaded
     machine): ``extra["state_storages"]`` (+ ``extra["ddp_bucket_bytes"]``) count storages instead."""
     from .. import _torch_compat as tc
+    from .pipeline import is_pipeline, stage_model
 
     def one_step(model: torch.nn.Module, opt: Any) -> Any:
         if step is not None:
@@ -156,7 +157,6 @@ def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, para
             one_step(handed, opt)
         return handed, model, opt
 
-    from .pipeline import is_pipeline, stage_model
     made = measure(setup, warmup=0, keep_result=True)
     handed, model, opt = made.result
     m = measure(lambda: one_step(handed, opt), warmup=0)

@@ -290,9 +290,7 @@ def simulate_once(
         # parameters keep the user's requires_grad also for grad=False: a forward under no_grad sees
         # them so, and kernels decide by it (matmul folds a batched input into one mm when the
         # weight requires grad: nn.GRU's input projection, 2.8 MB of bmm at B=97, T=101 otherwise)
-        fake_model = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
-            tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
-            requires_grad=trainable and t.requires_grad))
+        fake_model = _fake_copy(source, device)
         warm, held, schedule, sent = None, [], None, []
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
@@ -478,6 +476,13 @@ def _steady_state_optimizer(training: Training, named_params: list, recorder: Re
     return optimizer
 
 
+def _fake_copy(source: torch.nn.Module, device: str) -> torch.nn.Module:
+    """A copy of ``source`` with fake parameters and buffers on ``device`` (the same shapes, strides,
+    dtypes; ``requires_grad`` as the user's where trainable), in the active fake mode."""
+    return tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
+        tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device, requires_grad=trainable and t.requires_grad))
+
+
 @contextlib.contextmanager
 def _pipeline_started(parallel: Any, source: torch.nn.Module, training: Training, specs: Sequence[InputSpec],
                       symint: Any, recorder: Recorder, device: str) -> Iterator[None]:
@@ -488,9 +493,7 @@ def _pipeline_started(parallel: Any, source: torch.nn.Module, training: Training
         with contextlib.ExitStack() as world:
             with tc.real_mode():  # a DeviceMesh reads its ranks tensor: made outside the fake mode, as rank's own
                 mesh = world.enter_context(tc.fake_process_group(parallel.world_size, rank, device))
-            copy = tc.fake_module_copy(source, lambda t, trainable: torch.empty_strided(
-                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device,
-                requires_grad=trainable and t.requires_grad))
+            copy = _fake_copy(source, device)
             schedule, _ = parallel.apply(copy, mesh)
             params = [p for p in pipeline.stage_model(schedule).parameters() if p.requires_grad]
             handed, _ = training.make_for_step(params)

@@ -37,7 +37,6 @@ COMPARISONS = {"gt": float.__gt__, "ge": float.__ge__, "lt": float.__lt__, "le":
                "ne": float.__ne__}
 
 
-
 def test_triton_runs_interpreted(triton_interpreter):
     assert triton_interpreter, "Triton was imported before tests/kernels/triton_interpreter.py set TRITON_INTERPRET"
 

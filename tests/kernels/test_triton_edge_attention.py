@@ -35,8 +35,6 @@ BACKWARD = torch.ops.fxmem.edge_attention_fused_backward.default
 SLOPE = 0.2
 
 
-
-
 def operands(gm, gh, am, n, m, f, dtype=torch.float32, strided=False, seed=0):
     """(s, t, h, grad, edges): ~10% edges; row 2 without an edge, row 5 and column 4 with every
     entry an edge (more than one tile of BLOCK_EDGES); ``strided``: h a transposed view and the

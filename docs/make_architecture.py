@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # is the stage of the same name; passes/ is "passes".
 STAGES = {
     "entry points": ("what users call", ["__init__", "__main__", "analyze", "validate", "precisions", "llm",
-                                          "generation", "recipes", "cli", "backend"]),
+                                          "llm_stages", "llm_layouts", "generation", "recipes", "cli", "backend"]),
     "inputs": ("options, hyperparameters, real inputs", ["options", "hparams", "inputs"]),
     "capture": ("model -> graph (fx, Dynamo) or eager lines", []),
     "simulation": ("one fake run with symbolic sizes: every storage", ["training"]),

@@ -35,12 +35,13 @@ _LAZY = {
     "analyze": ".analyze", "optimize": ".passes", "validate": ".validate", "Report": ".report",
     "TensorSpec": ".specs", "format_bytes": ".report", "precisions": ".precisions", "kernels": None,
     "backend": ".backend", "AnalysisOptions": ".options", "world_sizes": ".distributed.world_sizes",
-    "passes": None, "from_config": ".llm", "llm_answer": ".llm", "generation": ".generation",
+    "passes": None, "from_config": ".llm", "llm_answer": ".llm", "llm_layouts": ".llm_layouts",
+    "generation": ".generation",
 }
 
 __all__ = [
     "analyze", "optimize", "validate", "precisions", "backend", "Report", "AnalysisOptions", "TensorSpec",
-    "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer", "generation",
+    "format_bytes", "kernels", "passes", "world_sizes", "from_config", "llm_answer", "llm_layouts", "generation",
     "FxMemError", "SpecError", "TraceError", "ShapeError", "UnsupportedOpError", "DeviceError", "ModelError",
     "KernelError", "InternalError", "NothingToTrainError", "UserCodeError", "ProfilerBusyError", "MeasureError",
     "AnalysisTimeout",

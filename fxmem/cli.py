@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tp", type=int, metavar="T", help="tensor parallelism over T ranks by the model's own plan "
                                                       "(its config's base_model_tp_plan); with --fsdp W, a W x T "
                                                       "mesh: per-rank numbers")
+    m.add_argument("--pp", type=int, metavar="P", help="pipeline parallelism: the decoder layers split into P stages "
+                                                      "(Schedule1F1B), every stage analysed; with --fsdp/--tp, a "
+                                                      "P x W x T mesh: per-rank numbers of the stage that peaks highest")
+    m.add_argument("--microbatches", type=int, metavar="M", help="--pp: micro-batches per step (default P); the "
+                                                                "batch must split into M equal ones")
+    m.add_argument("--layouts", nargs="+", metavar="LAYOUT", help="compare parallel layouts, a row each: dims and "
+                                                                 "sizes joined by x, e.g. dp8 dp4xtp2 pp2xdp4 "
+                                                                 "(dp: FSDP2, tp: tensor, pp: pipeline parallelism)")
     m.add_argument("--serve", action="store_true",
                    help="the memory of generate() (prefill and --new-tokens decode steps with a KV cache) "
                         "instead of a training step")
@@ -328,9 +336,22 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
         return 0
     if not args.seq:
         raise SpecError("fxmem llm needs --seq L (the training step's sequence length), or --serve")
-    progress.say("analysing one training step")
+    if args.layouts:
+        from .llm_layouts import llm_layouts
+
+        if args.fsdp or args.tp or args.pp:
+            raise SpecError("fxmem llm --layouts takes the parallelism in its layouts (dp4xtp2, ...): drop --fsdp, "
+                            "--tp and --pp")
+        progress.say(f"analysing one training step on each of {len(args.layouts)} layouts")
+        print(llm_layouts(model, batch=args.batch, seq=args.seq, layouts=args.layouts, optimizer=args.train,
+                          gpu=args.gpu, lora=args.lora, checkpointing=args.checkpointing, recipe=args.recipe,
+                          microbatches=args.microbatches))
+        return 0
+    progress.say("analysing one training step" if not args.pp else
+                 f"analysing one training step of each of the {args.pp} pipeline stages")
     answer = llm_answer(model, batch=args.batch, seq=args.seq, optimizer=args.train, gpu=args.gpu, lora=args.lora,
-                        checkpointing=args.checkpointing, fsdp=args.fsdp, recipe=args.recipe, tp=args.tp)
+                        checkpointing=args.checkpointing, fsdp=args.fsdp, recipe=args.recipe, tp=args.tp, pp=args.pp,
+                        microbatches=args.microbatches)
     print(answer)
     return 0
 

@@ -23,11 +23,13 @@ import copy
 import dataclasses
 import json
 import os
+import math
 from typing import Any, Callable
 
 import torch
 
 from .errors import ModelError, SpecError
+from .units import format_bytes
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
@@ -288,6 +290,7 @@ class LLMAnswer:
     ranks: int = 1  # the world size (FSDP's, tensor parallelism's, or both): the numbers are one rank's
     tp: int = 1  # of which the tensor-parallel degree
     optimizer: str = "adamw"
+    stages: list = dataclasses.field(default_factory=list)  # pp=: each stage's StageAnswer
 
     @property
     def model_states(self) -> int:
@@ -344,7 +347,8 @@ def past_context(context: int | None, positions: int | None) -> str | None:
 
 def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str = "adamw", gpu: Any = None,
                lora: str | dict | None = None, checkpointing: bool = False, fsdp: int | None = None,
-               device: str = "cpu", recipe: Any = None, tp: int | None = None) -> LLMAnswer:
+               device: str = "cpu", recipe: Any = None, tp: int | None = None, pp: int | None = None,
+               microbatches: int | None = None) -> LLMAnswer:
     """Analyse one training step of causal LM ``model`` (built by :func:`from_config` or real) at
     sequence length ``seq``; the numbers at ``batch``; with ``gpu`` (bytes or ``"80GiB"``) the
     largest batch (at ``seq``) and sequence length (at ``batch``) whose step fits.
@@ -361,6 +365,11 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     ``tp=T``: tensor parallelism over T ranks by the model's own plan (its config's
     ``base_model_tp_plan``); with ``fsdp=W`` too, the ``{"dp": W, "tp": T}`` mesh of W x T ranks
     (torchtitan's layout: tensor parallelism inside each group of T, FSDP2 across them).
+    ``pp=P``: the decoder layers split evenly into P pipeline stages (:mod:`fxmem.llm_stages`),
+    ``Schedule1F1B`` over ``microbatches`` micro-batches (default P; the batch must split evenly);
+    with ``fsdp=``/``tp=`` too, the ``{"pp": P, "dp": W, "tp": T}`` mesh. Every stage is analysed
+    (its first rank); the answer is the stage whose step peaks highest, ``stages`` has each, and
+    the largest batch and sequence length are those every stage fits.
     The user's ``model`` is not changed (adapters and checkpointing go on a copy).
 
     >>> llm_answer(model, batch=1, seq=4096, recipe="amp-bf16").recipe   # doctest: +SKIP
@@ -387,6 +396,12 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     budget = parse_bytes(gpu) if gpu is not None else None
     step = training_module(model, lora=lora, checkpointing=checkpointing, recipe=recipe)
     kw: dict = _step_options(chosen, device)
+    if pp is not None:
+        return _pipeline_answer(model, step, chosen, recipe_text, batch=batch, seq=seq, optimizer=optimizer,
+                                budget=budget, lora=lora, checkpointing=checkpointing, fsdp=fsdp, tp=tp, pp=pp,
+                                microbatches=microbatches, device=device)
+    if microbatches is not None:
+        raise SpecError("microbatches= is the pipeline's (pp=): give pp= too, or drop microbatches=")
     if tp is not None:
         if lora is not None:  # peft's wrappers move the modules the plan's paths name
             raise SpecError("tp= with LoRA adapters is not modelled yet: use fsdp= with lora=, or tp= without it")
@@ -429,6 +444,88 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
 
 
 _INDENT = " " * 22  # the column the answer's values start at
+
+
+@dataclasses.dataclass
+class StageAnswer:
+    """One pipeline stage's numbers (bytes) at the batch and sequence length asked (its first rank)."""
+
+    stage: int
+    rank: int
+    layers: int
+    step_peak: int
+    resident: int
+    max_batch: int | None
+    max_seq: int | None
+    report: Any = dataclasses.field(repr=False, default=None)
+
+
+def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any, recipe_text: str, *, batch: int,
+                     seq: int, optimizer: str, budget: int | None, lora: Any, checkpointing: bool, fsdp: int | None,
+                     tp: int | None, pp: int, microbatches: int | None, device: str) -> LLMAnswer:
+    """:func:`llm_answer` with ``pp=``: every stage analysed, the answer the stage that peaks highest."""
+    import functools
+
+    from . import analyze, llm_stages
+    from .distributed.pipeline import stage_ranks
+    from .specs import TensorSpec
+
+    llm_stages.check(step, pp)
+    if lora is not None or checkpointing:
+        raise SpecError("pp= with lora= or checkpointing=True is not modelled yet: analyse the pipeline without them")
+    if chosen is not None and (chosen.loss_scaling or chosen.dtype("autocast") is not None):
+        raise SpecError(f"recipe={chosen.name!r} with pp=: the stages' forwards under autocast are not simulated yet; "
+                        f"use a pure recipe (fp32, bf16) with pp=")
+    if tp is not None:
+        tensor_parallel_plan(step)  # refused before anything is analysed
+    micro = pp if microbatches is None else microbatches
+    llm_stages.check_microbatches(batch, micro)
+    layout = llm_stages.mesh(pp, fsdp, tp)
+    ranks = math.prod(layout.values())
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=micro)
+    stages = []
+    for stage, rank in enumerate(stage_ranks(layout)):
+        report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
+                         optimizer=OPTIMIZERS[optimizer], step=llm_stages.train_stage, parallelize=parallelize, world_size=ranks, rank=rank,
+                         mesh=layout if len(layout) > 1 else None, hints={"B": batch, "L": seq}, device=device)
+        at = report.evaluate(B=batch, L=seq)
+        stages.append(StageAnswer(
+            stage=stage, rank=rank, layers=_stage_layers(step, stage, pp), step_peak=int(at["train_peak"]),
+            resident=int(at["train_resident"]), report=report,
+            max_batch=report.max_size("B", budget, train=True, L=seq) if budget is not None else None,
+            max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None))
+    worst = max(stages, key=lambda s: s.step_peak)
+    report = worst.report
+    at = report.evaluate(B=batch, L=seq)
+    params = list(step.parameters())
+    param_bytes = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
+    answer = LLMAnswer(
+        model=type(model).__name__, batch=batch, seq=seq,
+        parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+        parameter_bytes=param_bytes, gradient_bytes=int(at["grads"]), optimizer_state_bytes=int(at["optimizer_state"]),
+        step_peak=worst.step_peak, gpu=budget,
+        max_batch=min((s.max_batch for s in stages), key=int) if budget is not None else None,
+        max_seq=min((s.max_seq for s in stages), key=int) if budget is not None else None,
+        notes=_inexact(report.notes), report=report, recipe=chosen.name if chosen is not None else "as built",
+        recipe_text=recipe_text, optimizer=optimizer, context=context_length(model), ranks=ranks,
+        tp=tp or 1, stages=stages)
+    others = " x ".join(f"{k} {v}" for k, v in layout.items())
+    answer.notes.insert(0, f"per rank: stage {worst.stage} of {pp} (rank {worst.rank} of {ranks}, mesh {others}), "
+                           f"the stage whose step peaks highest; Schedule1F1B over {micro} micro-batches of "
+                           f"{batch // micro}; the largest sizes are those every stage fits")
+    for s in stages:
+        answer.notes.append(f"stage {s.stage} ({s.layers} decoder layers{', the embedding' if s.stage == 0 else ''}"
+                            f"{', the norm, head and loss' if s.stage == pp - 1 else ''}): step peak "
+                            f"{format_bytes(s.step_peak)}, resident {format_bytes(s.resident)}")
+    if device == "cpu":
+        answer.notes.insert(0, "the CPU's allocator: on a GPU each allocation is rounded up to 512 bytes and "
+                               "kernels differ (analyse with device='cuda' where a GPU is visible)")
+    return answer
+
+
+def _stage_layers(step: torch.nn.Module, stage: int, stages: int) -> int:
+    n = len(step.model.base_model.layers)
+    return round((stage + 1) * n / stages) - round(stage * n / stages)
 
 
 def _recipe(model: torch.nn.Module, recipe: Any, optimizer: str) -> tuple[Any, str]:

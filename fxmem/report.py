@@ -21,6 +21,7 @@ import torch
 
 from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, cuda_block_bytes, max_size
+from .accounting.budget import MaxSize
 from .accounting.symbolic import evaluate
 from .accounting.caching_allocator import CachingAllocator, moved_order
 from .accounting.cuda_blocks import AllocatorConfig
@@ -404,7 +405,8 @@ class Report:
         out-of-memory error is about (``reserved``, ``train_reserved`` in :meth:`evaluate`).
 
         ``budget`` is bytes or a string such as ``"80GiB"`` or ``"32GB"``; ``fixed`` gives the other
-        dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`).
+        dims. Exact: the answer fits and the next size does not (see :mod:`fxmem.accounting.budget`);
+        for a pipeline stage, the batch dim's sizes are the multiples of its micro-batches.
         A 0 (not even size 1 fits) carries its reason, ``.reason``, and warns with it.
         With recomputation in backward the model is rewritten: ``fxmem.passes.max_size(report,
         dim, budget, **fixed)`` is the largest size whose training step fits then.
@@ -432,7 +434,18 @@ class Report:
         if on == "reserved":
             AllocatorConfig.from_environment().check_replayable()
         key = ("train_" if train else "") + on
+        split = self.facts.get("microbatches")
+        if split and dim == self._microbatched_dim():
+            # a pipeline's batch splits into equal micro-batches: its sizes are the multiples of their number
+            found = max_size(lambda **d: self.evaluate(**{**d, dim: split * d[dim]}), list(self.symbols), dim, budget,
+                             key=key, start=max(2, self.hints.get(dim, 2) // split), **fixed)
+            return MaxSize.of(split * int(found), found.reason)
         return max_size(self.evaluate, list(self.symbols), dim, budget, key=key, start=self.hints.get(dim, 2), **fixed)
+
+    def _microbatched_dim(self) -> str | None:
+        """The dim a pipeline schedule splits into micro-batches: its inputs' first (the first spec's)."""
+        first = self.specs[0].dims[0] if self.specs and self.specs[0].dims else None
+        return str(first) if isinstance(first, sympy.Symbol) else None
 
     # --- views ----------------------------------------------------------------------------------
     @property

@@ -164,6 +164,7 @@ from .pipelining import (
     is_pipeline_schedule,
     messages as pipeline_messages,
     pipeline_schedule_type,
+    schedule_microbatches,
     schedule_stages,
     sends as pipeline_sends,
     stage_buffers,
@@ -204,6 +205,6 @@ __all__ = [
     "fsdp_without_gpu", "functional_collective", "local_tensor", "on_storage_resize", "pipeline_stage_types",
     "tensors_made",
     # pipelining
-    "is_pipeline_schedule", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_stages",
-    "stage_buffers", "stage_index", "stage_static_vote",
+    "is_pipeline_schedule", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_microbatches",
+    "schedule_stages", "stage_buffers", "stage_index", "stage_static_vote",
 ]

@@ -22,11 +22,17 @@ from typing import Any, Iterator
 import torch
 
 
+# nn.Module's own tables (hooks, flags, non-persistent buffer names), as its constructor makes them
+_MODULE_TABLES = tuple(k for k, v in torch.nn.Module().__dict__.items() if isinstance(v, (dict, set)))
+
+
 def fake_module_copy(module: torch.nn.Module, make: Any, memo: dict | None = None) -> torch.nn.Module:
     """A structural copy of ``module`` whose tensors are ``make(t, trainable)``; ``module`` is untouched.
 
     Parameters, buffers and plain tensor attributes of every submodule are replaced; shared (tied)
-    tensors and modules stay shared. ``trainable`` is True for parameters.
+    tensors and modules stay shared. ``trainable`` is True for parameters. Each copy has hook tables
+    of its own (holding the same hooks): a hook registered on a copy (``fully_shard``'s) is neither
+    registered on ``module`` nor on another copy of it.
     """
     memo = {} if memo is None else memo
     if id(module) in memo:
@@ -34,6 +40,10 @@ def fake_module_copy(module: torch.nn.Module, make: Any, memo: dict | None = Non
     new = object.__new__(type(module))
     memo[id(module)] = new
     new.__dict__.update(module.__dict__)
+    for name in _MODULE_TABLES:
+        table = module.__dict__.get(name)
+        if isinstance(table, (dict, set)):
+            new.__dict__[name] = type(table)(table)
 
     def fake(t: torch.Tensor | None, trainable: bool) -> torch.Tensor | None:
         if t is None:

@@ -46,6 +46,11 @@ def schedule_stages(schedule: Any) -> list:
     return list(stages) if stages is not None else [schedule._stage]
 
 
+def schedule_microbatches(schedule: Any) -> int:
+    """The micro-batches ``schedule.step`` splits its inputs into (``n_microbatches``)."""
+    return int(schedule._n_microbatches)
+
+
 def stage_index(stage: Any) -> int:
     return int(stage.stage_index)
 

@@ -216,13 +216,15 @@ class Parallel:
         if out is None:
             out = model  # fully_shard works in place: returning nothing means the model itself
         from .pipeline import is_pipeline
-        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): its stage holds no wrapper
+        from .wrappers import refuse_unmodelled
+        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): FSDP2 and DTensors in its stages
+            for stage in tc.schedule_stages(out):
+                refuse_unmodelled(stage.submod, "parallelize=", placed_here=True)
             return out, []
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")
         from .ddp import install_allreduce, reducer_state
-        from .wrappers import refuse_unmodelled
         refuse_unmodelled(out, "parallelize=", placed_here=True)
         if getattr(mesh, "device_type", "cpu") == "cuda" and any(
                 type(m).__name__ == "DistributedDataParallel" for m in out.modules()):

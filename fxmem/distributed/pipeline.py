@@ -8,6 +8,9 @@ on the last) and the optimizer. The optimizer is built over the stage's paramete
 schedule's own code on fake tensors, so the micro-batches in flight are the schedule's: GPipe keeps
 every micro-batch's saved tensors until its backward pass, 1F1B at most ``stages - stage_index``;
 ScheduleInterleaved1F1B runs several stages a rank (built as a list, each its own PipelineStage).
+On a mesh of several dims (``mesh={"pp": 2, "dp": 2, "tp": 2}``) the stage is its ``mesh["pp"]``
+coordinate's, FSDP2 (over ``"dp"``) and tensor parallelism (over ``"tp"``) inside it: the
+schedule runs their collectives in each micro-batch's forward and backward.
 
 >>> def parallelize(model, mesh):                                      # doctest: +SKIP
 ...     rank, stages = mesh.get_local_rank(), mesh.size()
@@ -35,6 +38,7 @@ are garbage, the buffers real).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -148,6 +152,14 @@ def start_up(mailbox: Mailbox, run_rank: Callable[[int, Mailbox], None]) -> Mail
     return mailbox
 
 
+def stage_ranks(layout: dict) -> list[int]:
+    """The first rank of each stage of mesh ``layout`` (``{dim name: size}``, row-major as a
+    DeviceMesh numbers its ranks): the ranks whose other coordinates are all 0."""
+    names = list(layout)
+    stride = math.prod(layout[n] for n in names[names.index("pp") + 1:])
+    return [s * stride for s in range(layout["pp"])]
+
+
 def is_pipeline(obj: Any) -> bool:
     """Whether ``obj`` (what ``parallelize=`` returned) is a pipeline schedule."""
     return tc.is_pipeline_schedule(obj)
@@ -168,29 +180,19 @@ def stage_model(schedule: Any) -> torch.nn.Module:
                          f"front end, torch.distributed.pipelining.PipelineStage(submodule, stage_index, num_stages, "
                          f"device) (not pipeline() / build_stage)")
     modules = [s.submod for s in stages]
-    dtensor = tc.dtensor_type_if_loaded()
     for m in modules:
         for sub in m.modules():
-            wrapped = type(sub).__name__ == "DistributedDataParallel" or tc.fsdp2_state(sub) is not None
-            placed = dtensor is not None and any(isinstance(p, dtensor) for p in sub.parameters(recurse=False))
-            if wrapped or placed:
-                what = type(sub).__name__ if wrapped else "DTensor"
-                raise ModelError(f"parallelize=: a pipeline stage holds {what} parameters (pipeline parallelism with "
-                                 f"FSDP, DDP or tensor parallelism), which fxmem does not model yet; analyse the "
-                                 f"pipeline alone (plain stage submodules), or the data or tensor parallelism of one "
-                                 f"stage's submodule alone")
+            if type(sub).__name__ == "DistributedDataParallel":
+                raise ModelError("parallelize=: a pipeline stage is wrapped by DistributedDataParallel (pipeline with "
+                                 "DDP), which fxmem does not model yet; shard the stages with FSDP2 (fully_shard "
+                                 "over the mesh's data-parallel dim), which is modelled")
     return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
 
 
 def check(parallel: Any, training: Any) -> None:
-    """Refuse the analyses of a pipeline that are not modelled: a forward alone, the default step,
-    a mesh of several dims."""
+    """Refuse the analyses of a pipeline that are not modelled: a forward alone, the default step."""
     if training is None or training.step is None:
         raise SpecError(f"parallelize= returned a pipeline schedule; {STEP_NEEDED} (and optimizer=)")
-    if parallel.mesh is not None and len(parallel.mesh) > 1:
-        raise ModelError("parallelize= returned a pipeline schedule over a mesh of several dims (pipeline with data "
-                         "or tensor parallelism), which fxmem does not model yet; analyse the pipeline over a 1-D "
-                         "mesh (world_size= stages)")
 
 
 def handed(schedule: Any, step: Callable) -> Callable:
@@ -204,13 +206,13 @@ def handed(schedule: Any, step: Callable) -> Callable:
 
 
 def real_start_up(world_size: int, make_model: Callable[[], torch.nn.Module], parallelize: Callable,
-                  optimizer: Callable, inputs: tuple, step: Callable) -> Mailbox:
+                  optimizer: Callable, inputs: tuple, step: Callable, dims: tuple | None = None) -> Mailbox:
     """:func:`start_up` of real ranks' steps, each in torch's fake process group of its rank, for a
     real run of one rank in one process (:func:`fxmem.distributed.real_runs.measure_synchronous`)."""
     import gc
 
     def run_rank(rank: int, mailbox: Mailbox) -> None:
-        with tc.fake_process_group(world_size, rank) as mesh:
+        with tc.fake_process_group(world_size, rank, dims=dims) as mesh:
             torch.manual_seed(0)
             schedule = parallelize(make_model(), mesh)
             step(schedule, optimizer(list(stage_model(schedule).parameters())), *inputs)

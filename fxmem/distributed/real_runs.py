@@ -112,20 +112,37 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
             out.register_comm_hook(None, _allreduce)
         return out
 
-    from .pipeline import is_pipeline, real_start_up
+    from .pipeline import real_start_up
 
+    dims = _dims(mesh)
+    pipelined = _returns_pipeline(make_model, parallelize, world_size, rank, dims)
     with contextlib.ExitStack() as pipeline:
-        def started(model: torch.nn.Module, mesh: Any) -> Any:
-            out = wrapped(model, mesh)
-            if is_pipeline(out):
-                # the start-up messages the other ranks would send this rank's stage, from their own steps
-                mailbox = real_start_up(world_size, make_model, parallelize, optimizer, inputs, step)
-                mailbox.rank = rank
-                pipeline.enter_context(tc.pipeline_messages(mailbox))
-            return out
+        if pipelined:
+            # the start-up messages the other ranks would send this rank's stage, from their own steps:
+            # gathered before this rank's measurement starts (their fake groups leave small buffers behind)
+            mailbox = real_start_up(world_size, make_model, parallelize, optimizer, inputs, step, dims)
+            mailbox.rank = rank
+            pipeline.enter_context(tc.pipeline_messages(mailbox))
+        with tc.fake_process_group(world_size, rank, dims=dims) as device_mesh:
+            return measure_rank(rank, device_mesh, make_model, inputs, wrapped, optimizer, loss, step=step)
 
-        with tc.fake_process_group(world_size, rank, dims=_dims(mesh)) as device_mesh:
-            return measure_rank(rank, device_mesh, make_model, inputs, started, optimizer, loss, step=step)
+
+def _returns_pipeline(make_model: Callable, parallelize: Callable, world_size: int, rank: int,
+                      dims: tuple | None) -> bool:
+    """Whether ``parallelize`` returns a pipeline schedule: tried on a model made on the meta device
+    (nothing allocated), or, where the wrapping refuses meta tensors, on a real one."""
+    from .. import _torch_compat as tc
+    from .pipeline import is_pipeline
+
+    for device in ("meta", "cpu"):
+        with tc.fake_process_group(world_size, rank, dims=dims) as device_mesh:
+            try:
+                with torch.device(device):
+                    return is_pipeline(parallelize(make_model(), device_mesh))
+            except Exception:
+                if device == "cpu":
+                    raise
+    return False
 
 
 def measure_rank(rank: int, mesh: Any, make_model: Callable, inputs: tuple, parallelize: Callable,

@@ -89,6 +89,9 @@ def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = No
     ``rank=``, default 0); ``options`` as for :func:`fxmem.analyze` (``optimizer=`` for a step).
     An entry of ``sizes`` may be a mesh of named dims instead, ``{"dp": 4, "tp": 2}`` (handed to
     ``parallelize`` as ``mesh=`` hands it: layouts of data and tensor parallelism side by side).
+    A mesh with a ``"pp"`` dim is a pipeline (``parallelize`` returns the schedule, ``step=`` runs
+    it): each stage's first rank is analysed, a row each (``"pp 2 x dp 2, stage 1"``), unless
+    ``rank=`` names one.
     A model you wrapped already (``DistributedDataParallel``, ``fully_shard``) needs no
     ``parallelize``: its own wrapping is applied again at each size."""
     from ..analyze import analyze
@@ -106,5 +109,13 @@ def world_sizes(model: Any, *input_specs: Any, parallelize: Callable | None = No
                         "DistributedDataParallel), or a model you wrapped already")
     if parallelize is not None:
         options["parallelize"] = parallelize
-    layouts = [_layout(size) for size in sizes]
-    return WorldSizes({key: analyze(model, *input_specs, **layout, **options) for key, layout in layouts})
+    out = {}
+    for key, layout in (_layout(size) for size in sizes):
+        mesh = layout.get("mesh") or {}
+        if "pp" in mesh and "rank" not in options:  # a pipeline: each stage holds its own layers, one row each
+            from .pipeline import stage_ranks
+            for stage, rank in enumerate(stage_ranks(mesh)):
+                out[f"{key}, stage {stage}"] = analyze(model, *input_specs, **layout, rank=rank, **options)
+        else:
+            out[key] = analyze(model, *input_specs, **layout, **options)
+    return WorldSizes(out)

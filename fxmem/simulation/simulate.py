@@ -291,12 +291,13 @@ def simulate_once(
         # them so, and kernels decide by it (matmul folds a batched input into one mm when the
         # weight requires grad: nn.GRU's input projection, 2.8 MB of bmm at B=97, T=101 otherwise)
         fake_model = _fake_copy(source, device)
-        warm, held, schedule, sent = None, [], None, []
+        warm, held, schedule, sent, microbatches = None, [], None, [], 0
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
             if pipeline.is_pipeline(fake_model):  # the stage's module is what this rank trains
                 pipeline.check(parallel, training)
                 schedule, fake_model = fake_model, pipeline.stage_model(fake_model)
+                microbatches = tc.schedule_microbatches(schedule)
             tensor_parallel = parallel.tensor_parallel(fake_model)
             wrapped.enter_context(parallel.reads(fake_model, held))  # DDP's used-parameter map
             # lazy set-up (FSDP2's, DDP's bucket rebuild) and optimizer state; a step= of the user's
@@ -402,6 +403,8 @@ def simulate_once(
         for text in parallel.notes(table.storages, device, tensor_parallel, sent_bytes):
             log.note(text)
     facts = {**environment(device), **({"autocast": str(options.autocast)} if options.autocast else {}),
+             # a pipeline splits its inputs' first dim into micro-batches: its sizes are multiples of their number
+             **({"microbatches": microbatches} if microbatches else {}),
              "kernel_rules": sorted({r.name for r in recorder.used | real_paths.used}),
              "user_rules": sorted({r.name for r in recorder.used if r.user})}
     _note_versions(recorder.used | real_paths.used, log)
@@ -492,7 +495,7 @@ def _pipeline_started(parallel: Any, source: torch.nn.Module, training: Training
     def run_rank(rank: int, mailbox: Any) -> None:
         with contextlib.ExitStack() as world:
             with tc.real_mode():  # a DeviceMesh reads its ranks tensor: made outside the fake mode, as rank's own
-                mesh = world.enter_context(tc.fake_process_group(parallel.world_size, rank, device))
+                mesh = world.enter_context(tc.fake_process_group(parallel.world_size, rank, device, parallel.mesh))
             copy = _fake_copy(source, device)
             schedule, _ = parallel.apply(copy, mesh)
             params = [p for p in pipeline.stage_model(schedule).parameters() if p.requires_grad]

@@ -8,6 +8,7 @@ Evidence, both real runs measured by the allocator (fxmem.measure), at sizes the
 * gloo, one process per rank (spawned): the ranks exchange everything for real.
 GPipe holds every micro-batch's activations before the first backward, 1F1B at most stages - rank.
 """
+import math
 import re
 
 import pytest
@@ -18,7 +19,8 @@ import fxmem
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from zoo.distributed import D, V
-from zoo.pipeline import PipeDecoder, adam, gpipe, interleaved, looped_bfs, one_f_one_b, train
+from zoo.pipeline import (TP_D, PipeDecoder, PipeTPDecoder, adam, gpipe, interleaved, looped_bfs, one_f_one_b,
+                          pp_fsdp, pp_fsdp_tp, pp_tp, train, train_staged)
 
 SIZES = [dict(B=8, L=5), dict(B=12, L=7)]  # (the analysis runs at fxmem's example sizes; B divides by 4 micro-batches)
 _reports: dict = {}
@@ -76,16 +78,16 @@ def links(fn, rank, world_size):
     return (rank > 0) + (rank < world_size - 1)
 
 
-def sent_bound(report, neighbours, dims):
+def sent_bound(report, neighbours, dims, width=D):
     """The bound the notes state for what gloo may hold late (bytes at ``dims``), checked against the
     sends the split makes: each micro-batch's [B/4, L, D] float32 activation to the next stage and its
-    gradient to the one before, 4 * D * B * L bytes per link over the 4 micro-batches."""
+    gradient to the one before, 4 * width * B * L bytes per link over the 4 micro-batches (width: D)."""
     stated = re.search(r"up to (\S+) bytes \(the step's \d+ sent", " ".join(report.notes))
     assert stated, report.notes
     bound = sympy.sympify(stated.group(1), locals={n: sympy.Symbol(n, integer=True, positive=True) for n in "BL"})
-    assert sympy.simplify(bound - neighbours * 4 * 4 * D * sympy.floor(sympy.Symbol("B", integer=True,
+    assert sympy.simplify(bound - neighbours * 4 * 4 * width * sympy.floor(sympy.Symbol("B", integer=True,
                           positive=True) / 4) * sympy.Symbol("L", integer=True, positive=True)) == 0, bound
-    return neighbours * 4 * D * dims["B"] * dims["L"]
+    return neighbours * 4 * width * dims["B"] * dims["L"]
 
 
 @pytest.mark.parametrize("fn", [gpipe, pytest.param(one_f_one_b, marks=pytest.mark.slow),
@@ -128,14 +130,111 @@ def test_schedules_not_modelled_are_refused_by_name():
                       parallelize=looped_bfs)
 
 
-def test_pipeline_with_fsdp_is_refused_by_name():
-    from torch.distributed.fsdp import fully_shard
+def test_pipeline_with_ddp_is_refused_by_name():
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
 
-    def sharded_stages(model, mesh):
-        schedule = gpipe(model, mesh)
-        fully_shard(schedule._stage.submod, mesh=mesh)
-        return schedule
+    def ddp_stages(model, mesh):
+        pp, dp = mesh["pp"], mesh["dp"]
+        rank = pp.get_local_rank()
+        part = DistributedDataParallel(model.layers[:2] if rank == 0 else model.layers[2:], process_group=dp.get_group())
+        return ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu"), group=pp.get_group()),
+                             n_microbatches=4, loss_fn=None)
 
-    with pytest.raises(ModelError, match="pipeline parallelism with FSDP, DDP or tensor parallelism"):
-        fxmem.analyze(PipeDecoder(), ("B", "L", D), ("B", "L", V), optimizer=adam, step=train, world_size=2,
-                      parallelize=sharded_stages)
+    with pytest.raises(ModelError, match="pipeline stage is wrapped by DistributedDataParallel"):
+        fxmem.analyze(PipeDecoder(), ("B", "L", D), ("B", "L", V), optimizer=adam, step=train_staged, world_size=4,
+                      mesh={"pp": 2, "dp": 2}, parallelize=ddp_stages)
+
+
+# Pipelines on a mesh of several dims (torchtitan's layouts): stages over "pp", FSDP2 over "dp", tensor
+# parallelism over "tp". Each rank's stage against the same code's real run, synchronous and on gloo.
+MESHES = {pp_fsdp: {"pp": 2, "dp": 2}, pp_tp: {"pp": 2, "tp": 2}, pp_fsdp_tp: {"pp": 2, "dp": 2, "tp": 2}}
+
+
+def analyse_mesh(fn, rank):
+    key = (fn.__name__, "mesh", rank)
+    if key not in _reports:
+        mesh = MESHES[fn]
+        model = PipeTPDecoder()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        _reports[key] = fxmem.analyze(model, ("B", "L", TP_D), ("B", "L", V), optimizer=adam, step=train_staged,
+                                      world_size=math.prod(mesh.values()), mesh=mesh, rank=rank, parallelize=fn,
+                                      check=False)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert all(type(m).__module__.startswith(("torch.nn", "zoo")) for m in model.modules())
+    return _reports[key]
+
+
+def mesh_inputs(dims):
+    torch.manual_seed(1)
+    return torch.randn(dims["B"], dims["L"], TP_D), torch.randn(dims["B"], dims["L"], V)
+
+
+@pytest.mark.parametrize("fn, rank", [
+    (pp_fsdp, 0), pytest.param(pp_fsdp, 3, marks=pytest.mark.slow),
+    pytest.param(pp_tp, 0, marks=pytest.mark.slow), pytest.param(pp_tp, 3, marks=pytest.mark.slow),
+    pytest.param(pp_fsdp_tp, 0, marks=pytest.mark.slow), (pp_fsdp_tp, 7)])  # CI: 2-D FSDP2, 3-D
+def test_pipeline_on_a_mesh_exact_per_rank(fn, rank):
+    # the stage's FSDP2 shards (over "dp") and tensor-parallel shards (over "tp"), its micro-batches in
+    # flight (1F1B) and the collectives of both inside the schedule's forwards and backwards
+    torch.set_num_threads(1)
+    report = analyse_mesh(fn, rank)
+    mesh = MESHES[fn]
+    for dims in SIZES:
+        real = measure_synchronous(PipeTPDecoder, mesh_inputs(dims), fn, math.prod(mesh.values()), rank, adam,
+                                   step=train_staged, mesh=mesh)
+        assert measured(real) == predicted(report, dims), f"{fn.__name__} rank {rank} at {dims}"
+
+
+def stated_bounds(report, dims):
+    """Every bound the notes state on what gloo may hold beyond the synchronous numbers, in bytes at ``dims``."""
+    symbols = {n: sympy.Symbol(n, integer=True, positive=True) for n in "BL"}
+    found = re.findall(r"by up to (\S+) bytes", " ".join(report.notes))
+    assert found, report.notes
+    return sum(int(sympy.sympify(f.replace(",", ""), locals=symbols).subs({symbols[k]: v for k, v in dims.items()}))
+               for f in found)
+
+
+@pytest.mark.parametrize("fn", [pp_fsdp, pytest.param(pp_tp, marks=pytest.mark.slow)])
+def test_gloo_pipeline_on_a_mesh_within_the_stated_bound(fn):
+    # 4 processes, 2 stages of 2 ranks: each rank's state exact; its resident count, peak and what its step keeps
+    # between the synchronous numbers and them + the notes' bounds (the stage's sends, FSDP2's or tensor
+    # parallelism's buffers)
+    torch.set_num_threads(1)
+    dims, mesh = SIZES[1], MESHES[fn]
+    for real in measure_ranks(PipeTPDecoder, mesh_inputs(dims), fn, 4, adam, step=train_staged, mesh=mesh):
+        report = analyse_mesh(fn, real.rank)
+        peak, retained, resident, state = predicted(report, dims)
+        # the allocator's resident count includes FSDP2's buffers gloo frees late: the rank's own storages
+        # (parameter shards, optimizer state, inputs) counted one by one, beside what the stage keeps (its
+        # receive buffers; the last stage's outputs of the step before)
+        stage = sum(s.bytes for s in report.storages if s.name.startswith(f"stage {real.rank // 2} "))
+        assert (real.extra["state_storages"], real.optimizer_state) == (resident - report.at(stage, **dims), state)
+        sent_bound(report, 1, dims, TP_D)  # one link: the other stage's activations or gradients
+        late = stated_bounds(report, dims)
+        for what, got, sync in (("resident", real.resident, resident), ("peak", real.peak_above_start, peak),
+                                ("retained", real.retained, retained)):
+            assert sync <= got <= sync + late, (f"{fn.__name__} rank {real.rank} {what}: gloo {got:,} B, synchronous "
+                                                f"{sync:,} B, stated bounds {late:,} B")
+
+
+@pytest.mark.slow  # CI: the stages' ranks above; this checks that world_sizes picks them and their largest batch
+def test_world_sizes_of_a_pipeline_has_a_row_per_stage():
+    # each stage's first rank (stage 1 of a "pp" 2 x "dp" 2 mesh is rank 2), against its real run; the largest
+    # batch is a multiple of the 4 micro-batches that fits, and the next multiple does not
+    torch.set_num_threads(1)
+    table = fxmem.world_sizes(PipeTPDecoder(), ("B", "L", TP_D), ("B", "L", V), parallelize=pp_fsdp,
+                              sizes=[{"pp": 2, "dp": 2}], optimizer=adam, step=train_staged, check=False)
+    assert list(table) == ["pp 2 x dp 2, stage 0", "pp 2 x dp 2, stage 1"]
+    dims = SIZES[1]
+    for (key, report), rank in zip(table.items(), (0, 2)):
+        real = measure_synchronous(PipeTPDecoder, mesh_inputs(dims), pp_fsdp, 4, rank, adam, step=train_staged,
+                                   mesh=MESHES[pp_fsdp])
+        assert measured(real) == predicted(report, dims), key
+    budget = 400_000
+    best = table.max_size("B", budget, L=7)
+    for key, report in table.items():
+        b = best[key]
+        assert b % 4 == 0 and report.evaluate(B=b, L=7)["train_peak"] <= budget < \
+            report.evaluate(B=b + 4, L=7)["train_peak"], key
+    assert "pp 2 x dp 2, stage 1" in str(table)

@@ -106,8 +106,9 @@ CASES = {  # name: (model factory, call); the call may refuse (an FxMemError) - 
     "validate": (Stateful, lambda m: fxmem.validate(m, ("B", 6), dims={"B": 4}, device="cpu", optimizer=SGD)),
     "generation": (_llama, lambda m: fxmem.generation(m, ("B", "P"), new_tokens=2)),
     "llm_answer": (_llama, lambda m: fxmem.llm_answer(m, batch=2, seq=8)),
+    "llm_layouts": (_llama, lambda m: fxmem.llm_layouts(m, batch=2, seq=8, layouts=["pp2", "dp2"])),
 }
-SLOW = {"generation", "llm_answer"}
+SLOW = {"generation", "llm_answer", "llm_layouts"}
 CONTEXTS = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 

@@ -113,6 +113,89 @@ def test_tensor_parallelism_needs_the_configs_plan():
         llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=0)
 
 
+@pytest.mark.parametrize("fsdp, tp", [(None, None), pytest.param(2, None, marks=pytest.mark.slow),
+                                     pytest.param(None, 2, marks=pytest.mark.slow)],
+                         ids=["pp2", "pp2xdp2", "pp2xtp2"])  # CI: the pipeline alone (the meshes: tests/distributed)
+def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
+    """pp=2: every stage's rank against a real step of the same split (fxmem.llm_stages), in one process
+    with the other ranks' start-up messages; 1F1B over 2 micro-batches, at sizes the analysis did not see."""
+    import functools
+
+    from fxmem import llm_stages
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, fsdp=fsdp, tp=tp, gpu="4MiB")
+    layout = llm_stages.mesh(2, fsdp, tp)
+    assert [s.stage for s in answer.stages] == [0, 1] and answer.ranks == 2 * (fsdp or 1) * (tp or 1)
+    worst = max(answer.stages, key=lambda s: s.step_peak)
+    assert answer.step_peak == worst.step_peak and f"stage {worst.stage} of 2" in str(answer)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2)
+    torch.set_num_threads(1)
+    for stage in answer.stages:
+        # the last stage holds the head and its logits; the first the embedding (and more micro-batches in flight)
+        for b, l in ((4, 37), (6, 61)):
+            x = torch.randint(3, 90, (b, l))
+            real = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)), parallelize, answer.ranks,
+                                       stage.rank, OPTIMIZERS["adamw"], step=llm_stages.train_stage,
+                                       mesh=layout if len(layout) > 1 else None)
+            at = stage.report.evaluate(B=b, L=l)
+            assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
+                (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
+                 at["optimizer_state"]), (stage.stage, b, l)
+        assert real.optimizer_state > 0  # every stage trains its layers (a backward on each rank)
+    # the largest batch: a multiple of the micro-batches that every stage fits, and the next does not
+    fits = [s.report.evaluate(B=answer.max_batch, L=48)["train_peak"] for s in answer.stages]
+    over = [s.report.evaluate(B=answer.max_batch + 2, L=48)["train_peak"] for s in answer.stages]
+    assert answer.max_batch % 2 == 0 and max(fits) <= 4 * 2**20 < max(over)
+
+
+def test_layouts_side_by_side(tmp_path):
+    # a row per layout, each the answer of its own layout: the single device's against a real step, the
+    # pipeline's worst stage against a real run of that stage's rank; the command line prints the same table
+    import functools
+
+    from fxmem import llm_stages
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    table = fxmem.llm_layouts(fxmem.from_config(LLAMA), batch=4, seq=48, layouts=["dp1", "pp2"], gpu="4MiB")
+    assert list(table) == ["dp 1", "pp 2"] and [a.ranks for a in table.values()] == [1, 2]
+    one, pipe = table["dp 1"], table["pp 2"]
+    at = one.report.evaluate(B=4, L=48)
+    assert _real_step(_real(LLAMA), 4, 48) == (at["train_peak"] - at["train_resident"], at["train_retained"])
+    worst = max(pipe.stages, key=lambda s: s.step_peak)
+    x = torch.randint(3, 90, (4, 48))
+    torch.set_num_threads(1)
+    real = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)),
+                               functools.partial(llm_stages.pipeline_per_stage, microbatches=2), 2, worst.rank,
+                               OPTIMIZERS["adamw"], step=llm_stages.train_stage)
+    assert pipe.step_peak == worst.step_peak == real.resident + real.peak_above_start
+    assert pipe.max_batch % 2 == 0 and pipe.max_batch == min(s.max_batch for s in pipe.stages)
+    text = str(table)
+    assert fxmem.format_bytes(pipe.step_peak) in text and f"{pipe.max_batch:,}" in text
+    with pytest.raises(fxmem.SpecError, match="'tp2xq3' is not a layout"):
+        fxmem.llm_layouts(fxmem.from_config(LLAMA), batch=4, seq=48, layouts=["tp2xq3"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--batch", "4", "--seq", "48",
+                          "--gpu", "4MiB", "--layouts", "dp1", "pp2", "--quiet"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert text.splitlines()[-1] in out.stdout and text.splitlines()[-2] in out.stdout, out.stdout
+
+
+def test_pipeline_refusals():
+    with pytest.raises(fxmem.SpecError, match="a gpt2 model is not split yet"):
+        llm_answer(fxmem.from_config(GPT2), batch=2, seq=48, pp=2)
+    with pytest.raises(fxmem.SpecError, match="batch=3 does not split into 2 equal micro-batches"):
+        llm_answer(fxmem.from_config(LLAMA), batch=3, seq=48, pp=2)
+    with pytest.raises(fxmem.SpecError, match="pp=3: the model has 2 decoder layers"):
+        llm_answer(fxmem.from_config(LLAMA), batch=3, seq=48, pp=3)
+    with pytest.raises(fxmem.SpecError, match="microbatches= is the pipeline's"):
+        llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, microbatches=2)
+    with pytest.raises(fxmem.SpecError, match="recipe='amp-bf16' with pp="):
+        llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, pp=2, recipe="amp-bf16")
+
+
 def test_answers_and_their_reasons(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA))

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleLoopedBFS)
 
-from .distributed import Block, D, V
+from .distributed import Block, D, TPBlock, V, _block_plan
 
 MICROBATCHES = 4
 
@@ -21,6 +21,21 @@ class PipeDecoder(nn.Module):
 
     def forward(self, x, target=None):
         return self.layers(x)
+
+
+class PipeTPDecoder(nn.Module):
+    """:class:`PipeDecoder` of blocks tensor parallelism splits into 2 (whole heads and MLP features a
+    rank), width ``TP_D``."""
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.layers = nn.Sequential(*[TPBlock(TP_D, 2 * TP_D) for _ in range(n)], nn.LayerNorm(TP_D), nn.Linear(TP_D, V))
+
+    def forward(self, x, target=None):
+        return self.layers(x)
+
+
+TP_D = 24
 
 
 def mse(out, target):
@@ -72,3 +87,59 @@ def train(schedule, opt, x, target):
 
 def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
+
+
+def _mesh_stage(model, mesh, schedule, shard=None):
+    """Stage ``mesh["pp"]``'s local rank of its size, over the mesh's ``"pp"`` dim: its blocks tensor
+    parallel over ``"tp"`` and sharded by FSDP2 over ``"dp"`` where the mesh has those dims (torchtitan's
+    order: tensor parallelism, then fully_shard of each block and of the stage)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = mesh.mesh_dim_names
+    pp = mesh["pp"]
+    rank, stages = pp.get_local_rank(), pp.size()
+    cuts = [round(i * len(model.layers) / stages) for i in range(stages + 1)]
+    part = model.layers[cuts[rank]:cuts[rank + 1]]
+    blocks = [m for m in part if type(m).__name__ in ("Block", "TPBlock")]
+    if "tp" in names:
+        for block in blocks:
+            parallelize_module(block, mesh["tp"], _block_plan())
+    if "dp" in names:
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+    return schedule(PipelineStage(part, rank, stages, torch.device("cpu"), group=pp.get_group()),
+                    n_microbatches=MICROBATCHES, loss_fn=mse)
+
+
+def pp_fsdp(model, mesh):
+    """Pipeline stages over ``"pp"``, each sharded by FSDP2 over ``"dp"`` (1F1B)."""
+    return _mesh_stage(model, mesh, Schedule1F1B)
+
+
+def pp_fsdp_gpipe(model, mesh):
+    return _mesh_stage(model, mesh, ScheduleGPipe)
+
+
+def pp_tp(model, mesh):
+    """Pipeline stages over ``"pp"``, their blocks tensor parallel over ``"tp"`` (1F1B)."""
+    return _mesh_stage(model, mesh, Schedule1F1B)
+
+
+def pp_fsdp_tp(model, mesh):
+    """torchtitan's 3-D layout: pipeline over ``"pp"``, FSDP2 over ``"dp"``, tensor parallel over ``"tp"``."""
+    return _mesh_stage(model, mesh, Schedule1F1B)
+
+
+def train_staged(schedule, opt, x, target):
+    """:func:`train` for a rank of a mesh of several dims: the stage, not the global rank, says what it is handed."""
+    stage = schedule._stage
+    if stage.is_first:
+        schedule.step(x)
+    elif stage.is_last:
+        schedule.step(target=target, losses=[])
+    else:
+        schedule.step()
+    opt.step()
+    opt.zero_grad()

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import ModelError, SpecError
+from .llm_stages import decoder_layers
 from .units import format_bytes
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -179,17 +180,13 @@ def _lora(model: torch.nn.Module, spec: str | dict | None) -> torch.nn.Module:
     return peft.get_peft_model(model, config).base_model.model  # the model, adapters inside, base frozen
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers (what FSDP2 shards one by one): the model's ``_no_split_modules`` classes."""
-    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def fsdp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     """FSDP2 as Hugging Face users apply it: ``fully_shard`` on every decoder layer, then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in _blocks(model):
+    for block in decoder_layers(model):
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
@@ -236,7 +233,7 @@ def fsdp_tp_per_block(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     parallelize_module(_base_model(model), tp_mesh, tensor_parallel_plan(model))
     if not mesh.mesh_dim_names or "dp" not in mesh.mesh_dim_names:
         return model
-    for block in _blocks(model):
+    for block in decoder_layers(model):
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"])
 
@@ -482,7 +479,8 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
     llm_stages.check_microbatches(batch, micro)
     layout = llm_stages.mesh(pp, fsdp, tp)
     ranks = math.prod(layout.values())
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=micro)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=micro,
+                                    plan=tensor_parallel_plan(step) if tp is not None else None)
     stages = []
     for stage, rank in enumerate(stage_ranks(layout)):
         report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),

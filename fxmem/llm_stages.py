@@ -80,27 +80,32 @@ def causal_lm_loss(hf: torch.nn.Module, logits: torch.Tensor, labels: torch.Tens
     return hf.loss_function(logits=logits, labels=labels, vocab_size=hf.config.vocab_size)
 
 
-def pipeline_per_stage(model: torch.nn.Module, mesh: Any, microbatches: int) -> Any:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers (what FSDP2 shards one by one): the model's ``_no_split_modules`` classes."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def pipeline_per_stage(model: torch.nn.Module, mesh: Any, microbatches: int, plan: dict | None = None) -> Any:
     """``parallelize=`` of a training step module (:class:`fxmem.llm.CausalLMStep`) over ``mesh``:
     this rank's stage (the ``"pp"`` dim's local rank; a 1-D mesh is the pipeline alone), tensor
-    parallel over ``"tp"`` and sharded by FSDP2 over ``"dp"`` where the mesh has them, in a
-    ``Schedule1F1B`` of ``microbatches``."""
+    parallel over ``"tp"`` by ``plan`` (the model's own, :func:`fxmem.llm.tensor_parallel_plan`) and
+    sharded by FSDP2 over ``"dp"`` where the mesh has them, in a ``Schedule1F1B`` of ``microbatches``."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from .llm import _blocks, tensor_parallel_plan
-
     names = mesh.mesh_dim_names or ()
     pp = mesh["pp"] if "pp" in names else mesh
     hf = model.model
-    plan = tensor_parallel_plan(model) if "tp" in names else None
     stage, stages = pp.get_local_rank(), pp.size()
     part = CausalLMStage(hf, stage, stages)
-    if plan is not None:
+    if "tp" in names:
+        if plan is None:
+            raise SpecError("pipeline_per_stage: a mesh with a 'tp' dim needs plan= (the tensor-parallel plan)")
         parallelize_module(part.base, mesh["tp"], plan)
     if "dp" in names:
-        for block in _blocks(part):
+        for block in decoder_layers(part):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(part, mesh=mesh["dp"])
     # every rank's schedule gets the loss: without one torch's schedules run no backward on that rank

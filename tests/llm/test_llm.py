@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.llm import OPTIMIZERS, fsdp_per_block, llm_answer, training_module
+from fxmem.llm import OPTIMIZERS, fsdp_per_block, llm_answer, tensor_parallel_plan, training_module
 from fxmem.measure import measure
 from fxmem.training import train_step
 
@@ -129,7 +129,8 @@ def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
     assert [s.stage for s in answer.stages] == [0, 1] and answer.ranks == 2 * (fsdp or 1) * (tp or 1)
     worst = max(answer.stages, key=lambda s: s.step_peak)
     assert answer.step_peak == worst.step_peak and f"stage {worst.stage} of 2" in str(answer)
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2,
+                                    plan=tensor_parallel_plan(_real(LLAMA)) if tp else None)
     torch.set_num_threads(1)
     for stage in answer.stages:
         # the last stage holds the head and its logits; the first the embedding (and more micro-batches in flight)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -300,9 +300,10 @@ class LLMAnswer:
         n = max(self.parameters, 1)
         parts = (self.parameter_bytes / n, self.gradient_bytes / n, self.optimizer_state_bytes / n)
         # FSDP: this rank holds a shard, so its bytes per parameter of the whole model are a fraction;
-        # tensor parallelism replicates what its plan does not split (embeddings, norms, the head)
-        rank = "" if self.ranks == 1 else f" on this rank (1/{self.ranks} of each)" if self.tp == 1 else \
-            f" on this rank, one of {self.ranks}"
+        # tensor parallelism replicates what its plan does not split (embeddings, norms, the head); a
+        # pipeline stage holds its own layers only
+        rank = "" if self.ranks == 1 else f" on this rank, one of {self.ranks} (its stage's layers)" if self.stages \
+            else f" on this rank (1/{self.ranks} of each)" if self.tp == 1 else f" on this rank, one of {self.ranks}"
         return (f"{self.model_states / n:.2f} B per parameter{rank} (parameters {parts[0]:.2f} + gradients "
                 f"{parts[1]:.2f} + optimizer state {parts[2]:.2f})")
 
@@ -483,8 +484,9 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
                                     plan=tensor_parallel_plan(step) if tp is not None else None)
     stages = []
     for stage, rank in enumerate(stage_ranks(layout)):
-        report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
-                         optimizer=OPTIMIZERS[optimizer], step=llm_stages.train_stage, parallelize=parallelize, world_size=ranks, rank=rank,
+        report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long),
+                         TensorSpec(("B", "L"), dtype=torch.long, fill=1), optimizer=OPTIMIZERS[optimizer],
+                         step=llm_stages.train_stage, parallelize=parallelize, world_size=ranks, rank=rank,
                          mesh=layout if len(layout) > 1 else None, hints={"B": batch, "L": seq}, device=device)
         at = report.evaluate(B=batch, L=seq)
         stages.append(StageAnswer(
@@ -522,6 +524,7 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
 
 
 def _stage_layers(step: torch.nn.Module, stage: int, stages: int) -> int:
+    """How many decoder layers stage ``stage`` holds (the split of :class:`fxmem.llm_stages.CausalLMStage`)."""
     n = len(step.model.base_model.layers)
     return round((stage + 1) * n / stages) - round(stage * n / stages)
 

@@ -137,7 +137,8 @@ def test_pipeline_with_ddp_is_refused_by_name():
     def ddp_stages(model, mesh):
         pp, dp = mesh["pp"], mesh["dp"]
         rank = pp.get_local_rank()
-        part = DistributedDataParallel(model.layers[:2] if rank == 0 else model.layers[2:], process_group=dp.get_group())
+        part = DistributedDataParallel(model.layers[:2] if rank == 0 else model.layers[2:],
+                                       process_group=dp.get_group())
         return ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu"), group=pp.get_group()),
                              n_microbatches=4, loss_fn=None)
 

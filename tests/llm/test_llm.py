@@ -129,6 +129,7 @@ def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
     assert [s.stage for s in answer.stages] == [0, 1] and answer.ranks == 2 * (fsdp or 1) * (tp or 1)
     worst = max(answer.stages, key=lambda s: s.step_peak)
     assert answer.step_peak == worst.step_peak and f"stage {worst.stage} of 2" in str(answer)
+    assert f"on this rank, one of {answer.ranks} (its stage's layers)" in str(answer)
     parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2,
                                     plan=tensor_parallel_plan(_real(LLAMA)) if tp else None)
     torch.set_num_threads(1)

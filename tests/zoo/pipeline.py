@@ -29,7 +29,8 @@ class PipeTPDecoder(nn.Module):
 
     def __init__(self, n: int = 3):
         super().__init__()
-        self.layers = nn.Sequential(*[TPBlock(TP_D, 2 * TP_D) for _ in range(n)], nn.LayerNorm(TP_D), nn.Linear(TP_D, V))
+        self.layers = nn.Sequential(*[TPBlock(TP_D, 2 * TP_D) for _ in range(n)], nn.LayerNorm(TP_D),
+                                    nn.Linear(TP_D, V))
 
     def forward(self, x, target=None):
         return self.layers(x)

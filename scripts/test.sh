@@ -41,6 +41,12 @@ if ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium
     || echo "warning: could not install chromium-headless-shell; the browser test will skip" >&2
 fi
 
+# tests kill processes on purpose (kernels that die in a probe's child, gloo ranks): none of them may
+# leave a core file (a copy of a test process, hundreds of MB each) on a CI machine's disk. Soft limit
+# only: tests/kernels/test_probes.py raises it again to check that fxmem itself forbids them.
+ulimit -S -c 0 2>/dev/null || true
+disk() { echo "disk: $(df -Pk . | awk 'NR==2 {printf "%.1f GiB free", $4/1048576}') ($1)"; }
+
 run_pytest() {  # pytest exit 5 = "no tests collected": not a failure of the code under test
   local rc=0
   "$@" || rc=$?
@@ -56,12 +62,14 @@ if [ "${CI:-}" = true ] && [ "${FXMEM_ALL_TESTS:-0}" != 1 ]; then
   echo "CI: leaving out the tests marked slow (FXMEM_ALL_TESTS=1 runs them too)"
 fi
 
+disk "before phase 1's install"
 FXMEM_VENV="$here/.venv$suffix" FXMEM_TORCH="${FXMEM_TORCH:-torch==2.13.0}" source "$here/scripts/setup.sh"
 echo "== phase 1: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__)'), ${FXMEM_TEST_WORKERS:-2} test processes"
 # one pytest process per core (pytest-xdist): the tests are independent processes' worth of work
 run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider -n "${FXMEM_TEST_WORKERS:-2}" "${selection[@]}" tests "$@"
 
 if [ "${FXMEM_CUDA_SIM:-1}" != 0 ]; then
+  disk "before phase 2's install: the CUDA build of torch and its CUDA libraries take about 6 GiB"
   FXMEM_VENV="$here/.venv-cuda$suffix" FXMEM_TORCH="torch==2.14.1" source "$here/scripts/setup.sh"
   echo "== phase 2: $("$FXMEM_PY" -c 'import torch; print("torch", torch.__version__, "cuda build:", torch.backends.cuda.is_built())')"
   FXMEM_TEST_PHASE=cuda-build run_pytest "$FXMEM_PY" -m pytest -q -p no:cacheprovider "${selection[@]}" tests "$@"

@@ -6,7 +6,9 @@ with SIGFPE (exit 136, nothing printed); a custom op's C++ kernel may abort. fxm
 (:mod:`fxmem.kernels.accepts`) run such calls - a custom op (any namespace but ``aten``/``prims``),
 or a call with a zero-size dim - through :func:`run_isolated`: in a forked child process, which
 reports whether the kernel returned, raised (its error type and first line) or died (the signal).
-The parent only waits; a crash becomes an answer, never a dead interpreter.
+The parent only waits; a crash becomes an answer, never a dead interpreter. The child may not write
+a core file: it is a copy of the user's process (a model of several GiB makes a core file as large),
+written into the user's working directory on machines that keep core dumps.
 
 Where the platform cannot fork (Windows), the call is not run at all (``None``: nothing known).
 
@@ -17,6 +19,10 @@ from __future__ import annotations
 
 import os
 import pickle
+try:
+    import resource
+except ImportError:  # Windows: no fork either, nothing is isolated there
+    resource = None
 import select
 import signal
 import time
@@ -33,6 +39,16 @@ def can_isolate() -> bool:
     return hasattr(os, "fork") and hasattr(os, "waitpid")
 
 
+def _no_core_file() -> None:
+    """Forbid this (child) process a core file: a kernel that dies here is an answer, not a crash to
+    debug, and the dump would copy the whole of the user's process onto their disk."""
+    if resource is not None:
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        except (ValueError, OSError):  # a platform without the limit: nothing more can be done
+            pass
+
+
 def run_isolated(fn: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> tuple[str, str] | None:
     """Run ``fn`` in a forked child: ``("ok", "")``, ``("raises", "<Type>: <first line>")``,
     ``("crash", "signal SIGFPE")`` (or an exit status), ``("hang", ...)`` after ``timeout_s``
@@ -47,6 +63,7 @@ def run_isolated(fn: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> tuple[s
         code = 0
         try:
             os.close(read_end)
+            _no_core_file()
             # one thread: a forked child must not enter the parent's OpenMP pool
             torch.set_num_threads(1)
             try:

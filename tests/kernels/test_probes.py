@@ -149,3 +149,23 @@ def test_run_isolated_reports_what_the_child_did():
     assert kind == "raises" and text.startswith("RuntimeError:")
     assert run_isolated(_pid_guarded(lambda: os.kill(os.getpid(), signal.SIGFPE))) == ("crash", "signal SIGFPE")
     assert run_isolated(_pid_guarded(lambda: os._exit(7))) == ("crash", "exit status 7")
+
+
+@needs_fork
+def test_a_crashing_probe_leaves_no_core_file(tmp_path, monkeypatch):
+    """A probe's child is a copy of the user's process: where core dumps are on, a kernel dying there
+    would write one as large as the process into the working directory (CI ran out of disk on such
+    files). The child is forbidden core files, whatever the parent's limit."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if hard == 0:
+        pytest.skip("this machine forbids core files outright; nothing to check")
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))  # as on a machine that keeps core dumps
+    monkeypatch.chdir(tmp_path)
+    try:
+        limit = run_isolated(lambda: (_ for _ in ()).throw(RuntimeError(resource.getrlimit(resource.RLIMIT_CORE)[0])))
+        assert limit == ("raises", "RuntimeError: 0")  # what the child itself may write
+        assert run_isolated(_pid_guarded(lambda: os.kill(os.getpid(), signal.SIGABRT))) == ("crash", "signal SIGABRT")
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    assert not list(tmp_path.iterdir())

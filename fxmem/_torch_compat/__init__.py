@@ -120,6 +120,7 @@ from .modules import (
     tensor_attributes,
 )
 from .autograd import (
+    backward_calls,
     in_python_backward,
     is_view,
     profiler_active,
@@ -162,6 +163,7 @@ from .distributed import (
 
 from .pipelining import (
     is_pipeline_schedule,
+    is_pipelining_refusal,
     messages as pipeline_messages,
     pipeline_schedule_type,
     schedule_microbatches,
@@ -193,7 +195,7 @@ __all__ = [
     "add_hook", "fake_module_copy", "global_hook_tables", "hook_tables", "module_attribute_values", "module_hooks",
     "non_persistent_buffers", "order_like", "pop_child", "skip_parameter_init", "tensor_attributes",
     # autograd
-    "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks", "saved_tensor_hooks_in_effect",
+    "backward_calls", "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks", "saved_tensor_hooks_in_effect",
     "tensor_hooks", "tensor_use_count", "write_count",
     # devices
     "cpu_capability", "cuda_memory_history", "fake_cuda_backward_possible", "fake_cuda_is_safe",
@@ -205,6 +207,6 @@ __all__ = [
     "fsdp_without_gpu", "functional_collective", "local_tensor", "on_storage_resize", "pipeline_stage_types",
     "tensors_made",
     # pipelining
-    "is_pipeline_schedule", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_microbatches",
+    "is_pipeline_schedule", "is_pipelining_refusal", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_microbatches",
     "schedule_stages", "stage_buffers", "stage_index", "stage_static_vote",
 ]

@@ -1,9 +1,11 @@
 """Autograd internals: the saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks`` and the
 stack of them in ``torch._C._autograd``), the backward node running now
-(``torch._C._current_autograd_node``), a tensor's own gradient hooks, its view metadata and the C++
-use count of its TensorImpl, and the autograd profiler's flag.
+(``torch._C._current_autograd_node``), whether the running ``backward()`` / ``autograd.grad()`` keeps
+its graph (``torch.autograd._engine_run_backward``), a tensor's own gradient hooks, its view metadata
+and the C++ use count of its TensorImpl, and the autograd profiler's flag.
 
-On a torch upgrade, what breaks here: ``_top_saved_tensors_default_hooks`` (its argument changed
+On a torch upgrade, what breaks here: ``_engine_run_backward`` (its third argument is retain_graph),
+``_top_saved_tensors_default_hooks`` (its argument changed
 between releases), ``BackwardCFunction``, the ``_backward_hooks`` / ``_post_accumulate_grad_hooks``
 tables of a tensor, ``Tensor._is_view`` / ``_use_count``, ``torch._C._autograd._profiler_enabled``.
 
@@ -22,6 +24,34 @@ def in_python_backward() -> bool:
     its ``x * 0.5`` wraps the number afresh, where a C++ formula passes the wrapped number it saved."""
     node = torch._C._current_autograd_node()
     return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+@contextlib.contextmanager
+def backward_calls(keeping: list) -> Iterator[None]:
+    """While the block runs, ``keeping`` says, innermost call last, whether each ``backward()`` or
+    ``autograd.grad()`` running now keeps its graph (``retain_graph=True``): the engine then frees
+    no node's saved values after the node ran, only when the node itself dies. (Both calls go
+    through ``torch.autograd._engine_run_backward``; a torch without it leaves ``keeping`` empty.)"""
+    import torch.autograd as autograd
+
+    original = vars(autograd).get("_engine_run_backward")
+    if original is None:
+        yield
+        return
+
+    def run(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # backward() and grad() both call it as (outputs, grads, retain_graph, create_graph, inputs, ...)
+        keeping.append(bool(args[1] if len(args) > 1 else kwargs.get("retain_graph", False)))
+        try:
+            return original(outputs, *args, **kwargs)
+        finally:
+            keeping.pop()
+
+    autograd._engine_run_backward = run
+    try:
+        yield
+    finally:
+        autograd._engine_run_backward = original
 
 
 @contextlib.contextmanager

@@ -40,6 +40,15 @@ def is_pipeline_schedule(obj: Any) -> bool:
     return base is not None and isinstance(obj, base)
 
 
+def is_pipelining_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a schedule or stage of ``torch.distributed.pipelining`` refusing how it is
+    set up or called (``PipeliningMetadataError``: the last stage called without ``target=``,
+    neighbouring stages that disagree on what they send): not a check of the input's shapes."""
+    module = sys.modules.get("torch.distributed.pipelining._utils")
+    refusal = getattr(module, "PipeliningMetadataError", None) if module is not None else None
+    return refusal is not None and isinstance(exc, refusal)
+
+
 def schedule_stages(schedule: Any) -> list:
     """The stages ``schedule`` runs on this rank (one, or several for the looped/interleaved ones)."""
     stages = getattr(schedule, "_stages", None)
@@ -141,16 +150,26 @@ def _tensors(tree: Any) -> list:
 def stage_buffers(schedule: Any) -> list[tuple[str, Any]]:
     """``(name, tensor)`` of what the schedule's stages keep between steps: the receive buffers made
     at start-up - per micro-batch, one per input activation (not on the first stage) and one per
-    output gradient (not on the last) - and the last stage's outputs of the step before (each
-    ``step()`` clears them as it starts)."""
+    output gradient (not on the last) - the gradients a backward left on the activation buffers,
+    and the last stage's outputs of the step before (each ``step()`` clears them as it starts)."""
+    import torch
+
     out = []
     for stage in schedule_stages(schedule):
         s = stage_index(stage)
         for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
             for chunk, recv in sorted(infos.items()):
                 for i, info in enumerate(recv):
-                    if getattr(info, "buffer", None) is not None:
-                        out.append((f"stage {s} {kind} receive buffer {i}, micro-batch {chunk}", info.buffer))
+                    buffer = getattr(info, "buffer", None)
+                    if buffer is None:
+                        continue
+                    out.append((f"stage {s} {kind} receive buffer {i}, micro-batch {chunk}", buffer))
+                    if isinstance(buffer, torch.Tensor) and buffer.grad is not None:
+                        # a backward that accumulates into the received activation (the zero-bubble
+                        # schedules' input-gradient pass) leaves its .grad on the buffer until the
+                        # next step()'s clear_runtime_states sets it to None
+                        out.append((f"stage {s} {kind} receive buffer {i}'s gradient, micro-batch {chunk} (kept "
+                                    f"until the next step)", buffer.grad))
         for chunk, output in enumerate(getattr(stage, "output_chunks", ())):  # the last stage's, for step()'s return
             for i, t in enumerate(output if isinstance(output, (tuple, list)) else [output]):
                 out.append((f"stage {s} output {i} of micro-batch {chunk} (kept until the next step)", t))

@@ -7,7 +7,12 @@ is their training step, which calls ``schedule.step(...)`` (inputs on the first 
 on the last) and the optimizer. The optimizer is built over the stage's parameters. fxmem runs the
 schedule's own code on fake tensors, so the micro-batches in flight are the schedule's: GPipe keeps
 every micro-batch's saved tensors until its backward pass, 1F1B at most ``stages - stage_index``;
-ScheduleInterleaved1F1B runs several stages a rank (built as a list, each its own PipelineStage).
+ScheduleInterleaved1F1B, ScheduleLoopedBFS and the zero-bubble schedules run several stages a rank
+(built as a list, each its own PipelineStage; ScheduleZBVZeroBubble and ScheduleDualPipeV in a V:
+rank ``r`` of ``R`` holds stages ``r`` and ``2R - 1 - r``, so rank 0 holds the first and the last).
+The zero-bubble schedules split each backward in two - the input gradients first (keeping the
+graph), the weights' later - and keep the gradients of the activations they received until the
+next step starts.
 On a mesh of several dims (``mesh={"pp": 2, "dp": 2, "tp": 2}``) the stage is its ``mesh["pp"]``
 coordinate's, FSDP2 (over ``"dp"``) and tensor parallelism (over ``"tp"``) inside it: the
 schedule runs their collectives in each micro-batch's forward and backward.
@@ -47,7 +52,8 @@ from .. import _torch_compat as tc
 from ..errors import InternalError, ModelError, ShapeError, SpecError
 
 # the schedules checked against real runs, in one process and on gloo (tests/distributed/test_pipeline.py)
-MODELLED = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
+MODELLED = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 STEP_NEEDED = ("a pipeline schedule runs from your own step: pass step=fn, fn(schedule, optimizer, *inputs) calling "
                "schedule.step(x) on the first stage, schedule.step(target=y) on the last, schedule.step() between "

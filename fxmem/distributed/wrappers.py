@@ -71,7 +71,7 @@ def refuse_unmodelled(model: torch.nn.Module, source: str, placed_here: bool = F
         if "pipelining" in type(module).__module__:
             raise ModelError(f"{source}: {where} is a pipeline-parallel {type(module).__name__} (the tracer front end, "
                              f"pipeline()), which fxmem does not model; build this rank's PipelineStage(s) and its "
-                             f"ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B in parallelize=fn(model, mesh), "
+                             f"schedule (ScheduleGPipe, Schedule1F1B, ...) in parallelize=fn(model, mesh), "
                              f"return the schedule, and pass step=fn(schedule, optimizer, *inputs) (see "
                              f"fxmem.distributed.pipeline)")
     for qual, p in model.named_parameters():

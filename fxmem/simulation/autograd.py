@@ -5,7 +5,9 @@ node's backward, and where the engine is during ``backward()``.
   attributed to the op that saved it (:meth:`Autograd.attribute`): an op saves its inputs just
   before it dispatches and its outputs right after.
 * Kept hidden storages (a wrapped Python number ``MulBackward0`` saves without a hook) live until
-  the backward of the node that made them has run: a hook on that node's ``grad_fn`` releases them.
+  the backward of the node that made them has run: a hook on that node's ``grad_fn`` releases them
+  - unless that backward keeps the graph (``retain_graph=True``, as the zero-bubble pipeline
+  schedules' input-gradient pass does): then they live until the node itself dies.
 * During ``backward()`` the engine is either inside a node's backward or between two (where it
   accumulates gradients); hooks on every ``grad_fn`` tell which, and name each backward after its
   fx node.
@@ -32,6 +34,7 @@ class Autograd:
         self.table = table
         self.log = log
         self.between_nodes = False  # during backward(): the engine is between two nodes
+        self.keeping: list[bool] = []  # per backward() running now, innermost last: keeps its graph
         self._pending: list[int] = []  # storages packed since the last op
         self._keeps: dict[str, list[int]] = {}  # fx node -> hidden storages kept, not yet bound
         self._unbound: list[tuple[Any, str, list[int]]] = []  # (weakref to op output, node, kept)
@@ -85,7 +88,7 @@ class Autograd:
                 fn = getattr(t, "grad_fn", None) if t is not None else None
                 if fn is None:
                     continue
-                fn.register_hook(_Release(self._release, indices))
+                fn.register_hook(_Release(self._release, indices, self.keeping))
                 left = [i for i in self._keeps.get(node, []) if i not in indices]
                 if left:
                     self._keeps[node] = left
@@ -174,16 +177,17 @@ def _autograd_nodes(t: torch.Tensor) -> list:
 
 
 class _Release:
-    """A ``grad_fn`` hook that releases kept storages when the node's backward runs, or when the
-    node itself is destroyed: a graph nothing can reach any more (its output was detached, or only
+    """A ``grad_fn`` hook that releases kept storages when the node's backward runs (in a backward
+    that does not keep the graph), or when the node itself is destroyed: a graph nothing can reach any more (its output was detached, or only
     ``argmax`` of it was kept) frees what it saved, as the real run does. Only the node holds the
     hook, so the hook dies with it."""
 
-    def __init__(self, release: Any, indices: list[int]):
-        self.release, self.indices = release, indices
+    def __init__(self, release: Any, indices: list[int], keeping: list[bool]):
+        self.release, self.indices, self.keeping = release, indices, keeping
 
     def __call__(self, *_: Any) -> None:
-        self.release(self.indices)
+        if not (self.keeping and self.keeping[-1]):  # a kept graph keeps what its nodes saved
+            self.release(self.indices)
 
     def __del__(self) -> None:
         self.release(self.indices)

@@ -25,8 +25,8 @@ import torch
 
 from .. import _torch_compat as tc
 from ..capture.source import is_user_file, short_path
-from ..errors import (FxMemError, InternalError, KernelError, ShapeError, UnsupportedOpError, UserCodeError,
-                      recursion_limit_error)
+from ..errors import (FxMemError, InternalError, KernelError, ModelError, ShapeError, UnsupportedOpError,
+                      UserCodeError, recursion_limit_error)
 from ..kernels import FakeKernelFails, KernelRefuses
 
 
@@ -97,6 +97,12 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
             f"run with the symbolic sizes fxmem analyses in; your shapes are not the problem. What to do: analyse "
             f"with concrete inputs (real tensors as specs) for numbers at one size, or without this part of the "
             f"model")
+    if tc.is_pipelining_refusal(exc):  # the schedule refuses its set-up or how the step calls it
+        return ModelError(f"{where}: torch's pipeline schedule refuses it: {first_line(text)}\n  this is not a problem "
+                          f"of the input shapes: the schedule's stages or the step do not fit together.\n  what to do: "
+                          f"check what each rank's step= passes to schedule.step(...): the inputs where the rank holds "
+                          f"the first stage, target= where it holds the last (a V-shaped schedule's rank 0 holds "
+                          f"both), and that each stage's outputs are what the next stage takes")
     for pattern, (why, todo) in _AUTOGRAD_LIMITS:
         if re.search(pattern, text):  # autograd cannot differentiate the model: not its shapes
             return UnsupportedOpError(f"{where}: {first_line(text)}\n  this is not a problem of the input shapes: "

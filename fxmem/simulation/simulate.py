@@ -340,7 +340,10 @@ def simulate_once(
             run_forward = _under_autocast(run_forward, device, options.autocast)
         hooks = _Run(recorder, run_forward, named_params)
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()  # not the caller's ambient mode
-        saved = tc.saved_tensor_hooks(recorder.saved) if grad else contextlib.nullcontext()
+        saved = contextlib.ExitStack()
+        if grad:
+            saved.enter_context(tc.saved_tensor_hooks(recorder.saved))
+            saved.enter_context(tc.backward_calls(recorder.autograd.keeping))
         optimizers = tc.optimizers_treat_fake_as_real() if training else contextlib.nullcontext()
         sharded = contextlib.ExitStack()
         if parallel is not None:  # FSDP2 resizes storages in place; DTensor probes shapes on fakes

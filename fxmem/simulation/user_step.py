@@ -24,7 +24,9 @@ forward does not run (``mode="auto"`` then analyses in eager mode).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import sys
@@ -288,8 +290,9 @@ def register_leftovers(table: Any, named_params: list, optimizers: list[torch.op
                 table.add(tc.local_tensor(value), Role.OPTIMIZER_STATE, f"{name_of.get(id(p), '?')}.{key}")
     for _, obj in kept_alive(fake_mode, "step state"):
         if table.counts(obj) and table.lookup(obj) is None:
-            table.add(obj, Role.OPTIMIZER_STATE, f"step state {tuple(obj.shape)}")
-            found.append(f"a {obj.dtype} tensor {tuple(obj.shape)} the step keeps")
+            shape = table.rename(str(tuple(obj.shape)))  # in the user's dims, not torch's s41
+            table.add(obj, Role.OPTIMIZER_STATE, f"step state {shape}")
+            found.append(f"a {obj.dtype} tensor {shape} the step keeps")
     return found
 
 
@@ -309,8 +312,11 @@ def kept_alive(fake_mode: Any, name: str) -> list[tuple[str, torch.Tensor]]:
 @contextlib.contextmanager
 def objects_kept(step: Callable) -> Iterator[None]:
     """Put back, after the simulation, the attributes of the objects ``step`` reaches directly (its
-    closure, defaults, ``functools.partial`` arguments, the globals it names): a ``GradScaler`` the
-    step uses must not keep the fake scale the simulation gave it (the user's real loop uses it next)."""
+    closure, defaults, ``functools.partial`` arguments, the globals it names), and the contents of
+    the lists, dicts, sets and deques among them and their attributes - in place, so that every
+    reference the user holds sees them as they were: a ``GradScaler`` the step uses must not keep
+    the fake scale the simulation gave it, nor a list the step logs its outputs into a fake tensor
+    (the user's real loop uses them next)."""
     import copy
     import functools
     import inspect
@@ -326,13 +332,18 @@ def objects_kept(step: Callable) -> Iterator[None]:
         roots += [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
         roots += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
         roots += [fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__]
-    saved = []
+    saved, contents = [], {}
     for obj in roots:
+        if isinstance(obj, _CONTAINERS):  # a global, closure cell or argument: alive whatever the step does
+            contents.setdefault(id(obj), (obj, _copy(obj)))
+            continue
         if obj is None or isinstance(obj, (type, torch.Tensor, torch.nn.Module)) or inspect.ismodule(obj) \
                 or inspect.isroutine(obj) or not hasattr(obj, "__dict__"):
             continue
         try:
-            state = {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v for k, v in vars(obj).items()}
+            # a container attribute by its id and a copy, never itself: one the step drops (GradScaler's
+            # update() makes a new dict of per-optimizer states) must die with what the step put in it
+            state = {k: _Kept(id(v), copy.copy(v)) if isinstance(v, _CONTAINERS) else v for k, v in vars(obj).items()}
         except TypeError:  # a __dict__ that is not a plain mapping
             continue
         saved.append((obj, state))
@@ -340,8 +351,47 @@ def objects_kept(step: Callable) -> Iterator[None]:
         yield
     finally:
         for obj, state in saved:
+            now = dict(vars(obj))
             vars(obj).clear()
-            vars(obj).update(state)
+            for k, v in state.items():
+                if isinstance(v, _Kept):
+                    current = now.get(k)
+                    if id(current) == v.ident and type(current) is type(v.copy):  # the same one: back in place
+                        _put_back(current, _copy(v.copy))
+                        v = current
+                    else:  # the step put another there: the copy of the one it had
+                        v = v.copy
+                vars(obj)[k] = v
+        for container, items in contents.values():
+            _put_back(container, items)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    ident: int  # id() of the container the attribute held
+    copy: Any  # a shallow copy of it, made before the step ran
+
+
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+def _copy(container: Any) -> list:
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _put_back(container: Any, items: list) -> None:
+    """``container``'s contents made ``items`` again, in place (the same object, its type's own methods)."""
+    if isinstance(container, dict):
+        dict.clear(container)
+        dict.update(container, items)
+    elif isinstance(container, list):
+        list.__setitem__(container, slice(None), items)
+    elif isinstance(container, set):
+        set.clear(container)
+        set.update(container, items)
+    else:
+        container.clear()
+        container.extend(items)
 
 
 def _filled(cell: Any) -> bool:

@@ -6,7 +6,8 @@ Evidence, both real runs measured by the allocator (fxmem.measure), at sizes the
   start-up messages from the other ranks' own steps, as the analysis gets them; the micro-batches'
   sends and receives do nothing: the values are garbage, the buffers real);
 * gloo, one process per rank (spawned): the ranks exchange everything for real.
-GPipe holds every micro-batch's activations before the first backward, 1F1B at most stages - rank.
+GPipe holds every micro-batch's activations before the first backward, 1F1B at most stages - rank; the
+looped, interleaved and zero-bubble schedules run two stages a rank (in a V for ZBV and DualPipeV).
 """
 import math
 import re
@@ -19,11 +20,18 @@ import fxmem
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from zoo.distributed import D, V
-from zoo.pipeline import (TP_D, PipeDecoder, PipeTPDecoder, adam, gpipe, interleaved, looped_bfs, one_f_one_b,
-                          pp_fsdp, pp_fsdp_tp, pp_tp, train, train_staged)
+from zoo.pipeline import (TP_D, PipeDecoder, PipeTPDecoder, adam, dualpipe_v, gpipe, interleaved,
+                          interleaved_zero_bubble, looped_bfs, one_f_one_b, pp_fsdp, pp_fsdp_tp, pp_tp, train,
+                          train_held, train_staged, zbv)
 
 SIZES = [dict(B=8, L=5), dict(B=12, L=7)]  # (the analysis runs at fxmem's example sizes; B divides by 4 micro-batches)
 _reports: dict = {}
+# the schedules of two stages a rank: the step torchtitan writes (the stages held say what step() is handed)
+TWO_A_RANK = (interleaved, looped_bfs, interleaved_zero_bubble, zbv, dualpipe_v)
+
+
+def step_of(fn):
+    return train_held if fn in TWO_A_RANK else train
 
 
 def analyse(fn, world_size, rank):
@@ -32,7 +40,7 @@ def analyse(fn, world_size, rank):
     if key not in _reports:
         model = PipeDecoder()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        _reports[key] = fxmem.analyze(model, ("B", "L", D), ("B", "L", V), optimizer=adam, step=train,
+        _reports[key] = fxmem.analyze(model, ("B", "L", D), ("B", "L", V), optimizer=adam, step=step_of(fn),
                                       world_size=world_size, rank=rank, parallelize=fn, check=False)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert all(type(m).__module__.startswith(("torch.nn", "zoo")) for m in model.modules())
@@ -58,22 +66,31 @@ def inputs(dims):
     (interleaved, 2, 0), pytest.param(interleaved, 2, 1, marks=pytest.mark.slow),
     pytest.param(one_f_one_b, 3, 0, marks=pytest.mark.slow),  # CI: 1F1B on gloo, below
     pytest.param(one_f_one_b, 3, 1, marks=pytest.mark.slow),
-    pytest.param(one_f_one_b, 3, 2, marks=pytest.mark.slow)])
+    pytest.param(one_f_one_b, 3, 2, marks=pytest.mark.slow),
+    (zbv, 2, 0),  # zero bubble in a V: rank 0 holds the first and the last stage
+    pytest.param(zbv, 2, 1, marks=pytest.mark.slow),
+    pytest.param(looped_bfs, 2, 0, marks=pytest.mark.slow), pytest.param(looped_bfs, 2, 1, marks=pytest.mark.slow),
+    pytest.param(interleaved_zero_bubble, 2, 0, marks=pytest.mark.slow),
+    pytest.param(interleaved_zero_bubble, 2, 1, marks=pytest.mark.slow),
+    pytest.param(dualpipe_v, 2, 0, marks=pytest.mark.slow), pytest.param(dualpipe_v, 2, 1, marks=pytest.mark.slow)])
 def test_synchronous_run_exact_per_rank(fn, world_size, rank):
     torch.set_num_threads(1)
     report = analyse(fn, world_size, rank)
     assert report.region and any("Mod(B, 4)" in r for r in report.region)  # the micro-batches divide B evenly
     sent_bound(report, links(fn, rank, world_size), SIZES[0])
     for dims in SIZES:
-        real = measure_synchronous(PipeDecoder, inputs(dims), fn, world_size, rank, adam, step=train)
+        real = measure_synchronous(PipeDecoder, inputs(dims), fn, world_size, rank, adam, step=step_of(fn))
         assert measured(real) == predicted(report, dims), f"{fn.__name__} {world_size} stages, rank {rank} at {dims}"
 
 
 def links(fn, rank, world_size):
     """How many stage boundaries this rank's stages send across (one [B/4, L, D] tensor per micro-batch
-    each): the next stage's activation and the gradient for the one before; interleaved, two stages a
-    rank, 3 of 4 boundaries' sends on each of 2 ranks."""
-    if fn is interleaved:
+    each): the next stage's activation and the gradient for the one before. Two stages a rank of 2:
+    looped, 3 of 4 boundaries' sends on each rank; in a V, stages 1 and 2 share rank 1 and pass their
+    tensors without a send, so 2 on each."""
+    if fn in (zbv, dualpipe_v):
+        return 2
+    if fn in TWO_A_RANK:
         return 3
     return (rank > 0) + (rank < world_size - 1)
 
@@ -90,15 +107,15 @@ def sent_bound(report, neighbours, dims, width=D):
     return neighbours * 4 * width * dims["B"] * dims["L"]
 
 
-@pytest.mark.parametrize("fn", [gpipe, pytest.param(one_f_one_b, marks=pytest.mark.slow),
-                                pytest.param(interleaved, marks=pytest.mark.slow)])  # CI: GPipe
+@pytest.mark.parametrize("fn", [gpipe] + [pytest.param(fn, marks=pytest.mark.slow) for fn in (
+    one_f_one_b, interleaved, looped_bfs, interleaved_zero_bubble, zbv, dualpipe_v)])  # CI: GPipe
 def test_gloo_ranks_within_the_stated_bound(fn):
     # gloo completes the sends asynchronously: each rank's state exact, its peak and what its step keeps
     # between the synchronous numbers and them + every sent tensor held late (1F1B's rank 0 was seen
     # 1,092 B above, one micro-batch's activation, sent in a batch_isend_irecv with the gradient it receives)
     torch.set_num_threads(1)
     dims = SIZES[1]
-    for real in measure_ranks(PipeDecoder, inputs(dims), fn, 2, adam, step=train):
+    for real in measure_ranks(PipeDecoder, inputs(dims), fn, 2, adam, step=step_of(fn)):
         report = analyse(fn, 2, real.rank)
         peak, retained, resident, state = predicted(report, dims)
         assert (real.resident, real.optimizer_state) == (resident, state), f"rank {real.rank}"
@@ -125,9 +142,27 @@ def test_a_pipeline_needs_its_step():
 
 
 def test_schedules_not_modelled_are_refused_by_name():
-    with pytest.raises(ModelError, match="ScheduleLoopedBFS, a pipeline schedule fxmem does not model yet"):
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    class OwnGPipe(ScheduleGPipe):  # a schedule of one's own: its order of micro-batches is not torch's
+        pass
+
+    def own(model, mesh):
+        return OwnGPipe(gpipe(model, mesh)._stage, n_microbatches=4, loss_fn=gpipe(model, mesh)._loss_fn)
+
+    with pytest.raises(ModelError, match="OwnGPipe, a pipeline schedule fxmem does not model yet"):
         fxmem.analyze(PipeDecoder(), ("B", "L", D), ("B", "L", V), optimizer=adam, step=train, world_size=2,
-                      parallelize=looped_bfs)
+                      parallelize=own)
+
+
+def test_a_step_the_schedule_refuses_is_not_blamed_on_the_shapes():
+    # ZBV's rank 0 holds the last stage too: a step that hands it no target= is refused by torch's schedule,
+    # at any batch size (it was a ShapeError, "fails on the given input shapes")
+    with pytest.raises(ModelError, match="torch's pipeline schedule refuses it: Stage 3: loss_fn and target "
+                                         "required for last stage") as info:
+        fxmem.analyze(PipeDecoder(), ("B", "L", D), ("B", "L", V), optimizer=adam, step=train, world_size=2,
+                      parallelize=zbv)
+    assert "not a problem of the input shapes" in str(info.value) and "target=" in str(info.value)
 
 
 def test_pipeline_with_ddp_is_refused_by_name():

@@ -3,8 +3,9 @@ gloo processes (spawned) can import them."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleLoopedBFS)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                         ScheduleZBVZeroBubble)
 
 from .distributed import Block, D, TPBlock, V, _block_plan
 
@@ -58,18 +59,34 @@ def one_f_one_b(model, mesh):
     return Schedule1F1B(_stage(model, mesh), n_microbatches=MICROBATCHES, loss_fn=mse)
 
 
-def interleaved(model, mesh):
-    """Two stages per rank, looped: rank r runs stages r and r + ranks of 2 x ranks."""
+def _two_stages(model, mesh, shape="loop"):
+    """Two stages per rank of ``2 x ranks``: looped (rank r runs stages r and r + ranks) or in a V
+    (stages r and 2 x ranks - 1 - r: rank 0 holds the first and the last)."""
     rank, ranks = mesh.get_local_rank(), mesh.size()
     stages = 2 * ranks
     cuts = [round(i * len(model.layers) / stages) for i in range(stages + 1)]
-    own = [PipelineStage(model.layers[cuts[s]:cuts[s + 1]], s, stages, torch.device("cpu"))
-           for s in (rank, rank + ranks)]
-    return ScheduleInterleaved1F1B(own, n_microbatches=MICROBATCHES, loss_fn=mse)
+    own = (rank, rank + ranks) if shape == "loop" else (rank, stages - 1 - rank)
+    return [PipelineStage(model.layers[cuts[s]:cuts[s + 1]], s, stages, torch.device("cpu")) for s in own]
+
+
+def interleaved(model, mesh):
+    return ScheduleInterleaved1F1B(_two_stages(model, mesh), n_microbatches=MICROBATCHES, loss_fn=mse)
 
 
 def looped_bfs(model, mesh):
-    return ScheduleLoopedBFS([_stage(model, mesh)], n_microbatches=MICROBATCHES, loss_fn=mse)
+    return ScheduleLoopedBFS(_two_stages(model, mesh), n_microbatches=MICROBATCHES, loss_fn=mse)
+
+
+def interleaved_zero_bubble(model, mesh):
+    return ScheduleInterleavedZeroBubble(_two_stages(model, mesh), n_microbatches=MICROBATCHES, loss_fn=mse)
+
+
+def zbv(model, mesh):
+    return ScheduleZBVZeroBubble(_two_stages(model, mesh, "v"), n_microbatches=MICROBATCHES, loss_fn=mse)
+
+
+def dualpipe_v(model, mesh):
+    return ScheduleDualPipeV(_two_stages(model, mesh, "v"), n_microbatches=MICROBATCHES, loss_fn=mse)
 
 
 def train(schedule, opt, x, target):
@@ -80,6 +97,23 @@ def train(schedule, opt, x, target):
     elif rank == last:
         losses = []
         schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    opt.step()
+    opt.zero_grad()
+
+
+def train_held(schedule, opt, x, target):
+    """The step torchtitan writes: the stages a rank holds say what it hands ``schedule.step`` (in a V,
+    rank 0 holds the first and the last stage: the inputs and the target)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    if first and last:
+        schedule.step(x, target=target, losses=[])
+    elif first:
+        schedule.step(x)
+    elif last:
+        schedule.step(target=target, losses=[])
     else:
         schedule.step()
     opt.step()

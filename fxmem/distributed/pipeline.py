@@ -14,8 +14,8 @@ The zero-bubble schedules split each backward in two - the input gradients first
 graph), the weights' later - and keep the gradients of the activations they received until the
 next step starts.
 On a mesh of several dims (``mesh={"pp": 2, "dp": 2, "tp": 2}``) the stage is its ``mesh["pp"]``
-coordinate's, FSDP2 (over ``"dp"``) and tensor parallelism (over ``"tp"``) inside it: the
-schedule runs their collectives in each micro-batch's forward and backward.
+coordinate's, FSDP2 (over ``"dp"``, or HSDP over two dims) and tensor parallelism (over ``"tp"``)
+inside it: the schedule runs their collectives in each micro-batch's forward and backward.
 
 >>> def parallelize(model, mesh):                                      # doctest: +SKIP
 ...     rank, stages = mesh.get_local_rank(), mesh.size()

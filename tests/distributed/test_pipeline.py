@@ -21,7 +21,7 @@ from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from zoo.distributed import D, V
 from zoo.pipeline import (TP_D, PipeDecoder, PipeTPDecoder, adam, dualpipe_v, gpipe, interleaved,
-                          interleaved_zero_bubble, looped_bfs, one_f_one_b, pp_fsdp, pp_fsdp_tp, pp_tp, train,
+                          interleaved_zero_bubble, looped_bfs, one_f_one_b, pp_fsdp, pp_fsdp_tp, pp_hsdp, pp_tp, train,
                           train_held, train_staged, zbv)
 
 SIZES = [dict(B=8, L=5), dict(B=12, L=7)]  # (the analysis runs at fxmem's example sizes; B divides by 4 micro-batches)
@@ -182,9 +182,11 @@ def test_pipeline_with_ddp_is_refused_by_name():
                       mesh={"pp": 2, "dp": 2}, parallelize=ddp_stages)
 
 
-# Pipelines on a mesh of several dims (torchtitan's layouts): stages over "pp", FSDP2 over "dp", tensor
-# parallelism over "tp". Each rank's stage against the same code's real run, synchronous and on gloo.
-MESHES = {pp_fsdp: {"pp": 2, "dp": 2}, pp_tp: {"pp": 2, "tp": 2}, pp_fsdp_tp: {"pp": 2, "dp": 2, "tp": 2}}
+# Pipelines on a mesh of several dims (torchtitan's layouts): stages over "pp", FSDP2 over "dp" (or HSDP over
+# "replicate" and "shard"), tensor parallelism over "tp". Each rank's stage against the same code's real run,
+# synchronous and on gloo.
+MESHES = {pp_fsdp: {"pp": 2, "dp": 2}, pp_tp: {"pp": 2, "tp": 2}, pp_fsdp_tp: {"pp": 2, "dp": 2, "tp": 2},
+          pp_hsdp: {"pp": 2, "replicate": 2, "shard": 2}}
 
 
 def analyse_mesh(fn, rank):
@@ -209,7 +211,8 @@ def mesh_inputs(dims):
 @pytest.mark.parametrize("fn, rank", [
     (pp_fsdp, 0), pytest.param(pp_fsdp, 3, marks=pytest.mark.slow),
     pytest.param(pp_tp, 0, marks=pytest.mark.slow), pytest.param(pp_tp, 3, marks=pytest.mark.slow),
-    pytest.param(pp_fsdp_tp, 0, marks=pytest.mark.slow), (pp_fsdp_tp, 7)])  # CI: 2-D FSDP2, 3-D
+    pytest.param(pp_fsdp_tp, 0, marks=pytest.mark.slow), (pp_fsdp_tp, 7),  # CI: 2-D FSDP2, 3-D
+    pytest.param(pp_hsdp, 0, marks=pytest.mark.slow), pytest.param(pp_hsdp, 7, marks=pytest.mark.slow)])
 def test_pipeline_on_a_mesh_exact_per_rank(fn, rank):
     # the stage's FSDP2 shards (over "dp") and tensor-parallel shards (over "tp"), its micro-batches in
     # flight (1F1B) and the collectives of both inside the schedule's forwards and backwards
@@ -231,20 +234,22 @@ def stated_bounds(report, dims):
                for f in found)
 
 
-@pytest.mark.parametrize("fn", [pp_fsdp, pytest.param(pp_tp, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fn", [pp_fsdp, pytest.param(pp_tp, marks=pytest.mark.slow),
+                                pytest.param(pp_hsdp, marks=pytest.mark.slow)])
 def test_gloo_pipeline_on_a_mesh_within_the_stated_bound(fn):
-    # 4 processes, 2 stages of 2 ranks: each rank's state exact; its resident count, peak and what its step keeps
+    # 4 processes (HSDP: 8), 2 stages: each rank's state exact; its resident count, peak and what its step keeps
     # between the synchronous numbers and them + the notes' bounds (the stage's sends, FSDP2's or tensor
     # parallelism's buffers)
     torch.set_num_threads(1)
     dims, mesh = SIZES[1], MESHES[fn]
-    for real in measure_ranks(PipeTPDecoder, mesh_inputs(dims), fn, 4, adam, step=train_staged, mesh=mesh):
+    world = math.prod(mesh.values())
+    for real in measure_ranks(PipeTPDecoder, mesh_inputs(dims), fn, world, adam, step=train_staged, mesh=mesh):
         report = analyse_mesh(fn, real.rank)
         peak, retained, resident, state = predicted(report, dims)
         # the allocator's resident count includes FSDP2's buffers gloo frees late: the rank's own storages
         # (parameter shards, optimizer state, inputs) counted one by one, beside what the stage keeps (its
         # receive buffers; the last stage's outputs of the step before)
-        stage = sum(s.bytes for s in report.storages if s.name.startswith(f"stage {real.rank // 2} "))
+        stage = sum(s.bytes for s in report.storages if s.name.startswith(f"stage {real.rank // (world // 2)} "))
         assert (real.extra["state_storages"], real.optimizer_state) == (resident - report.at(stage, **dims), state)
         sent_bound(report, 1, dims, TP_D)  # one link: the other stage's activations or gradients
         late = stated_bounds(report, dims)

@@ -140,16 +140,23 @@ def _mesh_stage(model, mesh, schedule, shard=None):
     if "tp" in names:
         for block in blocks:
             parallelize_module(block, mesh["tp"], _block_plan())
-    if "dp" in names:
+    # FSDP2 over "dp", or HSDP over ("replicate", "shard"): replicated over the first, sharded over the second
+    dp = mesh["dp"] if "dp" in names else mesh["replicate", "shard"] if "replicate" in names else None
+    if dp is not None:
         for block in blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
+            fully_shard(block, mesh=dp)
+        fully_shard(part, mesh=dp)
     return schedule(PipelineStage(part, rank, stages, torch.device("cpu"), group=pp.get_group()),
                     n_microbatches=MICROBATCHES, loss_fn=mse)
 
 
 def pp_fsdp(model, mesh):
     """Pipeline stages over ``"pp"``, each sharded by FSDP2 over ``"dp"`` (1F1B)."""
+    return _mesh_stage(model, mesh, Schedule1F1B)
+
+
+def pp_hsdp(model, mesh):
+    """Pipeline stages over ``"pp"``, each sharded by HSDP over ``("replicate", "shard")`` (1F1B)."""
     return _mesh_stage(model, mesh, Schedule1F1B)
 
 

@@ -346,7 +346,7 @@ def past_context(context: int | None, positions: int | None) -> str | None:
 def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str = "adamw", gpu: Any = None,
                lora: str | dict | None = None, checkpointing: bool = False, fsdp: int | None = None,
                device: str = "cpu", recipe: Any = None, tp: int | None = None, pp: int | None = None,
-               microbatches: int | None = None) -> LLMAnswer:
+               microbatches: int | None = None, schedule: str | None = None) -> LLMAnswer:
     """Analyse one training step of causal LM ``model`` (built by :func:`from_config` or real) at
     sequence length ``seq``; the numbers at ``batch``; with ``gpu`` (bytes or ``"80GiB"``) the
     largest batch (at ``seq``) and sequence length (at ``batch``) whose step fits.
@@ -364,7 +364,10 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     ``base_model_tp_plan``); with ``fsdp=W`` too, the ``{"dp": W, "tp": T}`` mesh of W x T ranks
     (torchtitan's layout: tensor parallelism inside each group of T, FSDP2 across them).
     ``pp=P``: the decoder layers split evenly into P pipeline stages (:mod:`fxmem.llm_stages`),
-    ``Schedule1F1B`` over ``microbatches`` micro-batches (default P; the batch must split evenly);
+    run by ``schedule`` (torchtitan's names: ``"1F1B"``, the default, ``"GPipe"``,
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
+    ``"DualPipeV"``; those of two stages a rank split the layers into 2P) over ``microbatches``
+    micro-batches (default: one per stage, P or 2P; the batch must split evenly);
     with ``fsdp=``/``tp=`` too, the ``{"pp": P, "dp": W, "tp": T}`` mesh. Every stage is analysed
     (its first rank); the answer is the stage whose step peaks highest, ``stages`` has each, and
     the largest batch and sequence length are those every stage fits.
@@ -397,9 +400,10 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     if pp is not None:
         return _pipeline_answer(model, step, chosen, recipe_text, batch=batch, seq=seq, optimizer=optimizer,
                                 budget=budget, lora=lora, checkpointing=checkpointing, fsdp=fsdp, tp=tp, pp=pp,
-                                microbatches=microbatches, device=device)
-    if microbatches is not None:
-        raise SpecError("microbatches= is the pipeline's (pp=): give pp= too, or drop microbatches=")
+                                microbatches=microbatches, schedule=schedule, device=device)
+    for name, value in (("microbatches", microbatches), ("schedule", schedule)):
+        if value is not None:
+            raise SpecError(f"{name}= is the pipeline's (pp=): give pp= too, or drop {name}=")
     if tp is not None:
         if lora is not None:  # peft's wrappers move the modules the plan's paths name
             raise SpecError("tp= with LoRA adapters is not modelled yet: use fsdp= with lora=, or tp= without it")
@@ -460,7 +464,8 @@ class StageAnswer:
 
 def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any, recipe_text: str, *, batch: int,
                      seq: int, optimizer: str, budget: int | None, lora: Any, checkpointing: bool, fsdp: int | None,
-                     tp: int | None, pp: int, microbatches: int | None, device: str) -> LLMAnswer:
+                     tp: int | None, pp: int, microbatches: int | None, schedule: str | None,
+                     device: str) -> LLMAnswer:
     """:func:`llm_answer` with ``pp=``: every stage analysed, the answer the stage that peaks highest."""
     import functools
 
@@ -468,7 +473,8 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
     from .distributed.pipeline import stage_ranks
     from .specs import TensorSpec
 
-    llm_stages.check(step, pp)
+    schedule = llm_stages.schedule_named(schedule or "1F1B")
+    llm_stages.check(step, pp, schedule)
     if lora is not None or checkpointing:
         raise SpecError("pp= with lora= or checkpointing=True is not modelled yet: analyse the pipeline without them")
     if chosen is not None and (chosen.loss_scaling or chosen.dtype("autocast") is not None):
@@ -476,11 +482,14 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
                         f"use a pure recipe (fp32, bf16) with pp=")
     if tp is not None:
         tensor_parallel_plan(step)  # refused before anything is analysed
-    micro = pp if microbatches is None else microbatches
+    total = pp * llm_stages.SCHEDULES[schedule][1]  # the stages, of all ranks
+    micro = total if microbatches is None else microbatches
     llm_stages.check_microbatches(batch, micro)
+    if schedule == "DualPipeV" and micro < total:
+        raise SpecError(f"microbatches={micro}: DualPipeV needs at least as many micro-batches as stages ({total})")
     layout = llm_stages.mesh(pp, fsdp, tp)
     ranks = math.prod(layout.values())
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=micro,
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=micro, schedule=schedule,
                                     plan=tensor_parallel_plan(step) if tp is not None else None)
     stages = []
     for stage, rank in enumerate(stage_ranks(layout)):
@@ -490,7 +499,7 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
                          mesh=layout if len(layout) > 1 else None, hints={"B": batch, "L": seq}, device=device)
         at = report.evaluate(B=batch, L=seq)
         stages.append(StageAnswer(
-            stage=stage, rank=rank, layers=_stage_layers(step, stage, pp), step_peak=int(at["train_peak"]),
+            stage=stage, rank=rank, layers=_stage_layers(step, stage, pp, schedule), step_peak=int(at["train_peak"]),
             resident=int(at["train_resident"]), report=report,
             max_batch=report.max_size("B", budget, train=True, L=seq) if budget is not None else None,
             max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None))
@@ -511,11 +520,15 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
         tp=tp or 1, stages=stages)
     others = " x ".join(f"{k} {v}" for k, v in layout.items())
     answer.notes.insert(0, f"per rank: stage {worst.stage} of {pp} (rank {worst.rank} of {ranks}, mesh {others}), "
-                           f"the stage whose step peaks highest; Schedule1F1B over {micro} micro-batches of "
-                           f"{batch // micro}; the largest sizes are those every stage fits")
+                           f"the stage whose step peaks highest; {llm_stages.SCHEDULES[schedule][0]} over {micro} "
+                           f"micro-batches of {batch // micro}; the largest sizes are those every stage fits")
+    per_rank = llm_stages.SCHEDULES[schedule][1]
     for s in stages:
-        answer.notes.append(f"stage {s.stage} ({s.layers} decoder layers{', the embedding' if s.stage == 0 else ''}"
-                            f"{', the norm, head and loss' if s.stage == pp - 1 else ''}): step peak "
+        held = llm_stages.own_stages(s.stage, pp, schedule)
+        runs = f"runs stages {' and '.join(map(str, held))} of {pp * per_rank}: " if per_rank > 1 else ""
+        answer.notes.append(f"stage {s.stage} ({runs}{s.layers} decoder layers"
+                            f"{', the embedding' if 0 in held else ''}"
+                            f"{', the norm, head and loss' if pp * per_rank - 1 in held else ''}): step peak "
                             f"{format_bytes(s.step_peak)}, resident {format_bytes(s.resident)}")
     if device == "cpu":
         answer.notes.insert(0, "the CPU's allocator: on a GPU each allocation is rounded up to 512 bytes and "
@@ -523,10 +536,13 @@ def _pipeline_answer(model: torch.nn.Module, step: torch.nn.Module, chosen: Any,
     return answer
 
 
-def _stage_layers(step: torch.nn.Module, stage: int, stages: int) -> int:
-    """How many decoder layers stage ``stage`` holds (the split of :class:`fxmem.llm_stages.CausalLMStage`)."""
-    n = len(step.model.base_model.layers)
-    return round((stage + 1) * n / stages) - round(stage * n / stages)
+def _stage_layers(step: torch.nn.Module, stage: int, pp: int, schedule: str) -> int:
+    """How many decoder layers pipeline rank ``stage`` of ``pp`` holds under ``schedule`` (the split of
+    :class:`fxmem.llm_stages.CausalLMStage`, over each stage it runs)."""
+    from . import llm_stages
+
+    n, per_rank = len(step.model.base_model.layers), llm_stages.SCHEDULES[schedule][1]
+    return sum(llm_stages.stage_layers(n, s, pp * per_rank) for s in llm_stages.own_stages(stage, pp, schedule))
 
 
 def _recipe(model: torch.nn.Module, recipe: Any, optimizer: str) -> tuple[Any, str]:

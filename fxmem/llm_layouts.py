@@ -70,7 +70,7 @@ def llm_layouts(model: torch.nn.Module, *, batch: int, seq: int, layouts: Sequen
     """:func:`fxmem.llm.llm_answer` of ``model`` on each of ``layouts`` (``"dp4xtp2"`` strings or
     ``{"dp": 4, "tp": 2}`` dicts; ``dp``: FSDP2, ``tp``: the model's own tensor-parallel plan, ``pp``:
     pipeline stages); ``options`` as for ``llm_answer`` (``gpu=``, ``recipe=``, ``optimizer=``,
-    ``microbatches=`` for the pipelines, ...). Layouts of one rank (``dp1``) are the single-device step."""
+    ``microbatches=`` and ``schedule=`` for the pipelines, ...). Layouts of one rank (``dp1``) are the single-device step."""
     from .llm import llm_answer
 
     if isinstance(layouts, (str, dict)) or not layouts:
@@ -83,6 +83,6 @@ def llm_layouts(model: torch.nn.Module, *, batch: int, seq: int, layouts: Sequen
         layout = parse_layout(given)
         kw = {k: v for k, v in (("pp", layout.get("pp")), ("fsdp", layout.get("dp")), ("tp", layout.get("tp")))
               if v is not None and v > 1}
-        micro = options.get("microbatches") if "pp" in kw else None
-        out[_name(layout)] = llm_answer(model, batch=batch, seq=seq, **{**options, "microbatches": micro}, **kw)
+        piped = {k: options.get(k) if "pp" in kw else None for k in ("microbatches", "schedule")}  # the pipelines'
+        out[_name(layout)] = llm_answer(model, batch=batch, seq=seq, **{**options, **piped}, **kw)
     return out

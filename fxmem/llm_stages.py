@@ -7,9 +7,12 @@ norm): stage 0 holds the embedding and the first layers, the last stage the last
 the head, and computes the loss with the model's own ``loss_function`` (the logits upcast, labels
 shifted, cross entropy). Each stage runs the base model's own ``forward`` over its layers (stage
 ``s > 0`` with ``inputs_embeds=`` the hidden states received), so the causal mask and the rotary
-positions are made as in the whole model. The schedule is ``Schedule1F1B`` with ``microbatches``
-micro-batches (default ``P``); within a stage, tensor parallelism (``"tp"``, the model's own plan)
-and FSDP2 on every decoder layer and the stage (``"dp"``) as :func:`fxmem.llm.fsdp_tp_per_block`.
+positions are made as in the whole model. The schedule is one of :data:`SCHEDULES` (torchtitan's
+names; ``1F1B`` unless asked) over ``microbatches`` micro-batches (default ``P``): those of two stages
+a rank split the layers into ``2P`` stages, rank ``r`` running ``r`` and ``r + P`` (looped) or ``r``
+and ``2P - 1 - r`` (in a V: rank 0 holds the first and the last). Within a stage, tensor parallelism
+(``"tp"``, the model's own plan) and FSDP2 on every decoder layer and the stage (``"dp"``) as
+:func:`fxmem.llm.fsdp_tp_per_block`.
 
 >>> answer = fxmem.llm(model, batch=8, seq=1024, pp=2)            # doctest: +SKIP
 >>> [s.stage for s in answer.stages]                               # doctest: +SKIP
@@ -17,6 +20,7 @@ and FSDP2 on every decoder layer and the stage (``"dp"``) as :func:`fxmem.llm.fs
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -29,9 +33,36 @@ from .errors import SpecError
 # what the whole model does
 SPLITTABLE = ("llama", "mistral", "qwen2", "qwen3")
 _PLAN = ("embed_tokens", "layers", "norm")
+# the schedules (torchtitan's names): torch.distributed.pipelining's class, the stages a rank runs and
+# their order ("loop": r, r + P; "v": r, 2P - 1 - r); each checked against real runs (tests/llm/test_llm.py)
+SCHEDULES = {"1F1B": ("Schedule1F1B", 1, "loop"), "GPipe": ("ScheduleGPipe", 1, "loop"),
+             "Interleaved1F1B": ("ScheduleInterleaved1F1B", 2, "loop"), "LoopedBFS": ("ScheduleLoopedBFS", 2, "loop"),
+             "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+             "ZBVZeroBubble": ("ScheduleZBVZeroBubble", 2, "v"), "DualPipeV": ("ScheduleDualPipeV", 2, "v")}
 
 
-def check(model: torch.nn.Module, pp: int) -> None:
+def schedule_named(name: str) -> str:
+    """The key of :data:`SCHEDULES` ``name`` means (any case); a SpecError listing them otherwise."""
+    found = {k.lower(): k for k in SCHEDULES}.get(str(name).lower())
+    if found is None:
+        raise SpecError(f"schedule={name!r}: use one of {', '.join(SCHEDULES)} (torchtitan's names)")
+    return found
+
+
+def own_stages(rank: int, ranks: int, schedule: str) -> list[int]:
+    """The stages (of ``ranks`` x its stages a rank) that pipeline rank ``rank`` runs under ``schedule``."""
+    _, per_rank, order = SCHEDULES[schedule]
+    if per_rank == 1:
+        return [rank]
+    return [rank, rank + ranks] if order == "loop" else [rank, 2 * ranks - 1 - rank]
+
+
+def stage_layers(layers: int, stage: int, stages: int) -> int:
+    """How many of ``layers`` decoder layers stage ``stage`` of ``stages`` holds (as even as they go)."""
+    return round((stage + 1) * layers / stages) - round(stage * layers / stages)
+
+
+def check(model: torch.nn.Module, pp: int, schedule: str = "1F1B") -> None:
     """Refuse a model whose split fxmem does not make (a SpecError naming why)."""
     hf = model.model if hasattr(model, "model") and hasattr(model.model, "base_model") else model
     config = getattr(hf, "config", None)
@@ -44,28 +75,35 @@ def check(model: torch.nn.Module, pp: int) -> None:
     layers = len(hf.base_model.layers)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
         raise SpecError(f"pp={pp!r}: the number of pipeline stages, an int >= 2")
-    if pp > layers:
-        raise SpecError(f"pp={pp}: the model has {layers} decoder layers, fewer than the stages; use pp <= {layers}")
+    stages = pp * SCHEDULES[schedule][1]
+    if stages > layers:
+        raise SpecError(f"pp={pp}: the model has {layers} decoder layers, fewer than the {stages} stages"
+                        f"{f' ({schedule} runs {stages // pp} a rank)' if stages > pp else ''}; use pp <= "
+                        f"{layers // (stages // pp)}")
 
 
 class CausalLMStage(torch.nn.Module):
-    """Stage ``stage`` of ``stages`` of the causal LM ``hf`` (changed in place: fxmem's copy): its
-    slice of the decoder layers; the embedding on the first stage, the norm and the head on the last
-    (the others' are dropped from ``hf``: a rank holds its stage's parameters only).
+    """Stage ``stage`` of ``stages`` of the causal LM ``hf``: its slice of the decoder layers; the
+    embedding on the first stage, the norm and the head on the last. The stage runs a copy of the
+    base model object of its own (its own table of submodules, the layers shared); :func:`drop_split`
+    then takes them all out of ``hf`` (fxmem's copy), so that a rank holds its stages' parameters only.
     ``forward(x)``: token ids (first stage) or hidden states in, hidden states or logits out."""
 
     def __init__(self, hf: torch.nn.Module, stage: int, stages: int):
         super().__init__()
-        base = hf.base_model
-        n = len(base.layers)
+        source = hf.base_model
+        base = copy.copy(source)  # (the base model's forward, config and rotary embedding; tables of its own)
+        for name, table in vars(source).items():
+            if name.startswith("_") and isinstance(table, dict):
+                object.__setattr__(base, name, type(table)(table))
+        n = len(source.layers)
         cuts = [round(i * n / stages) for i in range(stages + 1)]
-        base.layers = torch.nn.ModuleList(list(base.layers)[cuts[stage]:cuts[stage + 1]])
+        base.layers = torch.nn.ModuleList(list(source.layers)[cuts[stage]:cuts[stage + 1]])
         self.first, self.last = stage == 0, stage == stages - 1
         if not self.first:
             base.embed_tokens = None
-        if not self.last:  # what the stage does not run is not held (as a real rank's split frees it)
+        if not self.last:
             base.norm = torch.nn.Identity()
-            hf.lm_head = None
         self.base = base
         self.head = hf.lm_head if self.last else None
 
@@ -86,33 +124,49 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def pipeline_per_stage(model: torch.nn.Module, mesh: Any, microbatches: int, plan: dict | None = None) -> Any:
+def drop_split(hf: torch.nn.Module) -> None:
+    """Take the decoder layers, the embedding, the norm and the head out of ``hf`` (fxmem's copy)
+    once its stages hold theirs: what no stage of this rank runs is freed, as a real rank's split frees it."""
+    base = hf.base_model
+    base.layers = torch.nn.ModuleList()
+    base.embed_tokens, base.norm, hf.lm_head = None, torch.nn.Identity(), None
+
+
+def pipeline_per_stage(model: torch.nn.Module, mesh: Any, microbatches: int, plan: dict | None = None,
+                       schedule: str = "1F1B") -> Any:
     """``parallelize=`` of a training step module (:class:`fxmem.llm.CausalLMStep`) over ``mesh``:
-    this rank's stage (the ``"pp"`` dim's local rank; a 1-D mesh is the pipeline alone), tensor
+    this rank's stages (of the ``"pp"`` dim's local rank; a 1-D mesh is the pipeline alone), tensor
     parallel over ``"tp"`` by ``plan`` (the model's own, :func:`fxmem.llm.tensor_parallel_plan`) and
-    sharded by FSDP2 over ``"dp"`` where the mesh has them, in a ``Schedule1F1B`` of ``microbatches``."""
+    sharded by FSDP2 over ``"dp"`` where the mesh has them, in ``schedule`` (a :data:`SCHEDULES` key)
+    of ``microbatches``."""
+    import torch.distributed.pipelining as pipelining
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import parallelize_module
 
     names = mesh.mesh_dim_names or ()
     pp = mesh["pp"] if "pp" in names else mesh
     hf = model.model
-    stage, stages = pp.get_local_rank(), pp.size()
-    part = CausalLMStage(hf, stage, stages)
-    if "tp" in names:
-        if plan is None:
-            raise SpecError("pipeline_per_stage: a mesh with a 'tp' dim needs plan= (the tensor-parallel plan)")
-        parallelize_module(part.base, mesh["tp"], plan)
-    if "dp" in names:
-        for block in decoder_layers(part):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
+    kind, per_rank, _ = SCHEDULES[schedule]
+    rank, ranks = pp.get_local_rank(), pp.size()
+    own = own_stages(rank, ranks, schedule)
+    parts = [CausalLMStage(hf, s, ranks * per_rank) for s in own]
+    drop_split(hf)
+    for part in parts:
+        if "tp" in names:
+            if plan is None:
+                raise SpecError("pipeline_per_stage: a mesh with a 'tp' dim needs plan= (the tensor-parallel plan)")
+            parallelize_module(part.base, mesh["tp"], plan)
+        if "dp" in names:
+            for block in decoder_layers(part):
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
     # every rank's schedule gets the loss: without one torch's schedules run no backward on that rank
     loss = functools.partial(causal_lm_loss, hf)
-    device = next(iter(part.parameters())).device
-    return Schedule1F1B(PipelineStage(part, stage, stages, device, group=pp.get_group()),
-                        n_microbatches=microbatches, loss_fn=loss)
+    device = next(iter(parts[0].parameters())).device
+    stages = [pipelining.PipelineStage(part, s, ranks * per_rank, device, group=pp.get_group())
+              for part, s in zip(parts, own)]
+    return getattr(pipelining, kind)(stages[0] if per_rank == 1 else stages, n_microbatches=microbatches,
+                                     loss_fn=loss)
 
 
 def train_stage(schedule: Any, optimizer: Any, input_ids: torch.Tensor, attention_mask: Any = None) -> None:
@@ -121,10 +175,13 @@ def train_stage(schedule: Any, optimizer: Any, input_ids: torch.Tensor, attentio
     of unpadded sequences (all ones) is not sent: each stage makes the causal mask."""
     from . import _torch_compat as tc
 
-    stage = tc.schedule_stages(schedule)[0]
-    if stage.is_first:
+    stages = tc.schedule_stages(schedule)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    if first and last:  # a V-shaped schedule's rank 0
+        schedule.step(input_ids, target=input_ids, losses=[])
+    elif first:
         schedule.step(input_ids)
-    elif stage.is_last:
+    elif last:
         schedule.step(target=input_ids, losses=[])
     else:
         schedule.step()

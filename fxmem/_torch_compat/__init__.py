@@ -155,6 +155,7 @@ from .distributed import (
     fsdp_meshes_outside_fake,
     fsdp_without_gpu,
     functional_collective,
+    import_parallel_packages,
     local_tensor,
     on_storage_resize,
     pipeline_stage_types,
@@ -204,7 +205,7 @@ __all__ = [
     "ddp_used_map", "ddp_used_map_reads", "distributed_available", "dtensor_propagation_quiet", "dtensor_type",
     "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_lazy_init", "fsdp2_managed",
     "fsdp2_set_knobs", "fsdp2_state", "fsdp2_unsharded_copy", "fsdp_mem_tracker", "fsdp_meshes_outside_fake",
-    "fsdp_without_gpu", "functional_collective", "local_tensor", "on_storage_resize", "pipeline_stage_types",
+    "fsdp_without_gpu", "functional_collective", "import_parallel_packages", "local_tensor", "on_storage_resize", "pipeline_stage_types",
     "tensors_made",
     # pipelining
     "is_pipeline_schedule", "is_pipelining_refusal", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_microbatches",

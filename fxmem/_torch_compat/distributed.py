@@ -390,6 +390,31 @@ def fsdp2_unsharded_copy(root: torch.nn.Module) -> torch.nn.Module:
     return copy(root)
 
 
+# the torch.distributed packages a parallelize= builds with: imported before it runs, outside fxmem's
+# fake mode. An import runs the module's code, and some make tensors (pipelining's sum_reducer holds
+# torch.tensor(0.0)): a first import under the fake mode would leave a fake tensor in torch's module for
+# the process's life - alive in every later step, counted as memory the step keeps (4 bytes), and fake
+# in the user's own pipeline runs after the analysis.
+_PARALLEL_PACKAGES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                      "torch.distributed.pipelining")
+
+
+def import_parallel_packages() -> None:
+    """Import :data:`_PARALLEL_PACKAGES` (those not imported yet) with no fake or dispatch mode active."""
+    import importlib
+    import sys
+
+    missing = [name for name in _PARALLEL_PACKAGES if name not in sys.modules]
+    if not missing or not torch.distributed.is_available():
+        return
+    with real_mode():
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an older torch without it: nothing of it can run
+                pass
+
+
 @contextlib.contextmanager
 def fsdp_meshes_outside_fake() -> Iterator[None]:
     """Let ``fully_shard(..., reshard_after_forward=<int>)`` run on fxmem's fake copy: it builds the

@@ -198,6 +198,7 @@ class Parallel:
         """``fn(model, mesh)``: the model to run (``fn`` may wrap it or return it sharded in place),
         and what its wrapper keeps besides parameters and buffers, as ``(name, tensor)``: DDP's
         gradient buckets and maps (resident from the start, see :func:`~fxmem.distributed.ddp.reducer_state`)."""
+        tc.import_parallel_packages()  # (before the fake mode's fully_shard, DTensor and pipelining code runs)
         try:
             with tc.ddp_on_fake_tensors(), tc.fsdp_meshes_outside_fake(), tc.tensors_made() as made:
                 out = self.fn(model, mesh)

@@ -151,6 +151,51 @@ def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
     assert answer.max_batch % 2 == 0 and max(fits) <= 4 * 2**20 < max(over)
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble"] + [pytest.param(s, marks=pytest.mark.slow) for s in (
+    "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")])  # CI: a V of zero bubble
+def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule):
+    """pp=2 under each schedule fxmem llm builds (those of two stages a rank split 4 layers into 4 stages:
+    rank 0 runs 0 and 2, or in a V 0 and 3, the embedding with the head), one micro-batch per stage, every
+    rank against a real step of the same split at sizes the analysis did not see."""
+    import functools
+
+    from fxmem import llm_stages
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    config = {**LLAMA, "num_hidden_layers": 4}
+    per_rank = llm_stages.SCHEDULES[schedule][1]
+    answer = llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2, schedule=schedule.lower())
+    assert f"{llm_stages.SCHEDULES[schedule][0]} over {2 * per_rank} micro-batches" in str(answer)
+    assert [s.layers for s in answer.stages] == [2, 2]
+    if per_rank == 2:
+        v = schedule in ("ZBVZeroBubble", "DualPipeV")
+        assert f"stage 0 (runs stages 0 and {3 if v else 2} of 4: 2 decoder layers, the embedding" \
+               f"{', the norm, head and loss' if v else ''})" in str(answer)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2 * per_rank, schedule=schedule)
+    torch.set_num_threads(1)
+    for stage in answer.stages:
+        for b, l in ((4, 37), (8, 61)):
+            x = torch.randint(3, 90, (b, l))
+            real = measure_synchronous(lambda: _real(config), (x, torch.ones_like(x)), parallelize, 2, stage.rank,
+                                       OPTIMIZERS["adamw"], step=llm_stages.train_stage)
+            at = stage.report.evaluate(B=b, L=l)
+            assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
+                (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
+                 at["optimizer_state"]), (schedule, stage.stage, b, l)
+
+
+def test_pipeline_schedule_refusals():
+    with pytest.raises(fxmem.SpecError, match="schedule='Zigzag': use one of 1F1B, GPipe"):
+        llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, schedule="Zigzag")
+    with pytest.raises(fxmem.SpecError, match="fewer than the 4 stages .Interleaved1F1B runs 2 a rank.; use pp <= 1"):
+        llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, schedule="Interleaved1F1B")
+    with pytest.raises(fxmem.SpecError, match="DualPipeV needs at least as many micro-batches as stages .4."):
+        llm_answer(fxmem.from_config({**LLAMA, "num_hidden_layers": 4}), batch=4, seq=48, pp=2, schedule="DualPipeV",
+                   microbatches=2)
+    with pytest.raises(fxmem.SpecError, match="schedule= is the pipeline's"):
+        llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, schedule="GPipe")
+
+
 def test_layouts_side_by_side(tmp_path):
     # a row per layout, each the answer of its own layout: the single device's against a real step, the
     # pipeline's worst stage against a real run of that stage's rank; the command line prints the same table

@@ -184,6 +184,27 @@ def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule
                  at["optimizer_state"]), (schedule, stage.stage, b, l)
 
 
+def test_a_first_import_of_torchs_pipelining_is_not_made_inside_the_analysis():
+    # pipelining's microbatch module makes torch.tensor(0.0) when imported: imported first inside the fake
+    # mode, it stayed a fake tensor in torch's module (in the user's later real runs) and a 4-byte "step
+    # state" on stage 0. A fresh interpreter that has not imported it gives this process's numbers.
+    import torch.distributed.pipelining  # noqa: F401 - this process's import, made outside any analysis
+
+    here = llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2)
+    code = ("import sys, json, fxmem, torch\n"
+            "from fxmem.llm import llm_answer\n"
+            "assert 'torch.distributed.pipelining' not in sys.modules\n"
+            f"a = llm_answer(fxmem.from_config({LLAMA!r}), batch=4, seq=48, pp=2)\n"
+            "from torch.distributed.pipelining.microbatch import sum_reducer\n"
+            "print(json.dumps([type(sum_reducer.init_value).__name__, [s.resident for s in a.stages],"
+            " [s.step_peak for s in a.stages]]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == ["Tensor", [s.resident for s in here.stages],
+                                                       [s.step_peak for s in here.stages]]
+
+
 def test_pipeline_schedule_refusals():
     with pytest.raises(fxmem.SpecError, match="schedule='Zigzag': use one of 1F1B, GPipe"):
         llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, schedule="Zigzag")

@@ -68,6 +68,17 @@ def _bytes(expr: Any) -> str:
     return f"{int(expr):,}" if expr.is_number else str(expr)
 
 
+def _refuse_ddp_maps(stage: torch.nn.Module) -> None:
+    """Refuse a pipeline stage wrapped by DDP that keeps a map of the parameters that got gradients
+    (``find_unused_parameters=True``, ``static_graph=True``): the map's reads are modelled for a
+    model wrapped whole, not for a stage yet."""
+    if type(stage).__name__ == "DistributedDataParallel" and (getattr(stage, "find_unused_parameters", False)
+                                                             or getattr(stage, "static_graph", False)):
+        raise ModelError("parallelize=: a pipeline stage wrapped by DistributedDataParallel with "
+                         "find_unused_parameters=True or static_graph=True is not modelled yet (the map of used "
+                         "parameters DDP reads then); wrap the stage without them, or shard it with FSDP2")
+
+
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     """Rank ``rank`` of ``world_size`` ranks, the model parallelised by ``fn(model, mesh)``."""
@@ -218,10 +229,15 @@ class Parallel:
             out = model  # fully_shard works in place: returning nothing means the model itself
         from .pipeline import is_pipeline
         from .wrappers import refuse_unmodelled
-        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): FSDP2 and DTensors in its stages
+        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): FSDP2, DTensors or DDP in its stages
+            from .ddp import install_allreduce, reducer_state
+            held = []
             for stage in tc.schedule_stages(out):
                 refuse_unmodelled(stage.submod, "parallelize=", placed_here=True)
-            return out, []
+                _refuse_ddp_maps(stage.submod)
+                install_allreduce(stage.submod)  # a stage wrapped by DDP: its buckets, all-reduced over "dp"
+                held += [(f"{name} (stage {tc.stage_index(stage)})", t) for name, t in reducer_state(stage.submod, made)]
+            return out, held
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "
                              f"model after fully_shard, or the DistributedDataParallel wrapper)")

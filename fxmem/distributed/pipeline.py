@@ -14,8 +14,9 @@ The zero-bubble schedules split each backward in two - the input gradients first
 graph), the weights' later - and keep the gradients of the activations they received until the
 next step starts.
 On a mesh of several dims (``mesh={"pp": 2, "dp": 2, "tp": 2}``) the stage is its ``mesh["pp"]``
-coordinate's, FSDP2 (over ``"dp"``, or HSDP over two dims) and tensor parallelism (over ``"tp"``)
-inside it: the schedule runs their collectives in each micro-batch's forward and backward.
+coordinate's, FSDP2 (over ``"dp"``, or HSDP over two dims) or DDP (over ``"dp"``) and tensor
+parallelism (over ``"tp"``) inside it: the schedule runs their collectives in each micro-batch's
+forward and backward.
 
 >>> def parallelize(model, mesh):                                      # doctest: +SKIP
 ...     rank, stages = mesh.get_local_rank(), mesh.size()
@@ -186,12 +187,6 @@ def stage_model(schedule: Any) -> torch.nn.Module:
                          f"front end, torch.distributed.pipelining.PipelineStage(submodule, stage_index, num_stages, "
                          f"device) (not pipeline() / build_stage)")
     modules = [s.submod for s in stages]
-    for m in modules:
-        for sub in m.modules():
-            if type(sub).__name__ == "DistributedDataParallel":
-                raise ModelError("parallelize=: a pipeline stage is wrapped by DistributedDataParallel (pipeline with "
-                                 "DDP), which fxmem does not model yet; shard the stages with FSDP2 (fully_shard "
-                                 "over the mesh's data-parallel dim), which is modelled")
     return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
 
 

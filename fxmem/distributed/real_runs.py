@@ -108,11 +108,13 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
         from torch.nn.parallel import DistributedDataParallel
 
         out = parallelize(model, mesh) or model
-        if isinstance(out, DistributedDataParallel):
-            out.register_comm_hook(None, _allreduce)
+        wrappers = [s.submod for s in tc.schedule_stages(out)] if is_pipeline(out) else [out]
+        for wrapper in wrappers:  # (a pipeline's stages each)
+            if isinstance(wrapper, DistributedDataParallel):
+                wrapper.register_comm_hook(None, _allreduce)
         return out
 
-    from .pipeline import real_start_up
+    from .pipeline import is_pipeline, real_start_up
 
     dims = _dims(mesh)
     pipelined = _returns_pipeline(make_model, parallelize, world_size, rank, dims)
@@ -120,7 +122,7 @@ def measure_synchronous(make_model: Callable[[], torch.nn.Module], inputs: tuple
         if pipelined:
             # the start-up messages the other ranks would send this rank's stage, from their own steps:
             # gathered before this rank's measurement starts (their fake groups leave small buffers behind)
-            mailbox = real_start_up(world_size, make_model, parallelize, optimizer, inputs, step, dims)
+            mailbox = real_start_up(world_size, make_model, wrapped, optimizer, inputs, step, dims)
             mailbox.rank = rank
             pipeline.enter_context(tc.pipeline_messages(mailbox))
         with tc.fake_process_group(world_size, rank, dims=dims) as device_mesh:

@@ -21,7 +21,8 @@ from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from zoo.distributed import D, V
 from zoo.pipeline import (TP_D, PipeDecoder, PipeTPDecoder, adam, dualpipe_v, gpipe, interleaved,
-                          interleaved_zero_bubble, looped_bfs, one_f_one_b, pp_fsdp, pp_fsdp_tp, pp_hsdp, pp_tp, train,
+                          interleaved_zero_bubble, looped_bfs, one_f_one_b, pp_ddp, pp_fsdp, pp_fsdp_tp, pp_hsdp, pp_tp,
+                          train,
                           train_held, train_staged, zbv)
 
 SIZES = [dict(B=8, L=5), dict(B=12, L=7)]  # (the analysis runs at fxmem's example sizes; B divides by 4 micro-batches)
@@ -165,7 +166,7 @@ def test_a_step_the_schedule_refuses_is_not_blamed_on_the_shapes():
     assert "not a problem of the input shapes" in str(info.value) and "target=" in str(info.value)
 
 
-def test_pipeline_with_ddp_is_refused_by_name():
+def test_pipeline_stages_with_ddps_map_of_used_parameters_are_refused_by_name():
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.nn.parallel import DistributedDataParallel
 
@@ -173,11 +174,11 @@ def test_pipeline_with_ddp_is_refused_by_name():
         pp, dp = mesh["pp"], mesh["dp"]
         rank = pp.get_local_rank()
         part = DistributedDataParallel(model.layers[:2] if rank == 0 else model.layers[2:],
-                                       process_group=dp.get_group())
+                                       process_group=dp.get_group(), find_unused_parameters=True)
         return ScheduleGPipe(PipelineStage(part, rank, 2, torch.device("cpu"), group=pp.get_group()),
                              n_microbatches=4, loss_fn=None)
 
-    with pytest.raises(ModelError, match="pipeline stage is wrapped by DistributedDataParallel"):
+    with pytest.raises(ModelError, match="wrapped by DistributedDataParallel with find_unused_parameters=True"):
         fxmem.analyze(PipeDecoder(), ("B", "L", D), ("B", "L", V), optimizer=adam, step=train_staged, world_size=4,
                       mesh={"pp": 2, "dp": 2}, parallelize=ddp_stages)
 
@@ -186,7 +187,7 @@ def test_pipeline_with_ddp_is_refused_by_name():
 # "replicate" and "shard"), tensor parallelism over "tp". Each rank's stage against the same code's real run,
 # synchronous and on gloo.
 MESHES = {pp_fsdp: {"pp": 2, "dp": 2}, pp_tp: {"pp": 2, "tp": 2}, pp_fsdp_tp: {"pp": 2, "dp": 2, "tp": 2},
-          pp_hsdp: {"pp": 2, "replicate": 2, "shard": 2}}
+          pp_hsdp: {"pp": 2, "replicate": 2, "shard": 2}, pp_ddp: {"pp": 2, "dp": 2}}
 
 
 def analyse_mesh(fn, rank):
@@ -212,13 +213,17 @@ def mesh_inputs(dims):
     (pp_fsdp, 0), pytest.param(pp_fsdp, 3, marks=pytest.mark.slow),
     pytest.param(pp_tp, 0, marks=pytest.mark.slow), pytest.param(pp_tp, 3, marks=pytest.mark.slow),
     pytest.param(pp_fsdp_tp, 0, marks=pytest.mark.slow), (pp_fsdp_tp, 7),  # CI: 2-D FSDP2, 3-D
-    pytest.param(pp_hsdp, 0, marks=pytest.mark.slow), pytest.param(pp_hsdp, 7, marks=pytest.mark.slow)])
+    pytest.param(pp_hsdp, 0, marks=pytest.mark.slow), pytest.param(pp_hsdp, 7, marks=pytest.mark.slow),
+    (pp_ddp, 3), pytest.param(pp_ddp, 0, marks=pytest.mark.slow)])  # CI: DDP stages
 def test_pipeline_on_a_mesh_exact_per_rank(fn, rank):
     # the stage's FSDP2 shards (over "dp") and tensor-parallel shards (over "tp"), its micro-batches in
     # flight (1F1B) and the collectives of both inside the schedule's forwards and backwards
     torch.set_num_threads(1)
     report = analyse_mesh(fn, rank)
     mesh = MESHES[fn]
+    if fn is pp_ddp:  # the stage's buckets are DDP's, and the notes say how the bucket-rebuilding step differs
+        assert any(s.name.startswith("DDP gradient bucket ") for s in report.storages)
+        assert any(n.startswith("DDP: the steady state's numbers") for n in report.notes), report.notes
     for dims in SIZES:
         real = measure_synchronous(PipeTPDecoder, mesh_inputs(dims), fn, math.prod(mesh.values()), rank, adam,
                                    step=train_staged, mesh=mesh)
@@ -235,7 +240,7 @@ def stated_bounds(report, dims):
 
 
 @pytest.mark.parametrize("fn", [pp_fsdp, pytest.param(pp_tp, marks=pytest.mark.slow),
-                                pytest.param(pp_hsdp, marks=pytest.mark.slow)])
+                                pytest.param(pp_hsdp, marks=pytest.mark.slow), pytest.param(pp_ddp, marks=pytest.mark.slow)])
 def test_gloo_pipeline_on_a_mesh_within_the_stated_bound(fn):
     # 4 processes (HSDP: 8), 2 stages: each rank's state exact; its resident count, peak and what its step keeps
     # between the synchronous numbers and them + the notes' bounds (the stage's sends, FSDP2's or tensor
@@ -250,7 +255,10 @@ def test_gloo_pipeline_on_a_mesh_within_the_stated_bound(fn):
         # (parameter shards, optimizer state, inputs) counted one by one, beside what the stage keeps (its
         # receive buffers; the last stage's outputs of the step before)
         stage = sum(s.bytes for s in report.storages if s.name.startswith(f"stage {real.rank // (world // 2)} "))
-        assert (real.extra["state_storages"], real.optimizer_state) == (resident - report.at(stage, **dims), state)
+        buckets = report.at(sum(s.bytes for s in report.storages if s.name.startswith("DDP gradient bucket ")), **dims)
+        assert real.extra["ddp_bucket_bytes"] == buckets  # DDP's own count of its stage's buckets (0 without DDP)
+        assert (real.extra["state_storages"], real.optimizer_state) == (resident - report.at(stage, **dims) - buckets,
+                                                                        state)
         sent_bound(report, 1, dims, TP_D)  # one link: the other stage's activations or gradients
         late = stated_bounds(report, dims)
         for what, got, sync in (("resident", real.resident, resident), ("peak", real.peak_above_start, peak),

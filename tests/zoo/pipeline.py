@@ -124,7 +124,7 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def _mesh_stage(model, mesh, schedule, shard=None):
+def _mesh_stage(model, mesh, schedule, ddp=False):
     """Stage ``mesh["pp"]``'s local rank of its size, over the mesh's ``"pp"`` dim: its blocks tensor
     parallel over ``"tp"`` and sharded by FSDP2 over ``"dp"`` where the mesh has those dims (torchtitan's
     order: tensor parallelism, then fully_shard of each block and of the stage)."""
@@ -142,7 +142,10 @@ def _mesh_stage(model, mesh, schedule, shard=None):
             parallelize_module(block, mesh["tp"], _block_plan())
     # FSDP2 over "dp", or HSDP over ("replicate", "shard"): replicated over the first, sharded over the second
     dp = mesh["dp"] if "dp" in names else mesh["replicate", "shard"] if "replicate" in names else None
-    if dp is not None:
+    if dp is not None and ddp:  # DDP over "dp": the stage's gradients all-reduced in its buckets
+        from torch.nn.parallel import DistributedDataParallel
+        part = DistributedDataParallel(part, process_group=dp.get_group())
+    elif dp is not None:
         for block in blocks:
             fully_shard(block, mesh=dp)
         fully_shard(part, mesh=dp)
@@ -153,6 +156,11 @@ def _mesh_stage(model, mesh, schedule, shard=None):
 def pp_fsdp(model, mesh):
     """Pipeline stages over ``"pp"``, each sharded by FSDP2 over ``"dp"`` (1F1B)."""
     return _mesh_stage(model, mesh, Schedule1F1B)
+
+
+def pp_ddp(model, mesh):
+    """Pipeline stages over ``"pp"``, each wrapped by DDP over ``"dp"`` (1F1B)."""
+    return _mesh_stage(model, mesh, Schedule1F1B, ddp=True)
 
 
 def pp_hsdp(model, mesh):

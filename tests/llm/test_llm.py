@@ -184,6 +184,31 @@ def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule
                  at["optimizer_state"]), (schedule, stage.stage, b, l)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_pipeline_stages_of_the_other_split_architectures_are_exact(kind):
+    """pp=2 of each architecture fxmem splits besides Llama (fxmem.llm_stages.SPLITTABLE): both stages'
+    ranks against real steps of the same split."""
+    import functools
+
+    from fxmem import llm_stages
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    config = {**(QWEN2 if kind == "qwen2" else LLAMA), "model_type": kind}
+    answer = llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2)
+    torch.set_num_threads(1)
+    for stage in answer.stages:
+        for b, l in ((4, 37), (6, 61)):
+            x = torch.randint(3, 90, (b, l))
+            real = measure_synchronous(lambda: _real(config), (x, torch.ones_like(x)), parallelize, 2, stage.rank,
+                                       OPTIMIZERS["adamw"], step=llm_stages.train_stage)
+            at = stage.report.evaluate(B=b, L=l)
+            assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
+                (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
+                 at["optimizer_state"]), (kind, stage.stage, b, l)
+
+
 def test_a_first_import_of_torchs_pipelining_is_not_made_inside_the_analysis():
     # pipelining's microbatch module makes torch.tensor(0.0) when imported: imported first inside the fake
     # mode, it stayed a fake tensor in torch's module (in the user's later real runs) and a 4-byte "step

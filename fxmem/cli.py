@@ -291,13 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(its config's base_model_tp_plan); with --fsdp W, a W x T "
                                                       "mesh: per-rank numbers")
     m.add_argument("--pp", type=int, metavar="P", help="pipeline parallelism: the decoder layers split into P stages "
-                                                      "(1F1B unless --schedule), every stage analysed; with --fsdp/--tp, "
-                                                      "a P x W x T mesh: per-rank numbers of the stage that peaks "
-                                                      "highest")
-    m.add_argument("--schedule", metavar="NAME", help="--pp: the pipeline schedule, torchtitan's names: 1F1B (default), "
-                                                     "GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
-                                                     "ZBVZeroBubble, DualPipeV (the last five run 2 stages a rank)")
-    m.add_argument("--microbatches", type=int, metavar="M", help="--pp: micro-batches per step (default: one per stage, P, or 2P for a schedule of 2 a rank); the "
+                                                      "(1F1B unless --schedule), every stage analysed; with --fsdp/"
+                                                      "--tp, a P x W x T mesh: per-rank numbers of the stage that "
+                                                      "peaks highest")
+    m.add_argument("--schedule", metavar="NAME", help="--pp: the pipeline schedule, torchtitan's names: 1F1B "
+                                                     "(default), GPipe, Interleaved1F1B, LoopedBFS, "
+                                                     "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (the last five "
+                                                     "run 2 stages a rank)")
+    m.add_argument("--microbatches", type=int, metavar="M", help="--pp: micro-batches per step (default: one per "
+                                                                "stage, P, or 2P for a schedule of 2 a rank); the "
                                                                 "batch must split into M equal ones")
     m.add_argument("--layouts", nargs="+", metavar="LAYOUT", help="compare parallel layouts, a row each: dims and "
                                                                  "sizes joined by x, e.g. dp8 dp4xtp2 pp2xdp4 "

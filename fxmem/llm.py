@@ -542,7 +542,7 @@ def _stage_layers(step: torch.nn.Module, stage: int, pp: int, schedule: str) -> 
     from . import llm_stages
 
     n, per_rank = len(step.model.base_model.layers), llm_stages.SCHEDULES[schedule][1]
-    return sum(llm_stages.stage_layers(n, s, pp * per_rank) for s in llm_stages.own_stages(stage, pp, schedule))
+    return sum(len(llm_stages.stage_layers(n, s, pp * per_rank)) for s in llm_stages.own_stages(stage, pp, schedule))
 
 
 def _recipe(model: torch.nn.Module, recipe: Any, optimizer: str) -> tuple[Any, str]:

@@ -70,7 +70,8 @@ def llm_layouts(model: torch.nn.Module, *, batch: int, seq: int, layouts: Sequen
     """:func:`fxmem.llm.llm_answer` of ``model`` on each of ``layouts`` (``"dp4xtp2"`` strings or
     ``{"dp": 4, "tp": 2}`` dicts; ``dp``: FSDP2, ``tp``: the model's own tensor-parallel plan, ``pp``:
     pipeline stages); ``options`` as for ``llm_answer`` (``gpu=``, ``recipe=``, ``optimizer=``,
-    ``microbatches=`` and ``schedule=`` for the pipelines, ...). Layouts of one rank (``dp1``) are the single-device step."""
+    ``microbatches=`` and ``schedule=`` for the pipelines, ...). Layouts of one rank (``dp1``) are the
+    single-device step."""
     from .llm import llm_answer
 
     if isinstance(layouts, (str, dict)) or not layouts:

@@ -8,11 +8,11 @@ the head, and computes the loss with the model's own ``loss_function`` (the logi
 shifted, cross entropy). Each stage runs the base model's own ``forward`` over its layers (stage
 ``s > 0`` with ``inputs_embeds=`` the hidden states received), so the causal mask and the rotary
 positions are made as in the whole model. The schedule is one of :data:`SCHEDULES` (torchtitan's
-names; ``1F1B`` unless asked) over ``microbatches`` micro-batches (default ``P``): those of two stages
-a rank split the layers into ``2P`` stages, rank ``r`` running ``r`` and ``r + P`` (looped) or ``r``
-and ``2P - 1 - r`` (in a V: rank 0 holds the first and the last). Within a stage, tensor parallelism
-(``"tp"``, the model's own plan) and FSDP2 on every decoder layer and the stage (``"dp"``) as
-:func:`fxmem.llm.fsdp_tp_per_block`.
+names; ``1F1B`` unless asked) over ``microbatches`` micro-batches (default one per stage): those of
+two stages a rank split the layers into ``2P`` stages, rank ``r`` running ``r`` and ``r + P``
+(looped) or ``r`` and ``2P - 1 - r`` (in a V: rank 0 holds the first and the last). Within a
+stage, tensor parallelism (``"tp"``, the model's own plan) and FSDP2 on every decoder layer and the
+stage (``"dp"``) as :func:`fxmem.llm.fsdp_tp_per_block`.
 
 >>> answer = fxmem.llm(model, batch=8, seq=1024, pp=2)            # doctest: +SKIP
 >>> [s.stage for s in answer.stages]                               # doctest: +SKIP
@@ -57,9 +57,9 @@ def own_stages(rank: int, ranks: int, schedule: str) -> list[int]:
     return [rank, rank + ranks] if order == "loop" else [rank, 2 * ranks - 1 - rank]
 
 
-def stage_layers(layers: int, stage: int, stages: int) -> int:
-    """How many of ``layers`` decoder layers stage ``stage`` of ``stages`` holds (as even as they go)."""
-    return round((stage + 1) * layers / stages) - round(stage * layers / stages)
+def stage_layers(layers: int, stage: int, stages: int) -> range:
+    """Which of ``layers`` decoder layers stage ``stage`` of ``stages`` holds (as even as they go)."""
+    return range(round(stage * layers / stages), round((stage + 1) * layers / stages))
 
 
 def check(model: torch.nn.Module, pp: int, schedule: str = "1F1B") -> None:
@@ -96,9 +96,8 @@ class CausalLMStage(torch.nn.Module):
         for name, table in vars(source).items():
             if name.startswith("_") and isinstance(table, dict):
                 object.__setattr__(base, name, type(table)(table))
-        n = len(source.layers)
-        cuts = [round(i * n / stages) for i in range(stages + 1)]
-        base.layers = torch.nn.ModuleList(list(source.layers)[cuts[stage]:cuts[stage + 1]])
+        held = stage_layers(len(source.layers), stage, stages)
+        base.layers = torch.nn.ModuleList(list(source.layers)[held.start:held.stop])
         self.first, self.last = stage == 0, stage == stages - 1
         if not self.first:
             base.embed_tokens = None

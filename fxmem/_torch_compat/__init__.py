@@ -196,8 +196,8 @@ __all__ = [
     "add_hook", "fake_module_copy", "global_hook_tables", "hook_tables", "module_attribute_values", "module_hooks",
     "non_persistent_buffers", "order_like", "pop_child", "skip_parameter_init", "tensor_attributes",
     # autograd
-    "backward_calls", "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks", "saved_tensor_hooks_in_effect",
-    "tensor_hooks", "tensor_use_count", "write_count",
+    "backward_calls", "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks",
+    "saved_tensor_hooks_in_effect", "tensor_hooks", "tensor_use_count", "write_count",
     # devices
     "cpu_capability", "cuda_memory_history", "fake_cuda_backward_possible", "fake_cuda_is_safe",
     # distributed
@@ -205,9 +205,9 @@ __all__ = [
     "ddp_used_map", "ddp_used_map_reads", "distributed_available", "dtensor_propagation_quiet", "dtensor_type",
     "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_lazy_init", "fsdp2_managed",
     "fsdp2_set_knobs", "fsdp2_state", "fsdp2_unsharded_copy", "fsdp_mem_tracker", "fsdp_meshes_outside_fake",
-    "fsdp_without_gpu", "functional_collective", "import_parallel_packages", "local_tensor", "on_storage_resize", "pipeline_stage_types",
-    "tensors_made",
+    "fsdp_without_gpu", "functional_collective", "import_parallel_packages", "local_tensor", "on_storage_resize",
+    "pipeline_stage_types", "tensors_made",
     # pipelining
-    "is_pipeline_schedule", "is_pipelining_refusal", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends", "schedule_microbatches",
-    "schedule_stages", "stage_buffers", "stage_index", "stage_static_vote",
+    "is_pipeline_schedule", "is_pipelining_refusal", "pipeline_messages", "pipeline_schedule_type", "pipeline_sends",
+    "schedule_microbatches", "schedule_stages", "stage_buffers", "stage_index", "stage_static_vote",
 ]

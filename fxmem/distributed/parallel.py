@@ -229,14 +229,15 @@ class Parallel:
             out = model  # fully_shard works in place: returning nothing means the model itself
         from .pipeline import is_pipeline
         from .wrappers import refuse_unmodelled
-        if is_pipeline(out):  # this rank's schedule (see fxmem.distributed.pipeline): FSDP2, DTensors or DDP in its stages
+        if is_pipeline(out):  # this rank's schedule (fxmem.distributed.pipeline): FSDP2, DTensors or DDP in its stages
             from .ddp import install_allreduce, reducer_state
             held = []
             for stage in tc.schedule_stages(out):
                 refuse_unmodelled(stage.submod, "parallelize=", placed_here=True)
                 _refuse_ddp_maps(stage.submod)
                 install_allreduce(stage.submod)  # a stage wrapped by DDP: its buckets, all-reduced over "dp"
-                held += [(f"{name} (stage {tc.stage_index(stage)})", t) for name, t in reducer_state(stage.submod, made)]
+                held += [(f"{name} (stage {tc.stage_index(stage)})", t)
+                         for name, t in reducer_state(stage.submod, made)]
             return out, held
         if not isinstance(out, torch.nn.Module):
             raise ModelError(f"parallelize= returned {type(out).__name__}; return the module to run (the "

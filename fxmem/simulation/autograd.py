@@ -178,9 +178,9 @@ def _autograd_nodes(t: torch.Tensor) -> list:
 
 class _Release:
     """A ``grad_fn`` hook that releases kept storages when the node's backward runs (in a backward
-    that does not keep the graph), or when the node itself is destroyed: a graph nothing can reach any more (its output was detached, or only
-    ``argmax`` of it was kept) frees what it saved, as the real run does. Only the node holds the
-    hook, so the hook dies with it."""
+    that does not keep the graph), or when the node itself is destroyed: a graph nothing can reach
+    any more (its output was detached, or only ``argmax`` of it was kept) frees what it saved, as
+    the real run does. Only the node holds the hook, so the hook dies with it."""
 
     def __init__(self, release: Any, indices: list[int], keeping: list[bool]):
         self.release, self.indices, self.keeping = release, indices, keeping

@@ -113,75 +113,73 @@ def test_tensor_parallelism_needs_the_configs_plan():
         llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, tp=0)
 
 
-@pytest.mark.parametrize("fsdp, tp", [(None, None), pytest.param(2, None, marks=pytest.mark.slow),
-                                     pytest.param(None, 2, marks=pytest.mark.slow)],
-                         ids=["pp2", "pp2xdp2", "pp2xtp2"])  # CI: the pipeline alone (the meshes: tests/distributed)
-def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
-    """pp=2: every stage's rank against a real step of the same split (fxmem.llm_stages), in one process
-    with the other ranks' start-up messages; 1F1B over 2 micro-batches, at sizes the analysis did not see."""
+def stages_match_real_steps(answer, config, sizes, microbatches=2, schedule="1F1B", fsdp=None, tp=None):
+    """Every stage's rank of ``answer`` (pp=2 of ``config``) against a real step of the same split
+    (fxmem.llm_stages), in one process with the other ranks' start-up messages, at ``sizes`` the
+    analysis did not see: step peak above start, retained, resident and optimizer state, in bytes."""
     import functools
 
     from fxmem import llm_stages
     from fxmem.distributed.real_runs import measure_synchronous
 
-    answer = llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, fsdp=fsdp, tp=tp, gpu="4MiB")
     layout = llm_stages.mesh(2, fsdp, tp)
-    assert [s.stage for s in answer.stages] == [0, 1] and answer.ranks == 2 * (fsdp or 1) * (tp or 1)
-    worst = max(answer.stages, key=lambda s: s.step_peak)
-    assert answer.step_peak == worst.step_peak and f"stage {worst.stage} of 2" in str(answer)
-    assert f"on this rank, one of {answer.ranks} (its stage's layers)" in str(answer)
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2,
-                                    plan=tensor_parallel_plan(_real(LLAMA)) if tp else None)
+    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=microbatches, schedule=schedule,
+                                    plan=tensor_parallel_plan(_real(config)) if tp else None)
     torch.set_num_threads(1)
     for stage in answer.stages:
         # the last stage holds the head and its logits; the first the embedding (and more micro-batches in flight)
-        for b, l in ((4, 37), (6, 61)):
+        for b, l in sizes:
             x = torch.randint(3, 90, (b, l))
-            real = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)), parallelize, answer.ranks,
+            real = measure_synchronous(lambda: _real(config), (x, torch.ones_like(x)), parallelize, answer.ranks,
                                        stage.rank, OPTIMIZERS["adamw"], step=llm_stages.train_stage,
                                        mesh=layout if len(layout) > 1 else None)
             at = stage.report.evaluate(B=b, L=l)
             assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
                 (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
-                 at["optimizer_state"]), (stage.stage, b, l)
+                 at["optimizer_state"]), (config["model_type"], schedule, stage.stage, b, l)
         assert real.optimizer_state > 0  # every stage trains its layers (a backward on each rank)
+
+
+@pytest.mark.parametrize("fsdp, tp", [(None, None), pytest.param(2, None, marks=pytest.mark.slow),
+                                     pytest.param(None, 2, marks=pytest.mark.slow)],
+                         ids=["pp2", "pp2xdp2", "pp2xtp2"])  # CI: the pipeline alone (the meshes: tests/distributed)
+def test_pipeline_stages_are_exact_against_the_synchronous_real_step(fsdp, tp):
+    """pp=2: every stage's rank against a real step of the same split, 1F1B over 2 micro-batches."""
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=4, seq=48, pp=2, fsdp=fsdp, tp=tp, gpu="4MiB")
+    assert [s.stage for s in answer.stages] == [0, 1] and answer.ranks == 2 * (fsdp or 1) * (tp or 1)
+    worst = max(answer.stages, key=lambda s: s.step_peak)
+    assert answer.step_peak == worst.step_peak and f"stage {worst.stage} of 2" in str(answer)
+    assert f"on this rank, one of {answer.ranks} (its stage's layers)" in str(answer)
+    stages_match_real_steps(answer, LLAMA, ((4, 37), (6, 61)), fsdp=fsdp, tp=tp)
     # the largest batch: a multiple of the micro-batches that every stage fits, and the next does not
     fits = [s.report.evaluate(B=answer.max_batch, L=48)["train_peak"] for s in answer.stages]
     over = [s.report.evaluate(B=answer.max_batch + 2, L=48)["train_peak"] for s in answer.stages]
     assert answer.max_batch % 2 == 0 and max(fits) <= 4 * 2**20 < max(over)
 
 
-@pytest.mark.parametrize("schedule", ["ZBVZeroBubble"] + [pytest.param(s, marks=pytest.mark.slow) for s in (
-    "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")])  # CI: a V of zero bubble
-def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule):
+@pytest.mark.parametrize("schedule, fsdp, tp", [("ZBVZeroBubble", None, None)] + [
+    pytest.param(s, None, None, marks=pytest.mark.slow) for s in (
+        "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")] + [
+    pytest.param("Interleaved1F1B", 2, None, marks=pytest.mark.slow),
+    pytest.param("ZBVZeroBubble", None, 2, marks=pytest.mark.slow)])  # CI: a V of zero bubble
+def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule, fsdp, tp):
     """pp=2 under each schedule fxmem llm builds (those of two stages a rank split 4 layers into 4 stages:
     rank 0 runs 0 and 2, or in a V 0 and 3, the embedding with the head), one micro-batch per stage, every
-    rank against a real step of the same split at sizes the analysis did not see."""
-    import functools
-
+    rank against a real step of the same split at sizes the analysis did not see; two stages a rank with
+    FSDP2 or tensor parallelism inside each too."""
     from fxmem import llm_stages
-    from fxmem.distributed.real_runs import measure_synchronous
 
     config = {**LLAMA, "num_hidden_layers": 4}
     per_rank = llm_stages.SCHEDULES[schedule][1]
-    answer = llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2, schedule=schedule.lower())
+    answer = llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2, fsdp=fsdp, tp=tp,
+                        schedule=schedule.lower())
     assert f"{llm_stages.SCHEDULES[schedule][0]} over {2 * per_rank} micro-batches" in str(answer)
     assert [s.layers for s in answer.stages] == [2, 2]
     if per_rank == 2:
         v = schedule in ("ZBVZeroBubble", "DualPipeV")
         assert f"stage 0 (runs stages 0 and {3 if v else 2} of 4: 2 decoder layers, the embedding" \
                f"{', the norm, head and loss' if v else ''})" in str(answer)
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2 * per_rank, schedule=schedule)
-    torch.set_num_threads(1)
-    for stage in answer.stages:
-        for b, l in ((4, 37), (8, 61)):
-            x = torch.randint(3, 90, (b, l))
-            real = measure_synchronous(lambda: _real(config), (x, torch.ones_like(x)), parallelize, 2, stage.rank,
-                                       OPTIMIZERS["adamw"], step=llm_stages.train_stage)
-            at = stage.report.evaluate(B=b, L=l)
-            assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
-                (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
-                 at["optimizer_state"]), (schedule, stage.stage, b, l)
+    stages_match_real_steps(answer, config, ((4, 37), (8, 61)), 2 * per_rank, schedule, fsdp, tp)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow),
@@ -189,24 +187,8 @@ def test_pipeline_schedules_are_exact_against_the_synchronous_real_step(schedule
 def test_pipeline_stages_of_the_other_split_architectures_are_exact(kind):
     """pp=2 of each architecture fxmem splits besides Llama (fxmem.llm_stages.SPLITTABLE): both stages'
     ranks against real steps of the same split."""
-    import functools
-
-    from fxmem import llm_stages
-    from fxmem.distributed.real_runs import measure_synchronous
-
     config = {**(QWEN2 if kind == "qwen2" else LLAMA), "model_type": kind}
-    answer = llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2)
-    parallelize = functools.partial(llm_stages.pipeline_per_stage, microbatches=2)
-    torch.set_num_threads(1)
-    for stage in answer.stages:
-        for b, l in ((4, 37), (6, 61)):
-            x = torch.randint(3, 90, (b, l))
-            real = measure_synchronous(lambda: _real(config), (x, torch.ones_like(x)), parallelize, 2, stage.rank,
-                                       OPTIMIZERS["adamw"], step=llm_stages.train_stage)
-            at = stage.report.evaluate(B=b, L=l)
-            assert (real.peak_above_start, real.retained, real.resident, real.optimizer_state) == \
-                (at["train_peak"] - at["train_resident"], at["train_retained"], at["train_resident"],
-                 at["optimizer_state"]), (kind, stage.stage, b, l)
+    stages_match_real_steps(llm_answer(fxmem.from_config(config), batch=4, seq=48, pp=2), config, ((4, 37), (6, 61)))
 
 
 def test_a_first_import_of_torchs_pipelining_is_not_made_inside_the_analysis():

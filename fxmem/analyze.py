@@ -26,6 +26,7 @@ from .options import WORLD_SIZE_AND_PARALLELIZE, AnalysisOptions
 from .progress import progress_to_stderr, showing
 from .timeout import timed
 from .distributed import Parallel, adopt, adopted_parallel, refuse_wrapped
+from .distributed.world_symbol import analyze_over_world, symbolic_world
 from .training import Training
 log = logging.getLogger(__name__)  # progress of the steps that take seconds (the CLI shows it)
 
@@ -61,6 +62,8 @@ def analyze(
     if opts.verbose and not showing():
         with progress_to_stderr():
             return analyze(model, *input_specs, options=opts)
+    if symbolic_world(opts) is not None:  # world_size="W": formulas in W too, from three world sizes
+        return analyze_over_world(analyze, model, input_specs, opts)
     # before anything slow: a CPU-only torch cannot simulate CUDA, nor a CUDA build without a GPU backward
     check_device(opts.device, backward=opts.optimizer is not None or opts.step is not None)
     if not isinstance(model, torch.nn.Module) and not (opts.hparams is not None or opts.init is not None):

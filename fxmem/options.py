@@ -88,6 +88,8 @@ class AnalysisOptions:
             A model you wrapped already (``DistributedDataParallel``, ``fully_shard``) needs neither:
             fxmem reads the wrapping and your group's size (``world_size=`` then asks about another
             number of ranks). See :mod:`fxmem.distributed.adopt`.
+            A dim name (``world_size="W"``) makes it a symbol of the formulas, from three world
+            sizes that divide the sharded sizes evenly (:mod:`fxmem.distributed.world_symbol`).
         parallelize: ``fn(model, mesh)`` - your training script's code that applies
             ``fully_shard`` (FSDP2, per block and on the root), ``parallelize_module`` (tensor
             parallelism) or both, or wraps the model in ``DistributedDataParallel``, returning the
@@ -98,7 +100,8 @@ class AnalysisOptions:
             ``{"dp": 2, "tp": 4}`` is torchtitan's 2-D mesh for FSDP2 with tensor parallelism
             (``fully_shard(..., mesh=mesh["dp"])``, ``parallelize_module(..., mesh["tp"], plan)``),
             ``{"replicate": 2, "shard": 4}`` HSDP's. The sizes multiply to ``world_size``; default a
-            1-D mesh of ``world_size`` ranks.
+            1-D mesh of ``world_size`` ranks. One size may be a dim name (``{"dp": "D", "tp": 2}``,
+            without ``world_size=``): a symbol of the formulas, as ``world_size="W"`` is.
         rank: which rank's memory to report (default 0; for a model you wrapped already, this
             process's rank in its group).
         step: ``fn(model, optimizer, *inputs)`` - your own training step (micro-batches with
@@ -137,9 +140,9 @@ class AnalysisOptions:
     kernels: Mapping[Any, Callable] | None = None
     autocast: torch.dtype | None = None
     repeats: bool = True
-    world_size: int | None = None
+    world_size: int | str | None = None
     parallelize: Callable[..., torch.nn.Module] | None = None
-    mesh: Mapping[str, int] | None = None
+    mesh: Mapping[str, int | str] | None = None
     rank: int | None = None
     step: Callable[..., Any] | None = None
     verbose: bool = False
@@ -210,13 +213,18 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         value = getattr(opts, name)
         if value is not None and not isinstance(value, Mapping):
             raise SpecError(f"{name}= must be a dict, got {type(value).__name__} {value!r:.60}")
-    if opts.parallelize is not None and opts.world_size is None:
+    from .distributed.world_option import stand_in, symbolic_world
+    symbolic = symbolic_world(opts)
+    if opts.parallelize is not None and opts.world_size is None and symbolic is None:
         raise SpecError(WORLD_SIZE_AND_PARALLELIZE)
     if opts.mesh is not None and opts.parallelize is None:
         raise SpecError("mesh= is the DeviceMesh parallelize= is given: pass parallelize=fn and world_size= too")
+    if symbolic is not None and opts.parallelize is None:
+        raise SpecError(f"world_size={opts.world_size!r}: a symbolic world size needs parallelize=fn (the model is "
+                        f"analysed at several world sizes)" if symbolic[1] is None else WORLD_SIZE_AND_PARALLELIZE)
     if opts.parallelize is not None:
         from .distributed import Parallel
-        Parallel.of(opts).check()
+        Parallel.of(stand_in(opts) if symbolic is not None else opts).check()
         if opts.device not in ("cpu", "cuda"):
             raise SpecError(f"device={opts.device!r} with parallelize=: use 'cpu' or 'cuda'")
         if opts.mode == "graph":

@@ -209,6 +209,13 @@ class Recording:
     module_calls: dict | None = None
     # the fitted kernel programs it used (fxmem.kernels.calibrate.Fit), checked at each size asked
     fits: list = dataclasses.field(default_factory=list)
+    # with parallelize=: each DTensor parameter as ``(name, global shape, ((mesh dim, tensor dim), ...))``,
+    # the mesh dims that shard it (fxmem.distributed.world_symbol reads which sizes divide evenly)
+    sharded: list = dataclasses.field(default_factory=list)
+    # dims that are no ShapeEnv symbol (a world size made a symbol by fitting several runs,
+    # fxmem.distributed.world_symbol): ``{name: lower bound}``, and their conditions (``4096 % W == 0``)
+    outer_dims: dict = dataclasses.field(default_factory=dict)
+    outer_guards: list = dataclasses.field(default_factory=list)
 
     @property
     def forward_events(self) -> list:

@@ -150,6 +150,26 @@ def dtensor_type_if_loaded() -> type | None:
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
+def dtensor_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple]]:
+    """Each DTensor parameter of ``model`` as ``(name, global shape, ((mesh dim name, tensor dim),
+    ...))``: which dims of its mesh shard which of its dims (``Shard``, FSDP2's ``_StridedShard``).
+    A 1-D mesh without names is ``"world"``."""
+    dtensor = dtensor_type_if_loaded()
+    if dtensor is None:
+        return []
+    out = []
+    for name, p in model.named_parameters():
+        if not isinstance(p, dtensor):
+            continue
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or (("world",) if mesh.ndim == 1 else tuple(f"dim{k}" for k in range(mesh.ndim)))
+        # (FSDP2's _StridedShard over tensor parallelism's Shard is no Shard to is_shard())
+        shards = tuple((names[k], int(pl.dim)) for k, pl in enumerate(p.placements)
+                       if "Shard" in type(pl).__name__ and isinstance(getattr(pl, "dim", None), int))
+        out.append((name, tuple(int(d) for d in p.shape), shards))
+    return out
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's data: a DTensor's local shard, else ``t`` itself."""
     local = getattr(t, "_local_tensor", None)

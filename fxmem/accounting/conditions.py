@@ -10,7 +10,7 @@ here is a proof, never a guess, so the text says exactly what the guards say:
   integer where it changes (the expression is monotone, so one crossing is all there is);
 * a guard that the dims' bounds imply (value-range analysis, also of the factored expression) is
   dropped; one said twice (``B <= 15``, ``B < 16``) is said once;
-* ``Mod(H, 2) == 0`` reads ``H even``; ``floor(H/2)`` reads ``H//2``.
+* ``Mod(H, 2) == 0`` reads ``H even``, ``Mod(4096, W) == 0`` ``4096 divisible by W``; ``floor(H/2)`` reads ``H//2``.
 
 The region's membership test (:meth:`fxmem.accounting.Region.violations`) keeps the original
 guards; this module only writes them.
@@ -276,8 +276,10 @@ def _text(item: tuple[sympy.Expr, str] | sympy.Basic) -> str:
     if not isinstance(item, tuple):
         return _show(item)
     expr, rel = item
-    if isinstance(expr, sympy.Mod) and rel in (EQ, NE) and expr.args[1].is_Integer:
+    if isinstance(expr, sympy.Mod) and rel in (EQ, NE):
         x, k = expr.args
+        if not k.is_Integer:  # a symbolic divisor (a world size: 4096 divisible by W)
+            return f"{_show(x)} {'' if rel == EQ else 'not '}divisible by {_show(k)}"
         if rel == EQ:
             return f"{_show(x)} even" if k == 2 else f"{_show(x)} divisible by {k}"
         return f"{_show(x)} odd" if k == 2 else f"{_show(x)} not divisible by {k}"

@@ -395,10 +395,12 @@ class MemoryPlan:
 
     def _region(self) -> Region:
         env = self.rec.env
-        lower = {self.user[s]: tc.symbol_lower_bound(env, s) for s in self.user}
-        upper = {self.user[s]: hi for s in self.user if (hi := tc.symbol_upper_bound(env, s)) is not None}
+        outer = {self.symbols[name]: low for name, low in self.rec.outer_dims.items()}
+        lower = {self.user[s]: outer.get(self.user[s]) or tc.symbol_lower_bound(env, s) for s in self.user}
+        upper = {self.user[s]: hi for s in self.user
+                 if self.user[s] not in outer and (hi := tc.symbol_upper_bound(env, s)) is not None}
         guards = []
-        for g in tc.shape_guards(self.rec.env):
+        for g in [*tc.shape_guards(self.rec.env), *self.rec.outer_guards]:
             ug = tc.plain_sympy(tc.simplify(self.rec.env, g).xreplace(self.user))
             if ug is sympy.true or ug == sympy.true or ug is sympy.false or not ug.free_symbols:
                 continue

@@ -291,9 +291,11 @@ def simulate_once(
         # them so, and kernels decide by it (matmul folds a batched input into one mm when the
         # weight requires grad: nn.GRU's input projection, 2.8 MB of bmm at B=97, T=101 otherwise)
         fake_model = _fake_copy(source, device)
-        warm, held, schedule, sent, microbatches = None, [], None, [], 0
+        warm, held, schedule, sent, microbatches, shard_layout = None, [], None, [], 0, []
         if parallel is not None:
             fake_model, held = parallel.apply(fake_model, mesh)
+            shard_layout = ([s for stage in tc.schedule_stages(fake_model) for s in tc.dtensor_shards(stage.submod)]
+                            if pipeline.is_pipeline(fake_model) else tc.dtensor_shards(fake_model))
             if pipeline.is_pipeline(fake_model):  # the stage's module is what this rank trains
                 pipeline.check(parallel, training)
                 schedule, fake_model = fake_model, pipeline.stage_model(fake_model)
@@ -434,7 +436,7 @@ def simulate_once(
                      {**env_symbols, **{name: d.symbol for name, d in data.items()}}, device,
                      hooks.forward_end, training is not None, model if isinstance(model, torch.fx.GraphModule) else None,
                      facts, data, module_calls=dict(module_stack.calls) if module_stack is not None else None,
-                     fits=list(fits))
+                     fits=list(fits), sharded=shard_layout)
 
 
 def _refuse_sparse_grads(model: torch.nn.Module) -> None:

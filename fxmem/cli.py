@@ -285,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu", metavar="BYTES", help="memory to fit, e.g. 80GiB: prints the largest batch and sequence")
     m.add_argument("--lora", metavar="r=16,...", help="LoRA adapters (peft.LoraConfig arguments); the base is frozen")
     m.add_argument("--checkpointing", action="store_true", help="Hugging Face gradient checkpointing")
-    m.add_argument("--fsdp", type=int, metavar="W", help="FSDP2 over W ranks (every decoder layer, then the root): "
-                                                        "per-rank numbers")
+    m.add_argument("--fsdp", type=_ranks, metavar="W", help="FSDP2 over W ranks (every decoder layer, then the "
+                                                           "root): per-rank numbers; a letter (--fsdp W) makes it a "
+                                                           "symbol: with --gpu, the fewest ranks that fit")
     m.add_argument("--tp", type=int, metavar="T", help="tensor parallelism over T ranks by the model's own plan "
                                                       "(its config's base_model_tp_plan); with --fsdp W, a W x T "
                                                       "mesh: per-rank numbers")
@@ -360,6 +361,11 @@ def _llm(args: argparse.Namespace, progress: Any) -> int:
                         microbatches=args.microbatches, schedule=args.schedule)
     print(answer)
     return 0
+
+
+def _ranks(text: str) -> int | str:
+    """``--fsdp``: a number of ranks, or a dim name (the number of ranks as a symbol)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
 
 
 def _recipe_names() -> tuple[str, ...]:

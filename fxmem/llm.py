@@ -26,8 +26,10 @@ import math
 import os
 from typing import Any, Callable
 
+import sympy
 import torch
 
+from .accounting.symbolic import evaluate
 from .errors import ModelError, SpecError
 from .llm_stages import decoder_layers
 from .units import format_bytes
@@ -288,6 +290,7 @@ class LLMAnswer:
     tp: int = 1  # of which the tensor-parallel degree
     optimizer: str = "adamw"
     stages: list = dataclasses.field(default_factory=list)  # pp=: each stage's StageAnswer
+    fewest: int | None = None  # fsdp="W" with gpu=: the fewest FSDP2 ranks whose step fits (0: none)
 
     @property
     def model_states(self) -> int:
@@ -317,6 +320,10 @@ class LLMAnswer:
                   f"gradients {fb(self.gradient_bytes)}, optimizer state {fb(self.optimizer_state_bytes)})",
                   f"{_INDENT}{self.per_parameter()}",
                   f"  training step peak  {fb(self.step_peak)}  at batch {self.batch}, sequence {self.seq}"]
+        if self.fewest:
+            layout = f"FSDP2 over {self.fewest}" + (f" x tensor parallelism over {self.tp}" if self.tp > 1 else "")
+            lines.append(f"  fewest ranks        {self.ranks:,}  ({layout}) whose step fits {fb(self.gpu)} at batch "
+                         f"{self.batch}, sequence {self.seq}")
         if self.gpu is not None:
             for what, value, fixed in (("batch", self.max_batch, f"sequence {self.seq}"),
                                        ("sequence length", self.max_seq, f"batch {self.batch}")):
@@ -326,6 +333,11 @@ class LLMAnswer:
                              + (f"  ({reason})" if reason else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _but(sizes: dict, dim: str) -> dict:
+    """``sizes`` without ``dim`` (the dim a largest size is searched for)."""
+    return {k: v for k, v in sizes.items() if k != dim}
 
 
 def context_length(model: torch.nn.Module) -> int | None:
@@ -389,8 +401,14 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
     if chosen is not None and chosen.lora and lora is None:
         lora = {}  # peft's defaults: r=8 on the architecture's usual projections
     for name, value in (("fsdp", fsdp), ("tp", tp)):
+        if name == "fsdp" and isinstance(value, str):  # a symbol: formulas in the number of FSDP2 ranks
+            if pp is not None:
+                raise SpecError(f"fsdp={value!r} with pp=: a later stage's ranks move with the number of FSDP2 "
+                                f"ranks; give fsdp= a number with pp=")
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise SpecError(f"{name}={value!r}: a number of ranks, a positive int")
+            raise SpecError(f"{name}={value!r}: a number of ranks, a positive int (fsdp= may be a dim name, "
+                            f"'W': formulas in it)")
     if chosen is not None and chosen.loss_scaling and (fsdp is not None or tp is not None):
         raise SpecError(f"recipe={chosen.name!r} with fsdp= or tp=: its GradScaler step with sharded parameters is "
                         f"not simulated yet; use recipe='amp-bf16' (no loss scaling), or drop fsdp= and tp=")
@@ -408,8 +426,8 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
         if lora is not None:  # peft's wrappers move the modules the plan's paths name
             raise SpecError("tp= with LoRA adapters is not modelled yet: use fsdp= with lora=, or tp= without it")
         tensor_parallel_plan(step)  # refused before anything is analysed
-        kw.update(world_size=(fsdp or 1) * tp, parallelize=fsdp_tp_per_block, rank=0,
-                  mesh={"dp": fsdp, "tp": tp} if fsdp is not None else None)
+        kw.update(world_size=(fsdp or 1) * tp if not isinstance(fsdp, str) else None,
+                  parallelize=fsdp_tp_per_block, rank=0, mesh={"dp": fsdp, "tp": tp} if fsdp is not None else None)
     elif fsdp is not None:
         kw.update(world_size=fsdp, parallelize=fsdp_per_block, rank=0)
     report = analyze(step, TensorSpec(("B", "L"), dtype=torch.long), TensorSpec(("B", "L"), dtype=torch.long, fill=1),
@@ -418,20 +436,37 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
                      # (default hints are primes near 100, a region that may not hold at the user's sizes)
                      hints={"B": batch, "L": seq},
                      device=device, **kw)
-    at = report.evaluate(B=batch, L=seq)
+    sizes, fewest = {"B": batch, "L": seq}, None
+    if isinstance(fsdp, str):  # the numbers of the fewest FSDP2 ranks that fit (else the fewest it holds at)
+        name, low, even = report.world_dim
+        fewest = report.min_size(name, budget, train=True, **sizes) if budget is not None else None
+        sizes[name] = fewest or low
+    at = report.evaluate(**sizes)
     params = [p for p in step.parameters()]
     # fxmem's own storages: what this rank holds (FSDP2 shards), each shared parameter once
-    param_bytes = sum(int(s.bytes) for s in report.storages if s.role.value == "parameter")
+    held = report._at(sizes, check=True)[0]
+    param_bytes = evaluate(sympy.Add(*[s.bytes for s in held.storages if s.role.value == "parameter"]),
+                           {held.symbols[k]: v for k, v in sizes.items() if k in held.symbols})
     answer = LLMAnswer(
         model=type(model).__name__, batch=batch, seq=seq,
         parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
         parameter_bytes=int(param_bytes), gradient_bytes=int(at["grads"]),
         optimizer_state_bytes=int(at["optimizer_state"]), step_peak=int(at["train_peak"]), gpu=budget,
-        max_batch=report.max_size("B", budget, train=True, L=seq) if budget is not None else None,
-        max_seq=report.max_size("L", budget, train=True, B=batch) if budget is not None else None,
+        max_batch=report.max_size("B", budget, train=True, **_but(sizes, "B")) if budget is not None else None,
+        max_seq=report.max_size("L", budget, train=True, **_but(sizes, "L")) if budget is not None else None,
         notes=_inexact(report.notes) + _scaler_notes(report.notes), report=report,
         recipe=chosen.name if chosen is not None else "as built", recipe_text=recipe_text, optimizer=optimizer,
-        context=context_length(model), ranks=(fsdp or 1) * (tp or 1), tp=tp or 1)
+        context=context_length(model), tp=tp or 1,
+        ranks=(fsdp if not isinstance(fsdp, str) else sizes[fsdp]) * (tp or 1) if fsdp is not None else (tp or 1))
+    if isinstance(fsdp, str):
+        name, low, even = report.world_dim
+        fsdp = sizes[name]
+        answer.fewest = fewest
+        answer.notes.insert(0, f"FSDP2 ranks as the symbol {name}: formulas in {name} from three analyses, exact "
+                               f"where {name} divides {even} (the sharded sizes); the numbers are at {name}={fsdp}"
+                               + (", the fewest such ranks whose step fits" if fewest else
+                                  ", the fewest it may be" if budget is None else
+                                  f" ({getattr(fewest, 'reason', '')})"))
     if tp is not None:
         layout = (f"{fsdp} x {tp}: tensor parallelism by the model's own plan within each group of {tp}, FSDP2 on "
                   f"every decoder layer and the root across the {fsdp} groups" if fsdp is not None else

@@ -21,7 +21,7 @@ import torch
 
 from . import views
 from .accounting import FORMULA_KEYS, TRAIN_KEYS, Evaluation, Liveness, MemoryPlan, cuda_block_bytes, max_size
-from .accounting.budget import MaxSize
+from .accounting.budget import MaxSize, min_size
 from .accounting.symbolic import evaluate
 from .accounting.caching_allocator import CachingAllocator, moved_order
 from .accounting.cuda_blocks import AllocatorConfig
@@ -105,6 +105,9 @@ class Report:
         self._evaluations: dict[tuple, Evaluation] = {}
         self._verified: dict[tuple, bool] = {}  # sizes -> whether every fitted kernel holds there
         self.symbols: dict[str, sympy.Symbol] = dict(plan.symbols)
+        # a world size as a symbol (fxmem.distributed.world_symbol): (its name, the smallest it may be,
+        # the gcd of the sharded sizes it divides - 0 where it shards nothing); None otherwise
+        self.world_dim: tuple[str, int, int] | None = None
         f = plan.formulas()
         self.resident: sympy.Expr = f["resident"]
         self.peak: sympy.Expr = f["peak"]
@@ -413,6 +416,9 @@ class Report:
 
         >>> report.max_size("B", budget="32GiB", N=500)           # doctest: +SKIP
         """
+        if self.world_dim is not None and dim == self.world_dim[0]:
+            raise SpecError(f"max_size({dim!r}): each rank holds less the more ranks there are; "
+                            f"min_size({dim!r}, budget, ...) is the fewest ranks whose step fits")
         if "recompute" in fixed:
             raise SpecError("max_size(recompute=...): recomputation rewrites the model, so it is planned by the "
                             "passes: fxmem.passes.max_size(report, dim, budget, **dims)")
@@ -441,6 +447,33 @@ class Report:
                              key=key, start=max(2, self.hints.get(dim, 2) // split), **fixed)
             return MaxSize.of(split * int(found), found.reason)
         return max_size(self.evaluate, list(self.symbols), dim, budget, key=key, start=self.hints.get(dim, 2), **fixed)
+
+    def min_size(self, dim: str, budget: Any, train: bool = False, on: str = "peak", **fixed: int) -> int:
+        """The fewest ranks ``dim`` (the world size as a symbol: ``world_size="W"``, or a mesh dim
+        such as ``mesh={"dp": "D", "tp": 2}``) whose peak (``train=True``: training-step peak; ``on``
+        as for :meth:`max_size`) fits ``budget``, among the world sizes the formulas hold at (each
+        dividing the sharded sizes evenly; the region says which). A world size between them, with
+        uneven shards, is analysed when you ask ``evaluate(W=...)`` at it. 0 (with ``.reason``) where
+        none fits.
+
+        >>> report.min_size("W", "80GiB", train=True, B=8, L=4096)      # doctest: +SKIP
+        """
+        if self.world_dim is None or dim != self.world_dim[0]:
+            raise SpecError(f"min_size({dim!r}): the fewest ranks is asked of a world size given as a symbol "
+                            f"(world_size='W' or a mesh dim such as {{'dp': 'D'}}); "
+                            + (f"this analysis' is {self.world_dim[0]}" if self.world_dim else
+                               "this analysis has none") + "; max_size() is the largest of a dim")
+        if train and not self.training:
+            raise SpecError("min_size(train=True) needs a training step: analyse with optimizer=...")
+        if on not in ("peak", "reserved"):
+            raise SpecError(f"min_size(on={on!r}): use 'peak' or 'reserved'")
+        name, low, even = self.world_dim
+        if even:
+            candidates, why = [w for w in range(low, even + 1) if even % w == 0], f"those that divide {even}"
+        else:
+            candidates, why = [low], f"nothing is sharded: every {name} holds the same"
+        return min_size(self.evaluate, name, candidates, budget, key=("train_" if train else "") + on, why=why,
+                        **fixed)
 
     def _microbatched_dim(self) -> str | None:
         """The dim a pipeline schedule splits into micro-batches: its inputs' first (the first spec's)."""

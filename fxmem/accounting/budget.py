@@ -94,3 +94,24 @@ def max_size(evaluate: Callable[..., Mapping[str, int]], dims: Sequence[str], di
     if fits == 1 and peak(1) > limit:
         return nothing_fits()
     return MaxSize.of(fits)
+
+
+def min_size(evaluate: Callable[..., Mapping[str, int]], dim: str, candidates: Sequence[int], budget: Any,
+             key: str = "peak", why: str = "", **fixed: int) -> MaxSize:
+    """The smallest of ``candidates`` (ascending) whose ``evaluate(**fixed, dim=value)[key]`` fits
+    ``budget`` (bytes): the fewest ranks, where each rank holds less the more there are. Each
+    candidate is evaluated in turn (memory need not fall monotonically: padded shards). ``MaxSize(0)``
+    with a ``reason`` (and a warning) where none fits; ``why`` says which values are candidates."""
+    limit = parse_bytes(budget)
+    if dim in fixed:
+        raise SpecError(f"min_size(): {dim} is the dim to solve for; do not also fix it")
+    last = None
+    for value in candidates:
+        last = evaluate(**fixed, **{dim: value})[key]
+        if last <= limit:
+            return MaxSize.of(value)
+    reason = (f"none fits: {dim} = {', '.join(map(str, candidates[:6]))}{', ...' if len(candidates) > 6 else ''}"
+              f" ({why}); at {dim}={candidates[-1]} the {key.replace('_', ' ')} is still {_format(int(last))}, over "
+              f"the budget of {_format(limit)}" if candidates else f"no {dim} to try ({why})")
+    warnings.warn(f"min_size({dim!r}) = 0: {reason}", stacklevel=4)
+    return MaxSize.of(0, reason)

@@ -87,6 +87,10 @@ def analyze_over_world(analyze: Callable[..., Any], model: Any, input_specs: tup
         raise SpecError(f"the world size {name!r} is also a dim of the model (hparams=); name it otherwise")
     symbol = dim_symbol(name)
     try:
+        for r, w in zip(reports[1:], points[1:]):  # (a guard that moves with W: L divisible by W)
+            if r.region != reports[0].region:
+                raise _Differs(f"where the formulas hold: {', '.join(reports[0].region)} at {name} = {points[0]}, "
+                               f"{', '.join(r.region)} at {name} = {w}")
         rec, divides = _merged([r._plan.rec for r in reports], points, symbol)
         guards, even = _conditions(divides, divisor, symbol)
     except _Differs as why:
@@ -125,6 +129,7 @@ def analyze_over_world(analyze: Callable[..., Any], model: Any, input_specs: tup
                                                         f"over {name} ranks{where}"))
     report = _report(base, plan, values, options, notes, reanalyze, capture)
     report.checked = f"{between}: {base.checked}"
+    report.world_dim = (name, low, even)
     for w, other in analysed.items():  # a first guess with uneven shards: that world size's own piece
         if w not in points:
             report._regions[((), tuple(sorted({**other.hints, name: w}.items())))] = _pinned(other, name, w)

@@ -46,6 +46,15 @@ def test_fsdp_formulas_in_w_exact_at_world_sizes_and_ranks_not_analysed():
     # the largest batch at 12 ranks: it fits, one more does not (what a real run of it holds)
     budget = real(even_decoder, fsdp, 12, 0, dict(B=6, L=7), D)[0]
     assert report.max_size("B", budget, train=True, L=7, W=12) == 6
+    # the fewest ranks whose step fits a budget (among those dividing the shards evenly): a real step
+    # there fits, and one on the next fewer such ranks does not
+    budget = real(even_decoder, fsdp, 6, 0, dict(B=5, L=7), D)[0] + 1000
+    fewest = report.min_size("W", budget, train=True, B=5, L=7)
+    assert fewest == 6 and real(even_decoder, fsdp, 4, 0, dict(B=5, L=7), D)[0] > budget
+    with pytest.raises(SpecError, match="min_size"):
+        report.max_size("W", budget, train=True, B=5, L=7)
+    with pytest.warns(UserWarning, match="none fits"):
+        assert report.min_size("W", 1000, train=True, B=5, L=7) == 0
 
 
 def test_an_uneven_world_size_is_analysed_there():

@@ -83,6 +83,36 @@ def test_fsdp_rank_is_exact_against_the_synchronous_real_step():
             (at["train_peak"] - at["train_resident"], at["train_retained"], at["optimizer_state"])
 
 
+def test_fsdp_as_a_symbol_gives_the_fewest_ranks_that_fit(tmp_path):
+    """fsdp="W": formulas in the number of FSDP2 ranks (three analyses: 2, 4 and 8 of this config's
+    sharded sizes, whose gcd is 16); against real steps at 16 ranks (not analysed), and the fewest
+    ranks for a budget between two real steps' peaks."""
+    from fxmem.distributed.real_runs import measure_synchronous
+
+    torch.set_num_threads(1)
+    x = torch.randint(3, 90, (2, 48))
+
+    def real_peak(world_size):
+        r = measure_synchronous(lambda: _real(LLAMA), (x, torch.ones_like(x)), fsdp_per_block, world_size, 0,
+                                OPTIMIZERS["adamw"], loss=lambda out: out)
+        return r.resident + r.peak_above_start
+
+    budget = real_peak(4) + 256  # fits on 4 ranks, and (checked) not on 2
+    answer = llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, fsdp="W", gpu=budget)
+    assert real_peak(2) > budget and answer.fewest == 4 and answer.ranks == 4
+    assert "fewest ranks        4  (FSDP2 over 4)" in str(answer) and answer.step_peak <= budget
+    assert answer.report.evaluate(B=2, L=48, W=16)["train_peak"] == real_peak(16)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    out = subprocess.run([sys.executable, "-m", "fxmem", "llm", str(path), "--batch", "2", "--seq", "48",
+                          "--fsdp", "W", "--gpu", str(budget), "--quiet"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert "fewest ranks        4  (FSDP2 over 4)" in out.stdout, out.stdout
+    with pytest.raises(fxmem.SpecError, match="later stage's ranks move"):
+        llm_answer(fxmem.from_config(LLAMA), batch=2, seq=48, fsdp="W", pp=2)
+
+
 @pytest.mark.parametrize("fsdp, tp", [(None, 2), pytest.param(2, 2, marks=pytest.mark.slow)],  # CI: tp=2; the 2-D
                          ids=["tp2", "fsdp2xtp2"])  # mesh of the same model in tests/distributed's 2 x 2 tests
 def test_tensor_parallel_rank_is_exact_against_the_synchronous_real_step(fsdp, tp):

@@ -142,6 +142,8 @@ from .distributed import (
     distributed_available,
     dtensor_propagation_quiet,
     dtensor_type,
+    attention_ops,
+    context_parallel_active,
     dtensor_shards,
     dtensor_type_if_loaded,
     fake_process_group,
@@ -204,7 +206,7 @@ __all__ = [
     # distributed
     "ddp_bucket_bytes", "ddp_keep_buckets", "ddp_on_fake_tensors", "ddp_reducer_params", "ddp_settings",
     "ddp_used_map", "ddp_used_map_reads", "distributed_available", "dtensor_propagation_quiet", "dtensor_type",
-    "dtensor_shards", "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_lazy_init", "fsdp2_managed",
+    "attention_ops", "context_parallel_active", "dtensor_shards", "dtensor_type_if_loaded", "fake_process_group", "fsdp1_type", "fsdp2_groups", "fsdp2_lazy_init", "fsdp2_managed",
     "fsdp2_set_knobs", "fsdp2_state", "fsdp2_unsharded_copy", "fsdp_mem_tracker", "fsdp_meshes_outside_fake",
     "fsdp_without_gpu", "functional_collective", "import_parallel_packages", "local_tensor", "on_storage_resize",
     "pipeline_stage_types", "tensors_made",

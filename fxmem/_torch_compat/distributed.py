@@ -170,6 +170,22 @@ def dtensor_shards(model: torch.nn.Module) -> list[tuple[str, tuple, tuple]]:
     return out
 
 
+def attention_ops() -> frozenset:
+    """ATen's fused attention kernels (the ops torch's context parallelism replaces by ring attention)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def context_parallel_active() -> bool:
+    """Whether torch's context parallelism (``context_parallel``, ``_ContextParallel``) has DTensor
+    dispatch attention to ring attention now: its custom handlers for the fused attention ops."""
+    dtensor = dtensor_type_if_loaded()
+    handlers = getattr(getattr(dtensor, "_op_dispatcher", None), "_custom_op_handlers", None) or {}
+    return any(op in handlers for op in attention_ops())
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's data: a DTensor's local shard, else ``t`` itself."""
     local = getattr(t, "_local_tensor", None)

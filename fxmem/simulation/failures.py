@@ -59,8 +59,12 @@ def failure(exc: BaseException, where: str, *, op: object = None, detail: str = 
     if isinstance(exc, RecursionError):  # a RuntimeError, but never a check of the shapes
         return recursion_limit_error()
     text = rename(str(exc))
-    if isinstance(exc, NotModelled):
-        return UnsupportedOpError(f"{where}: {text}")
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:  # (DTensor's dispatch re-raises what it ran into)
+        seen.add(id(chain))
+        if isinstance(chain, NotModelled) and (chain is exc or str(chain) in str(exc)):  # (that one, re-raised)
+            return UnsupportedOpError(f"{where}: {rename(str(chain))}")
+        chain = chain.__cause__ or chain.__context__
     if isinstance(exc, KernelRefuses) and exc.crashed:
         return KernelError(f"{where}: {text}.\n  this is not a problem of the input specs: the kernel dies instead "
                            f"of raising an error, so the model would crash at these sizes too.\n  what to do: fix or "
@@ -261,6 +265,11 @@ _NOT_SHAPES = (
     (r"[Ee]xpected all tensors to be on the same device",
      ("the op got tensors on two devices: the model makes a tensor on another device than its inputs",
       "create that tensor on the inputs' device (device=x.device), or analyse on the device the model runs on")),
+    (r"does not have a sharding strategy",
+     ("PyTorch's DTensor has no sharding rule for this op on these placements: a real run of the same sharded "
+      "code fails the same way (torch's context_parallel, for one, shards CUDA's fused attention only)",
+      "keep that op's inputs replicated, register a rule (torch.distributed.tensor.experimental."
+      "register_sharding), or analyse without that parallelism")),
     (r"No available kernel",
      ("no scaled_dot_product_attention kernel takes these inputs with the backends allowed here (sdpa_kernel or "
       "torch.backends.cuda flags); without a visible GPU, only the math path exists on fake CUDA tensors",

@@ -43,6 +43,7 @@ _COPIES = frozenset({aten.clone, aten._to_copy})
 _DEVICE = torch.ops.prim.device.default
 # torch.profiler.record_function: FSDP2 labels each step of its schedule with the group's module
 _LABEL_OPS = tc.record_function_ops()
+_ATTENTION = tc.attention_ops()
 
 
 class Recorder(tc.DispatchMode):
@@ -85,6 +86,11 @@ class Recorder(tc.DispatchMode):
             return NotImplemented
         if func in _LABEL_OPS:
             return self._label(func, args, kwargs)
+        if func in _ATTENTION and tc.context_parallel_active():
+            raise NotModelled(
+                "context parallelism (torch's context_parallel / _ContextParallel) is not modelled yet: its ring "
+                "attention holds the key and value shards it rotates between ranks, which fxmem's kernels do not "
+                "count; analyse the step without it (with FSDP2, tensor parallelism, HSDP or pipeline stages)")
         kwargs = kwargs or {}
         known, value = self.values.read(func, args)
         if known:  # bool(t) / t.item() of a tensor whose value the user stated: what the real run reads

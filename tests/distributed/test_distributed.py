@@ -264,6 +264,41 @@ def test_refusals():
         fxmem.analyze(torch.nn.Sequential(wrapped), ("B", 3))  # DDP inside a model: not the model's wrapping
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.qkv, self.o, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, l, d = x.shape
+        q, k, v = self.qkv(x).view(b, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, l, d))
+
+
+_MESH = {}
+
+
+def _keep_mesh(model, mesh):
+    _MESH["mesh"] = mesh
+    return model
+
+
+def _context_parallel_step(model, optimizer, x):
+    from torch.distributed.tensor.experimental import context_parallel
+    with context_parallel(_MESH["mesh"], buffers=[x], buffer_seq_dims=[1]):
+        model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_context_parallelism_is_refused_by_name():
+    pytest.importorskip("torch.distributed.tensor.experimental")
+    with pytest.raises(fxmem.errors.UnsupportedOpError, match="context parallelism .* is not modelled yet"):
+        fxmem.analyze(_Attention(), ("B", "L", 16), optimizer=adamw, world_size=2, parallelize=_keep_mesh,
+                      step=_context_parallel_step)
+
+
 @pytest.mark.parametrize("world_size, rank", [(2, 1), pytest.param(4, 3, marks=pytest.mark.slow)])  # CI: 2 ranks
 def test_tensor_parallel_exact_per_rank(world_size, rank):
     """parallelize_module (column-wise q, k, v and up; row-wise o and down): every rank's step

@@ -7,7 +7,7 @@ import torch
 
 import fxmem
 from zoo.distributed import Decoder, TPDecoder, adamw, ddp_small, fsdp, fsdp_tp, hsdp
-from fxmem.distributed.real_runs import measure_synchronous
+from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from fxmem.specs import dim_symbol
 
@@ -64,12 +64,17 @@ def test_an_uneven_world_size_is_analysed_there():
     assert any("W == 5" in region for region, _ in report.regions())
 
 
-def test_ddp_answer_is_the_same_at_every_world_size():
+def test_ddp_answer_is_the_same_at_every_world_size_and_exact_on_gloo_processes():
     torch.set_num_threads(1)
     report = fxmem.analyze(even_decoder(), ("B", "L", D), optimizer=adamw, world_size="W", parallelize=ddp_small,
                            rank=1)
     assert not report.train_peak.has(dim_symbol("W"))
     assert predicted(report, W=7, B=5, L=7) == real(even_decoder, ddp_small, 7, 1, dict(B=5, L=7), D)
+    # 5 gloo processes (W = 2, 3, 4 were analysed): every rank's step as the formulas say
+    e = report.evaluate(W=5, B=5, L=7)
+    for r in measure_ranks(even_decoder, (torch.randn(5, 7, D),), ddp_small, 5, adamw):
+        assert (r.peak_above_start, r.retained, r.optimizer_state) == \
+            (e["train_peak"] - e["train_resident"], e["train_retained"], e["optimizer_state"])
 
 
 @pytest.mark.parametrize("fn, mesh, at, layout", [

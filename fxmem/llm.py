@@ -436,17 +436,17 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
                      # (default hints are primes near 100, a region that may not hold at the user's sizes)
                      hints={"B": batch, "L": seq},
                      device=device, **kw)
-    sizes, fewest = {"B": batch, "L": seq}, None
-    if isinstance(fsdp, str):  # the numbers of the fewest FSDP2 ranks that fit (else the fewest it holds at)
-        name, low, even = report.world_dim
-        fewest = report.min_size(name, budget, train=True, **sizes) if budget is not None else None
-        sizes[name] = fewest or low
+    sizes, fewest, symbol = {"B": batch, "L": seq}, None, fsdp if isinstance(fsdp, str) else None
+    if symbol is not None:  # the numbers of the fewest FSDP2 ranks that fit (else the fewest it holds at)
+        _, low, even = report.world_dim
+        fewest = report.min_size(symbol, budget, train=True, **sizes) if budget is not None else None
+        fsdp = sizes[symbol] = fewest or low
     at = report.evaluate(**sizes)
     params = [p for p in step.parameters()]
-    # fxmem's own storages: what this rank holds (FSDP2 shards), each shared parameter once
-    held = report._at(sizes, check=True)[0]
-    param_bytes = evaluate(sympy.Add(*[s.bytes for s in held.storages if s.role.value == "parameter"]),
-                           {held.symbols[k]: v for k, v in sizes.items() if k in held.symbols})
+    # fxmem's own storages: what this rank holds (FSDP2 shards: in W where it is a symbol), each shared
+    # parameter once
+    param_bytes = evaluate(sympy.Add(*[s.bytes for s in report.storages if s.role.value == "parameter"]),
+                           {report.symbols[symbol]: fsdp} if symbol is not None else {})
     answer = LLMAnswer(
         model=type(model).__name__, batch=batch, seq=seq,
         parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -456,12 +456,9 @@ def llm_answer(model: torch.nn.Module, *, batch: int, seq: int, optimizer: str =
         max_seq=report.max_size("L", budget, train=True, **_but(sizes, "L")) if budget is not None else None,
         notes=_inexact(report.notes) + _scaler_notes(report.notes), report=report,
         recipe=chosen.name if chosen is not None else "as built", recipe_text=recipe_text, optimizer=optimizer,
-        context=context_length(model), tp=tp or 1,
-        ranks=(fsdp if not isinstance(fsdp, str) else sizes[fsdp]) * (tp or 1) if fsdp is not None else (tp or 1))
-    if isinstance(fsdp, str):
-        name, low, even = report.world_dim
-        fsdp = sizes[name]
-        answer.fewest = fewest
+        context=context_length(model), ranks=(fsdp or 1) * (tp or 1), tp=tp or 1, fewest=fewest)
+    if symbol is not None:
+        name = symbol
         answer.notes.insert(0, f"FSDP2 ranks as the symbol {name}: formulas in {name} from three analyses, exact "
                                f"where {name} divides {even} (the sharded sizes); the numbers are at {name}={fsdp}"
                                + (", the fewest such ranks whose step fits" if fewest else

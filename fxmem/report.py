@@ -422,8 +422,7 @@ class Report:
         if "recompute" in fixed:
             raise SpecError("max_size(recompute=...): recomputation rewrites the model, so it is planned by the "
                             "passes: fxmem.passes.max_size(report, dim, budget, **dims)")
-        if train and not self.training:
-            raise SpecError("max_size(train=True) needs a training step: analyse with optimizer=...")
+        key = self._budget_key("max_size", train, on)
         if dim in self.data_dims:
             raise SpecError(f"max_size({dim!r}): {dim} is decided by the data, not chosen; search over an input dim "
                             f"and give {dim} (or how it grows with that dim is yours to say): {self.data_dims[dim]}")
@@ -431,15 +430,6 @@ class Report:
             raise SpecError(f"max_size(): the memory depends on {', '.join(self.data_dims)}, sizes the data decides "
                             f"that grow with the input; evaluate() at the values you expect instead - "
                             + "; ".join(self.data_dims.values()))
-        if on not in ("peak", "reserved"):
-            raise SpecError(f"max_size(on={on!r}): use 'peak' (the tensors' bytes) or 'reserved' (the CUDA caching "
-                            f"allocator's segments)")
-        if on == "reserved" and self.device != "cuda":
-            raise SpecError("max_size(on='reserved'): reserved memory is the CUDA caching allocator's; analyse with "
-                            "device='cuda' (a CUDA build of torch, no GPU needed for a forward)")
-        if on == "reserved":
-            AllocatorConfig.from_environment().check_replayable()
-        key = ("train_" if train else "") + on
         split = self.facts.get("microbatches")
         if split and dim == self._microbatched_dim():
             # a pipeline's batch splits into equal micro-batches: its sizes are the multiples of their number
@@ -463,17 +453,27 @@ class Report:
                             f"(world_size='W' or a mesh dim such as {{'dp': 'D'}}); "
                             + (f"this analysis' is {self.world_dim[0]}" if self.world_dim else
                                "this analysis has none") + "; max_size() is the largest of a dim")
-        if train and not self.training:
-            raise SpecError("min_size(train=True) needs a training step: analyse with optimizer=...")
-        if on not in ("peak", "reserved"):
-            raise SpecError(f"min_size(on={on!r}): use 'peak' or 'reserved'")
+        key = self._budget_key("min_size", train, on)
         name, low, even = self.world_dim
         if even:
             candidates, why = [w for w in range(low, even + 1) if even % w == 0], f"those that divide {even}"
         else:
             candidates, why = [low], f"nothing is sharded: every {name} holds the same"
-        return min_size(self.evaluate, name, candidates, budget, key=("train_" if train else "") + on, why=why,
-                        **fixed)
+        return min_size(self.evaluate, name, candidates, budget, key=key, why=why, **fixed)
+
+    def _budget_key(self, what: str, train: bool, on: str) -> str:
+        """The evaluation key a budget question compares (``train_peak``, ``reserved`` ...), checked."""
+        if train and not self.training:
+            raise SpecError(f"{what}(train=True) needs a training step: analyse with optimizer=...")
+        if on not in ("peak", "reserved"):
+            raise SpecError(f"{what}(on={on!r}): use 'peak' (the tensors' bytes) or 'reserved' (the CUDA caching "
+                            f"allocator's segments)")
+        if on == "reserved" and self.device != "cuda":
+            raise SpecError(f"{what}(on='reserved'): reserved memory is the CUDA caching allocator's; analyse with "
+                            "device='cuda' (a CUDA build of torch, no GPU needed for a forward)")
+        if on == "reserved":
+            AllocatorConfig.from_environment().check_replayable()
+        return ("train_" if train else "") + on
 
     def _microbatched_dim(self) -> str | None:
         """The dim a pipeline schedule splits into micro-batches: its inputs' first (the first spec's)."""

@@ -190,7 +190,7 @@ def stage_model(schedule: Any) -> torch.nn.Module:
     return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
 
 
-def check(parallel: Any, training: Any) -> None:
+def check(training: Any) -> None:
     """Refuse the analyses of a pipeline that are not modelled: a forward alone, the default step."""
     if training is None or training.step is None:
         raise SpecError(f"parallelize= returned a pipeline schedule; {STEP_NEEDED} (and optimizer=)")

@@ -297,7 +297,7 @@ def simulate_once(
             shard_layout = ([s for stage in tc.schedule_stages(fake_model) for s in tc.dtensor_shards(stage.submod)]
                             if pipeline.is_pipeline(fake_model) else tc.dtensor_shards(fake_model))
             if pipeline.is_pipeline(fake_model):  # the stage's module is what this rank trains
-                pipeline.check(parallel, training)
+                pipeline.check(training)
                 schedule, fake_model = fake_model, pipeline.stage_model(fake_model)
                 microbatches = tc.schedule_microbatches(schedule)
             tensor_parallel = parallel.tensor_parallel(fake_model)

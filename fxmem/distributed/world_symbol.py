@@ -130,7 +130,7 @@ def analyze_over_world(analyze: Callable[..., Any], model: Any, input_specs: tup
     report = _report(base, plan, values, options, notes, reanalyze, capture)
     report.checked = f"{between}: {base.checked}"
     report.world_dim = (name, low, even)
-    for w, other in analysed.items():  # a first guess with uneven shards: that world size's own piece
+    for w, other in analysed.items():  # a first guess with uneven shards: that world size's own piece (exact)
         if w not in points:
             report._regions[((), tuple(sorted({**other.hints, name: w}.items())))] = _pinned(other, name, w)
     return report
@@ -173,10 +173,10 @@ def _points(divisor: int, low: int, first: int, name: str, sharded: Mapping[int,
     """Three world sizes from ``low`` that divide ``divisor`` (any, where it is 0), ``first`` first
     where it is one of them."""
     if divisor:
-        even = [w for w in range(low, divisor + 1) if divisor % w == 0][:_POINTS + 1]
-    else:
-        even = list(range(low, low + _POINTS + 1))
-    if first in even:
+        even = [w for w in range(low, divisor + 1) if divisor % w == 0]
+    else:  # nothing sharded: every size is even
+        even = sorted({first, *range(low, low + _POINTS)})
+    if first in even:  # the analysis made already (the user's hint, or the guess) is one of them
         even = [first] + [w for w in even if w != first]
     if len(even) < _POINTS:
         few = sorted(sharded, key=lambda n: (sum(n % k == 0 for k in range(2, n + 1)), n))[:3]

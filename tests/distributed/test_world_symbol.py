@@ -113,3 +113,14 @@ def test_refusals():
         fxmem.analyze(even_decoder(), ("B", "L", D), world_size="2 ranks", parallelize=fsdp)
     with pytest.raises(SpecError, match="needs parallelize"):
         fxmem.analyze(even_decoder(), ("B", "L", D), world_size="W")
+
+
+def test_the_world_sizes_analysed():
+    """Three that divide the sharded sizes' gcd, from the smallest a rank allows; the example given
+    (hints={"W": n}) first where it is one; any three where nothing is sharded (DDP)."""
+    from fxmem.distributed.world_symbol import _points
+    assert _points(256, 2, 2, "W", {}) == [2, 4, 8] and _points(256, 2, 64, "W", {}) == [64, 2, 4]
+    assert _points(12, 4, 5, "W", {}) == [4, 6, 12]  # rank 3: W >= 4; the guess 5 was uneven
+    assert _points(0, 2, 8, "W", {}) == [8, 2, 3]
+    with pytest.raises(SpecError, match="head.weight 17"):
+        _points(17, 2, 2, "W", {17: "head.weight"})

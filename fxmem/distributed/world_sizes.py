@@ -6,6 +6,8 @@ as ``mesh=`` of :func:`fxmem.analyze`: a layout of data and tensor parallelism).
 each rank's resident bytes (parameter shards, DDP's buckets, optimizer state, inputs) and its
 training-step peak, as formulas in the user's dims, or in bytes at given dims;
 :meth:`WorldSizes.max_size` is the largest size of a dim whose step fits a budget, per row.
+For one formula in the number of ranks instead of rows, ``fxmem.analyze(..., world_size="W")``
+(:mod:`fxmem.distributed.world_symbol`).
 
 >>> table = fxmem.world_sizes(model, ("B", "L", 13), parallelize=fsdp, sizes=[1, 2, 4],
 ...                           optimizer=lambda p: torch.optim.AdamW(p))          # doctest: +SKIP

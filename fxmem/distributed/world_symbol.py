@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Callable, Mapping
 
 import sympy
@@ -223,6 +224,18 @@ class _Merge:
             self.divides.add(b)
         return out
 
+    def text(self, what: str, texts: list) -> str:
+        """A name that says a size (``"kept between forwards ... (6,)"``): its numbers fitted like
+        sizes (``(12/W,)``); every other character must be the same."""
+        if all(t == texts[0] for t in texts[1:]):
+            return texts[0]
+        parts = [re.split(r"(\d+)", t) for t in texts]
+        self.same(what, [p[0::2] for p in parts])
+        out = parts[0][:]
+        for k in range(1, len(out), 2):
+            out[k] = str(self.size([int(p[k]) for p in parts]))
+        return "".join(out)
+
     def shape(self, shapes: list) -> tuple:
         if shapes[0] is None or any(s is None for s in shapes):
             return self.same("a shape", shapes)
@@ -244,10 +257,10 @@ def _merged(recs: list[Recording], xs: list[int], symbol: sympy.Symbol) -> tuple
     storages = []
     for group in zip(*[r.storages for r in recs]):
         s = group[0]
-        for f in ("role", "name", "node", "op", "step", "phase", "saved_by", "is_output", "copy_of", "dtype"):
+        for f in ("role", "node", "op", "step", "phase", "saved_by", "is_output", "copy_of", "dtype"):
             m.same(f"storage {s.name} ({f})", [getattr(t, f) for t in group])
-        storages.append(dataclasses.replace(s, bytes=m.size([t.bytes for t in group]),
-                                            shape=m.shape([t.shape for t in group])))
+        storages.append(dataclasses.replace(s, bytes=m.size([t.bytes for t in group]), name=m.text(
+            f"storage {s.name} (name)", [t.name for t in group]), shape=m.shape([t.shape for t in group])))
     steps = []
     for group in zip(*[r.steps for r in recs]):
         s = group[0]

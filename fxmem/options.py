@@ -219,9 +219,6 @@ def _checked(opts: AnalysisOptions) -> AnalysisOptions:
         raise SpecError(WORLD_SIZE_AND_PARALLELIZE)
     if opts.mesh is not None and opts.parallelize is None:
         raise SpecError("mesh= is the DeviceMesh parallelize= is given: pass parallelize=fn and world_size= too")
-    if symbolic is not None and opts.parallelize is None:
-        raise SpecError(f"world_size={opts.world_size!r}: a symbolic world size needs parallelize=fn (the model is "
-                        f"analysed at several world sizes)" if symbolic[1] is None else WORLD_SIZE_AND_PARALLELIZE)
     if opts.parallelize is not None:
         from .distributed import Parallel
         Parallel.of(stand_in(opts) if symbolic is not None else opts).check()

@@ -35,6 +35,7 @@ from ..capture import Capture
 from ..errors import ModelError, SpecError
 from ..records import Recording
 from ..specs import SPECIALISED_SIZES, dim_symbol, spec_symbols
+from .adopt import adopt
 from .world_option import symbolic_world
 
 _POINTS = 3  # two solve a + b/W per storage, the third checks it
@@ -48,6 +49,9 @@ def analyze_over_world(analyze: Callable[..., Any], model: Any, input_specs: tup
     """The report of rank ``options.rank`` whose formulas hold for every world size that divides
     the sharded sizes evenly (see the module docstring); ``analyze`` is :func:`fxmem.analyze`."""
     name, key = symbolic_world(options)
+    if options.parallelize is None and (not isinstance(model, torch.nn.Module) or adopt(model) is None):
+        raise SpecError(f"world_size={options.world_size!r}: a symbolic world size needs parallelize=fn (the model "
+                        f"is analysed at several world sizes), or a model you wrapped already")
     dims = spec_symbols(input_specs, {})
     if name in dims:
         raise SpecError(f"the world size {name!r} is also a dim of the inputs; name it otherwise (e.g. "
@@ -69,8 +73,9 @@ def analyze_over_world(analyze: Callable[..., Any], model: Any, input_specs: tup
         if mesh is not None:
             mesh[key] = w
         values = dict(hints if at is None else at)
+        # rank 0 of each world size unless rank= says which (a model you wrapped: not your process's)
         return dataclasses.replace(options, world_size=math.prod(mesh.values()) if mesh else w, mesh=mesh,
-                                   hints=values or None)
+                                   hints=values or None, rank=rank)
 
     def run(w: int, at: Mapping[str, int] | None = None) -> Any:
         return analyze(model, *input_specs, options=concrete(w, at))

@@ -111,8 +111,6 @@ def test_refusals():
         fxmem.analyze(tp_decoder(), ("B", "L", 24), world_size="W", mesh={"dp": 2, "tp": 2}, parallelize=fsdp_tp)
     with pytest.raises(SpecError, match="dim name"):
         fxmem.analyze(even_decoder(), ("B", "L", D), world_size="2 ranks", parallelize=fsdp)
-    with pytest.raises(SpecError, match="needs parallelize"):
-        fxmem.analyze(even_decoder(), ("B", "L", D), world_size="W")
 
 
 def test_the_world_sizes_analysed():
@@ -147,3 +145,23 @@ def test_a_forward_in_w_against_real_forwards():
     e = report.evaluate(B=5, L=7, W=6)
     assert (real.peak_above_start, real.retained, made.retained + x.untyped_storage().nbytes()) == \
         (e["peak"] - e["resident"], e["retained"], e["resident"])
+
+
+def test_a_model_the_user_wrapped_in_w():
+    """A training script's model, sharded by FSDP2 in its own group (rank 2 of 3): world_size="W"
+    reads the wrapping and gives rank 0's formulas in W; the user's group is left as it was."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=3)
+    try:
+        wrapped = fsdp(even_decoder(), init_device_mesh("cpu", (3,)))
+        report = fxmem.analyze(wrapped, ("B", "L", D), optimizer=adamw, world_size="W")
+        assert dist.get_rank() == 2 and dist.get_world_size() == 3
+    finally:
+        dist.destroy_process_group()
+    assert predicted(report, W=6, B=5, L=7) == real(even_decoder, fsdp, 6, 0, dict(B=5, L=7), D)
+    with pytest.raises(SpecError, match="needs parallelize=fn .* or a model you wrapped"):
+        fxmem.analyze(even_decoder(), ("B", "L", D), world_size="W")

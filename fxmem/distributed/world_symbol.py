@@ -11,11 +11,12 @@ formulas then hold at every ``W`` that divides the sharded sizes - the region sa
 unequally) is outside that region: ``evaluate(W=...)`` analyses it when asked, exact, and keeps
 it as a piece of its own (:meth:`fxmem.Report.regions`).
 
->>> report = fxmem.analyze(model, ("B", "L"), world_size="W", parallelize=fsdp,
-...                        optimizer=lambda p: torch.optim.AdamW(p))              # doctest: +SKIP
->>> report.train_resident                                                          # doctest: +SKIP
-11232/W + 64*B*L + 42532
->>> report.max_size("B", "80GiB", train=True, L=4096, W=64)                        # doctest: +SKIP
+>>> report = fxmem.analyze(llama, fxmem.TensorSpec(("B", "L"), dtype=torch.int64), dtype=torch.bfloat16,
+...                        optimizer=lambda p: torch.optim.AdamW(p), world_size="W",
+...                        parallelize=fsdp)                                      # doctest: +SKIP
+>>> report.optimizer_state    # the 2-layer Llama-7B of docs/distributed.md (doctested there)  # doctest: +SKIP
+84 + 2667659264/W
+>>> report.min_size("W", "80GiB", train=True, B=8, L=4096)  # the fewest ranks that fit  # doctest: +SKIP
 
 A mesh names the dim that varies: ``mesh={"dp": "D", "tp": 2}`` (FSDP2 over ``D`` ranks, tensor
 parallelism over 2). A pipeline's ``pp`` dim cannot vary (which layers a rank holds changes with it).

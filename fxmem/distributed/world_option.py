@@ -43,7 +43,7 @@ def stand_in(options: Any) -> Any:
     """``options`` with the symbolic world size at a number (the smallest it may be), for the checks
     that read numbers (a rank below the world size, the mesh's product)."""
     name, key = symbolic_world(options)
-    low = max(2, (options.rank or 0) + 1 if isinstance(options.rank, int) else 2)
+    low = max(2, options.rank + 1) if isinstance(options.rank, int) else 2
     if key is None:
         return dataclasses.replace(options, world_size=low)
     mesh = {**options.mesh, key: low}

@@ -15,7 +15,7 @@ import fxmem
 from zoo.distributed import (D, Decoder, Elementwise, PartlyUsed, TPDecoder, accumulate_ddp, accumulate_fsdp, adamw,
                                 analyse_wrapped, ddp_small, microbatches,
                                 ddp_static, ddp_unused, ddp_view, fsdp, fsdp_bf16, fsdp_keep, fsdp_offload,
-                                fsdp_reshard_2, fsdp_tp, fsdp_tuned, hsdp, tp, tp_sequence)
+                                fsdp_reshard_2, fsdp_tp, fsdp_tuned, hsdp, real_forward, tp, tp_sequence)
 from fxmem.distributed.parallel import dtensor_buffers, dtensor_late_bytes, late_bytes
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
@@ -195,29 +195,14 @@ def test_forward_exact_per_rank(make, fn, world_size, rank, mesh):
     """A forward (no optimizer), every rank against its real synchronous forward in torch's fake
     group after one forward before it (FSDP2 initialises itself in the first and keeps the root's
     unsharded parameters from then on), at sizes the analysis did not see."""
-    from fxmem import _torch_compat as tc
-    from fxmem.measure import measure
-
     torch.set_num_threads(1)
     d = TP_D if make is TPDecoder else D
     report = fxmem.analyze(make(), ("B", "L", d), grad=False, world_size=world_size, parallelize=fn, rank=rank,
                            mesh=mesh)
-    layout = tuple(mesh.items()) if mesh else None
     for dims in SIZES:
-        x = torch.randn(dims["B"], dims["L"], d)
-        with tc.fake_process_group(world_size, rank, dims=layout) as device_mesh, torch.no_grad():
-            def first():
-                torch.manual_seed(0)
-                model = fn(make(), device_mesh)
-                model(x)
-                return model
-            made = measure(first, warmup=0, keep_result=True)
-            model = made.result
-            real = measure(lambda: model(x), warmup=0)
         e = report.evaluate(**dims)
-        resident = made.retained + x.untyped_storage().nbytes()
-        assert (real.peak_above_start, real.retained, resident) == (e["peak"] - e["resident"], e["retained"],
-                                                                     e["resident"]), f"{fn.__name__} at {dims}"
+        real = real_forward(make, fn, world_size, rank, torch.randn(dims["B"], dims["L"], d), mesh)
+        assert real == (e["peak"] - e["resident"], e["retained"], e["resident"]), f"{fn.__name__} at {dims}"
 
 
 def test_a_pipeline_stage_built_by_the_step_is_refused_by_name():

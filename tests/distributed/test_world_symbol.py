@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxmem
-from zoo.distributed import Decoder, TPDecoder, adamw, ddp_small, fsdp, fsdp_tp, hsdp
+from zoo.distributed import Decoder, TPDecoder, adamw, ddp_small, fsdp, fsdp_tp, hsdp, real_forward
 from fxmem.distributed.real_runs import measure_ranks, measure_synchronous
 from fxmem.errors import ModelError, SpecError
 from fxmem.specs import dim_symbol
@@ -127,23 +127,11 @@ def test_the_world_sizes_analysed():
 def test_a_forward_in_w_against_real_forwards():
     """A forward alone (no optimizer): what the rank keeps between forwards (FSDP2's root, unsharded:
     its name carries the shape, 12/W rows of it) and the forward's peak, at 6 ranks (2, 3 and 4 analysed)."""
-    from fxmem import _torch_compat as tc
-    from fxmem.measure import measure
-
     torch.set_num_threads(1)
     report = fxmem.analyze(even_decoder(), ("B", "L", D), grad=False, world_size="W", parallelize=fsdp)
     assert any("/W" in s.name for s in report.storages)
-    x = torch.randn(5, 7, D)
-    with tc.fake_process_group(6, 1) as mesh, torch.no_grad():
-        def first():
-            model = fsdp(even_decoder(), mesh)
-            model(x)
-            return model
-        made = measure(first, warmup=0, keep_result=True)
-        model = made.result
-        real = measure(lambda: model(x), warmup=0)
     e = report.evaluate(B=5, L=7, W=6)
-    assert (real.peak_above_start, real.retained, made.retained + x.untyped_storage().nbytes()) == \
+    assert real_forward(even_decoder, fsdp, 6, 1, torch.randn(5, 7, D)) == \
         (e["peak"] - e["resident"], e["retained"], e["resident"])
 
 

@@ -272,3 +272,23 @@ def hsdp(model, mesh):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def real_forward(make, fn, world_size, rank, x, mesh=None):
+    """``(peak above start, retained, resident)`` bytes of rank ``rank``'s real forward (no grad) in
+    torch's fake process group, after a first one (FSDP2 initialises itself there and keeps the root's
+    unsharded parameters from then on); resident: what the first left allocated, and ``x``."""
+    from fxmem import _torch_compat as tc
+    from fxmem.measure import measure
+
+    layout = tuple(mesh.items()) if mesh else None
+    with tc.fake_process_group(world_size, rank, dims=layout) as device_mesh, torch.no_grad():
+        def first():
+            torch.manual_seed(0)
+            model = fn(make(), device_mesh)
+            model(x)
+            return model
+        made = measure(first, warmup=0, keep_result=True)
+        model = made.result
+        real = measure(lambda: model(x), warmup=0)
+    return real.peak_above_start, real.retained, made.retained + x.untyped_storage().nbytes()

@@ -162,6 +162,52 @@ def _contiguous_copies(call: Call) -> list | None:
     return [*before, OUT, *after, *[-c for c in reversed(kept)]]
 
 
+# --- pooling kernels (aten/src/ATen/native/cpu/*Pool*Kernel.cpp; read off real runs) ---------------
+# Each works on operands contiguous in one memory format - the input's suggested one (contiguous or
+# channels-last), the incoming gradient's, or plain contiguous - and copies, after its outputs, every
+# operand that is not (a permuted input, a gradient expanded from a sum), freeing the copies on
+# return. ``"out"`` is the op's own output (a backward's grad_input, allocated in the input's format).
+# 3-d average pooling and the 3-d adaptive kernels have no channels-last path; the 3-d adaptive
+# forwards read any strides.
+_POOL_COPIES = {
+    aten.max_pool2d_with_indices.default: ("self", ("self",)),
+    aten.max_pool3d_with_indices.default: ("self", ("self",)),
+    aten.avg_pool2d.default: ("self", ("self",)),
+    aten.avg_pool3d.default: (None, ("self",)),
+    aten._adaptive_avg_pool2d.default: ("self", ("self",)),
+    aten.adaptive_max_pool2d.default: ("self", ("self",)),
+    aten.max_pool2d_with_indices_backward.default: ("grad_output", ("grad_output", "indices", "out")),
+    aten.max_pool3d_with_indices_backward.default: ("grad_output", ("grad_output", "indices", "out")),
+    aten.avg_pool2d_backward.default: ("grad_output", ("grad_output", "out")),
+    aten.avg_pool3d_backward.default: (None, ("grad_output",)),
+    aten._adaptive_avg_pool2d_backward.default: ("grad_output", ("grad_output", "out")),
+    aten._adaptive_avg_pool3d_backward.default: (None, ("grad_output",)),
+    aten.adaptive_max_pool2d_backward.default: ("self", ("grad_output", "indices", "out")),
+    aten.adaptive_max_pool3d_backward.default: (None, ("grad_output",)),
+}
+for _op, (_fmt, _operands) in _POOL_COPIES.items():
+    require_args(_op, *{n for n in (_fmt, *_operands) if n not in (None, "out")})
+
+
+def format_copy_bytes(t: Any, fmt: torch.memory_format) -> Any:
+    """Bytes of ``t.contiguous(memory_format=fmt)`` when that copies (0 for a non-tensor)."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous(memory_format=fmt):
+        return 0
+    return t.numel() * t.element_size()
+
+
+@hidden(*_POOL_COPIES, device="cpu")
+def _pool_copies(call: Call) -> list | None:
+    """A pooling kernel's copies of the operands not laid out in the memory format it works in."""
+    source, operands = _POOL_COPIES[call.func]
+    fmt = tc.suggest_memory_format(call.arg(source)) if source is not None else torch.contiguous_format
+    copies = _nonzero([format_copy_bytes(call.outputs[0] if name == "out" else call.arg(name), fmt)
+                       for name in operands])
+    if not copies:
+        return None
+    return [OUT, *copies, *[-c for c in reversed(copies)]]
+
+
 require_args(aten.clone.default, "self")
 require_args(aten.copy_.default, "self", "src")
 
@@ -588,6 +634,10 @@ def _upsample_cpu(call: Call) -> list:
     for length in out.shape[2:]:
         made += [8 * length, x.element_size() * length] * pairs
     generic = [OUT, *made, *[-m for m in made]]
+    if two_d and pairs == 2 and x.dtype != torch.uint8 and torch.get_num_threads() == 1:
+        # upsample_bilinear2d_kernel_impl_float: with one thread, three channels (an image) take the
+        # channels-last kernel too (the report is remade under another thread count)
+        generic = either(x.shape[1] == 3, vectorized, generic)
     # small 2-d outputs take the channels-last kernel too: a piece on each side (fxmem.kernels.regimes)
     return either(out.shape[-2] + out.shape[-1] <= 128, vectorized, generic) if two_d else generic
 

@@ -86,6 +86,12 @@ class Autograd:
             for ref, node, indices in pending:
                 t = ref()
                 fn = getattr(t, "grad_fn", None) if t is not None else None
+                base = t._base if t is not None and t._is_view() else None
+                held = getattr(base, "grad_fn", None) if base is not None else None
+                if type(held).__name__ == "CopySlices":
+                    # an in-place op on a view: its backward node lives in the base's CopySlices,
+                    # as long as the base's graph - not in the view's grad_fn, which dies with the view
+                    fn = held
                 if fn is None:
                     continue
                 fn.register_hook(_Release(self._release, indices, self.keeping))

@@ -254,7 +254,21 @@ class Report:
                               ", ".join(f"{k}={v}" for k, v in sorted(values.items())), ", ".join(self.region) or "-")
                     with data_paths.beyond() if environment_key[:1] == ("beyond",) else contextlib.nullcontext():
                         self._regions[key] = self._reanalyze(values)
-        return self._regions[key]
+        return self._with_doubts(self._regions[key])
+
+    def _with_doubts(self, other: "Report") -> "Report":
+        """``other`` (a re-analysis of this model, or another piece of its simulation) with this
+        analysis' notes that say its numbers may not be exact. Why: they are the same model's kernels,
+        and a re-analysis checks itself at one size only - a real run that disagreed with this
+        analysis is a doubt about every size, not only the one it was run at."""
+        if other is self:
+            return other
+        at = ", ".join(f"{k}={v}" for k, v in sorted(self.hints.items()))
+        for note in self.notes:
+            inherited = f"from the analysis at {at}: {note}"
+            if INEXACT in note and note not in other.notes and inherited not in other.notes:
+                other.notes.append(inherited)
+        return other
 
     def _pieces_usable(self) -> bool:
         """Whether this simulation has other pieces (a kernel's other regimes) read off its recording.

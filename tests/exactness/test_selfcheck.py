@@ -108,6 +108,43 @@ def test_a_reanalysis_at_the_users_sizes_checks_itself_too():
     assert there is not clean and there.exact and there.checked == "checked against a real forward at B=1: equal"
 
 
+
+@torch.library.custom_op("fxmem_selfcheck::batched_scratch", mutates_args=())
+def batched_scratch(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 1:
+        return x.clone()
+    work = torch.empty(3 * x.numel(), dtype=x.dtype)  # only for a batch: hidden from the fake kernel
+    work.zero_()
+    return x + work[: x.numel()].view_as(x)
+
+
+@batched_scratch.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class UsesBatchedScratch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return batched_scratch(self.lin(x)).relu()
+
+
+def test_a_reanalysis_keeps_the_doubt_its_model_s_real_run_raised():
+    # the first analysis' real run (B=2) disagreed; the re-analysis at B=1 agrees with its own real
+    # run there, but it is the same model's kernels: its numbers are flagged too, saying from where
+    report = fxmem.analyze(UsesBatchedScratch(), ("B", 8), grad=False)
+    assert not report.exact
+    there, _ = report._at(dict(B=1))
+    assert there is not report and there.checked == "checked against a real forward at B=1: equal"
+    assert not there.exact
+    inherited = [n for n in there.notes if n.startswith("from the analysis at B=")]
+    assert inherited and "self-check: a real forward at B=2" in inherited[0], there.notes
+    assert report._at(dict(B=1))[0] is there and there.notes.count(inherited[0]) == 1  # once, however often asked
+
+
 # --- every number a user reads: resident, train_resident, train_peak, optimizer_state, grads ---
 
 @torch.library.custom_op("fxmem_selfcheck::padded_copy", mutates_args=())

@@ -128,6 +128,7 @@ from .autograd import (
     saved_tensor_hooks_in_effect,
     tensor_hooks,
     tensor_use_count,
+    view_base,
     write_count,
 )
 from .devices import cpu_capability, cuda_memory_history, fake_cuda_backward_possible, fake_cuda_is_safe
@@ -199,7 +200,7 @@ __all__ = [
     "add_hook", "fake_module_copy", "global_hook_tables", "hook_tables", "module_attribute_values", "module_hooks",
     "non_persistent_buffers", "order_like", "pop_child", "skip_parameter_init", "tensor_attributes",
     # autograd
-    "backward_calls", "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks",
+    "backward_calls", "in_python_backward", "is_view", "profiler_active", "saved_tensor_hooks", "view_base",
     "saved_tensor_hooks_in_effect", "tensor_hooks", "tensor_use_count", "write_count",
     # devices
     "cpu_capability", "cuda_memory_history", "fake_cuda_backward_possible", "fake_cuda_is_safe",

@@ -7,7 +7,7 @@ and the C++ use count of its TensorImpl, and the autograd profiler's flag.
 On a torch upgrade, what breaks here: ``_engine_run_backward`` (its third argument is retain_graph),
 ``_top_saved_tensors_default_hooks`` (its argument changed
 between releases), ``BackwardCFunction``, the ``_backward_hooks`` / ``_post_accumulate_grad_hooks``
-tables of a tensor, ``Tensor._is_view`` / ``_use_count``, ``torch._C._autograd._profiler_enabled``.
+tables of a tensor, ``Tensor._is_view`` / ``_base`` / ``_use_count``, ``torch._C._autograd._profiler_enabled``.
 
 Imports none of the package's other modules.
 """
@@ -97,6 +97,11 @@ def tensor_hooks(t: torch.Tensor) -> list[tuple[str, Any]]:
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (autograd's view metadata)."""
     return bool(t._is_view())
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``Tensor._base``), or None when it is not a view."""
+    return t._base if t._is_view() else None
 
 
 def write_count(t: torch.Tensor) -> int:

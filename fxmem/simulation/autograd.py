@@ -86,7 +86,7 @@ class Autograd:
             for ref, node, indices in pending:
                 t = ref()
                 fn = getattr(t, "grad_fn", None) if t is not None else None
-                base = t._base if t is not None and t._is_view() else None
+                base = tc.view_base(t) if t is not None else None
                 held = getattr(base, "grad_fn", None) if base is not None else None
                 if type(held).__name__ == "CopySlices":
                     # an in-place op on a view: its backward node lives in the base's CopySlices,

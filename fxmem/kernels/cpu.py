@@ -115,9 +115,12 @@ for _op, _operands in _CONTIGUOUS_OPERANDS.items():
     require_args(_op, *(name for name, _ in _operands))
 
 
-def copy_bytes(t: Any) -> Any:
-    """Bytes of ``t.contiguous()`` when that copies (0 for a contiguous tensor or a non-tensor)."""
-    return 0 if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.numel() * t.element_size()
+def copy_bytes(t: Any, fmt: torch.memory_format = torch.contiguous_format) -> Any:
+    """Bytes of ``t.contiguous(memory_format=fmt)`` when that copies (0 for a tensor laid out so, or
+    a non-tensor)."""
+    if not isinstance(t, torch.Tensor) or t.is_contiguous(memory_format=fmt):
+        return 0
+    return t.numel() * t.element_size()
 
 
 def transpose_buffer(src: Any) -> Any:
@@ -189,19 +192,12 @@ for _op, (_fmt, _operands) in _POOL_COPIES.items():
     require_args(_op, *{n for n in (_fmt, *_operands) if n not in (None, "out")})
 
 
-def format_copy_bytes(t: Any, fmt: torch.memory_format) -> Any:
-    """Bytes of ``t.contiguous(memory_format=fmt)`` when that copies (0 for a non-tensor)."""
-    if not isinstance(t, torch.Tensor) or t.is_contiguous(memory_format=fmt):
-        return 0
-    return t.numel() * t.element_size()
-
-
 @hidden(*_POOL_COPIES, device="cpu")
 def _pool_copies(call: Call) -> list | None:
     """A pooling kernel's copies of the operands not laid out in the memory format it works in."""
     source, operands = _POOL_COPIES[call.func]
     fmt = tc.suggest_memory_format(call.arg(source)) if source is not None else torch.contiguous_format
-    copies = _nonzero([format_copy_bytes(call.outputs[0] if name == "out" else call.arg(name), fmt)
+    copies = _nonzero([copy_bytes(call.outputs[0] if name == "out" else call.arg(name), fmt)
                        for name in operands])
     if not copies:
         return None
@@ -625,8 +621,7 @@ def _upsample_cpu(call: Call) -> list:
     x, out = call.arg("self"), call.outputs[0]
     pairs, two_d, three_d = _UPSAMPLE[tc.op_packet(call.func)]
     fmt = torch.channels_last if two_d else torch.channels_last_3d
-    copy = 0 if x.is_contiguous(memory_format=fmt) else x.numel() * x.element_size()
-    buf = 0 if out.is_contiguous(memory_format=fmt) else out.numel() * out.element_size()
+    copy, buf = copy_bytes(x, fmt), copy_bytes(out, fmt)
     vectorized = [OUT, *[b for b in (copy, buf) if b], *[-b for b in (buf, copy) if b]]
     if (two_d or three_d) and x.is_contiguous(memory_format=fmt) and x.shape[1] > 3:
         return vectorized

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import check_against_real_run, check_training_against_real_run
+from conftest import check_against_real_run, check_training_against_real_run, threads
 
 
 class Upsample(nn.Module):
@@ -160,8 +160,6 @@ def test_bilinear_of_an_image_with_one_thread(n):
     channels-last kernel at any output size (its copies of the input and the output), with more
     the generic one above 128 output rows + columns (the fuzzer's seed 7052, missed by 15 MB at one
     thread). The analysis is made and the real runs measured under the same thread count."""
-    from conftest import threads
-
     torch.manual_seed(0)
     with threads(n):
         report = check_against_real_run(ImageUpsample(), (("B", 3, "S", "T"),),

@@ -18,7 +18,7 @@ import torch
 from .. import _torch_compat as tc
 from .. import data_paths
 from .registry import ANY, OUT, Call, Kind, Unknown, hidden, require_args, rule
-from .regimes import either, sized, when
+from .regimes import condition, either, sized, when
 
 aten = torch.ops.aten
 
@@ -286,6 +286,87 @@ def _bmm_copies(call: Call) -> list | Unknown | None:
         return None
     copies = _nonzero([_blas_copy(a[0]), _blas_copy(b[0])])
     return [OUT, *copies, *[-c for c in reversed(copies)]] if copies else None
+
+
+require_args(aten._euclidean_dist.default, "x1", "x2")
+
+
+def _rows_bytes(t: torch.Tensor, width: Any) -> Any:
+    """Bytes of a ``t.shape[:-1] + (width,)`` tensor of ``t``'s dtype (sizes may be symbolic)."""
+    rows = 1
+    for s in t.shape[:-1]:
+        rows = rows * s
+    return rows * width * t.element_size()
+
+
+@hidden(aten._euclidean_dist.default, device=ANY)
+def _euclidean_dist_parts(call: Call) -> list | Unknown:
+    """``torch.cdist``'s matrix-product path (p=2 with more than 25 rows on a side, or
+    ``compute_mode='use_mm_for_euclid_dist'``) is ATen's composite ``_euclidean_dist``, one op to
+    the simulation: per side, ``x.pow(2)`` summed to a norm column and a column of ones; ``x1 * -2``
+    (an int64 wrapped -2 cast to the dtype); the two sides concatenated to ``(rows, K + 2)``, freed
+    with their parts after the product, whose result is the output (in-place clamp and sqrt)."""
+    x1, x2 = call.arg("x1"), call.arg("x2")
+    if call.device != "cpu":  # the same parts through the caching allocator, and cuBLAS: not read on a GPU
+        return Unknown(call.op, "cdist's matrix-product path (more than 25 rows) allocates intermediates whose sizes "
+                                "on a GPU have not been read off a real run")
+    half = _half_gemm(call)
+    if half is not None:
+        return half
+    k = x1.shape[-1]
+    prog: list = []
+    for x in (x1, x2):  # pow(2) then sum(-1, keepdim) (the square freed), then ones_like
+        square, column = _rows_bytes(x, k), _rows_bytes(x, 1)
+        prog += [square, column, -square, column]
+    column1, column2, f1 = _rows_bytes(x1, 1), _rows_bytes(x2, 1), x1.element_size()
+    scaled, cat1, cat2 = _rows_bytes(x1, k), _rows_bytes(x1, k + 2), _rows_bytes(x2, k + 2)
+    prog += [8, f1, scaled, -f1, -8, cat1, -column1, -column1, -scaled, cat2, -column2, -column2]
+    return [*prog, OUT, -cat2, -cat1]
+
+
+require_args(aten._cdist_forward.default, "x1", "x2")
+require_args(aten._cdist_backward.default, "grad", "x1", "x2", "cdist")
+
+
+def _contiguous_copy(t: torch.Tensor, shape: tuple) -> Any:
+    """Bytes of ``t.expand(shape).contiguous()``'s copy: none where that view is contiguous already
+    (a ``Piecewise`` where that depends on the sizes: a dim of size 1 may have any stride)."""
+    strides = [0] * (len(shape) - t.dim()) + [s if n == m else 0 for s, n, m in
+                                              zip(t.stride(), t.shape, shape[len(shape) - t.dim():])]
+    ok, expected = [], 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        ok.append(sympy.Or(condition(n == 1), condition(s == expected)))
+        expected = expected * n
+    nbytes = t.element_size()
+    for n in shape:
+        nbytes = nbytes * n
+    return when(sympy.And(*ok), 0, nbytes)
+
+
+def _cdist_batch(x1: torch.Tensor, x2: torch.Tensor) -> tuple:
+    return tuple(torch.broadcast_shapes(tuple(x1.shape[:-2]), tuple(x2.shape[:-2])))
+
+
+@hidden(aten._cdist_forward.default, device="cpu")
+def _cdist_forward_copies(call: Call) -> list | None:
+    """cdist's direct path (p other than 2, or at most 25 rows a side): ATen's ``cdist_impl`` makes
+    each operand, expanded to the common batch, contiguous before the result (a transposed or
+    strided operand, a batch broadcast from 1), and frees the copies after the kernel."""
+    x1, x2 = call.arg("x1"), call.arg("x2")
+    batch = _cdist_batch(x1, x2)
+    copies = [_contiguous_copy(x1, (*batch, *x1.shape[-2:])), _contiguous_copy(x2, (*batch, *x2.shape[-2:]))]
+    return [*copies, OUT, *[-c for c in reversed(copies)]]
+
+
+@hidden(aten._cdist_backward.default, device="cpu")
+def _cdist_backward_copies(call: Call) -> list | None:
+    """The direct path's backward: contiguous copies of both operands (expanded to the common batch),
+    of the forward's result and of the incoming gradient where they are not, before its output."""
+    x1, x2, res, grad = call.arg("x1"), call.arg("x2"), call.arg("cdist"), call.arg("grad")
+    batch = _cdist_batch(x1, x2)
+    copies = [_contiguous_copy(x1, (*batch, *x1.shape[-2:])), _contiguous_copy(x2, (*batch, *x2.shape[-2:])),
+              _contiguous_copy(res, tuple(res.shape)), _contiguous_copy(grad, tuple(grad.shape))]
+    return [*copies, OUT, *[-c for c in reversed(copies)]]
 
 
 # --- normalisation and losses --------------------------------------------------------------------

@@ -10,14 +10,17 @@ step, next to what the CPU allocator measured on real runs at held-out sizes (in
     python benchmarks/exactness.py --no-corpus           # the fuzzer only
     python benchmarks/exactness.py --between 20           # between the points: the corpus at 20 random
                                                          # sizes per model (exactness_between.{json,md})
+    python benchmarks/exactness.py --corpus held-out --fuzz-seeds 0:0
+                                                         # the second corpus (tests/corpus/models.py's
+                                                         # HELD_OUT: 41 more architectures), no fuzzing
     python benchmarks/exactness.py --no-corpus --extended --fuzz-seeds 0:600
                                                          # the newer op families too (sort, cumulative,
                                                          # flip/roll, one_hot, gather/scatter, pooling,
                                                          # group norm, grouped convs, interpolate, unfold,
                                                          # cdist, dtype casts, in-place through views, RNNs)
 
-Writes benchmarks/results/exactness.{json,md} (``--extended``: exactness_extended.{json,md}; ``--name``: another) with the
-machine, torch version and command.
+Writes benchmarks/results/exactness.{json,md} (``--extended``: exactness_extended.{json,md}; ``--corpus held-out``:
+exactness_held_out.{json,md}; ``--name``: another) with the machine, torch version and command.
 """
 from __future__ import annotations
 
@@ -51,13 +54,14 @@ def _analysis_seconds(entry) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def corpus_rows() -> tuple[list[dict], list[str]]:
+def corpus_rows(which: str = "main") -> tuple[list[dict], list[str]]:
+    """The rows of the corpus ``which`` names: ``main`` (the tests' CORPUS) or ``held-out`` (HELD_OUT)."""
     from corpus.harness import compare
-    from corpus.models import CORPUS
+    from corpus.models import CORPUS, HELD_OUT
 
     rows, skipped = [], []
     costs.clear()
-    for name, entry in CORPUS.items():
+    for name, entry in (HELD_OUT if which == "held-out" else CORPUS).items():
         if not entry.available():
             skipped.append(f"{name} ({entry.requires} not installed)")
             continue
@@ -216,6 +220,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fuzz-seeds", default="0:300", help="start:stop of the fuzzer's seeds")
     parser.add_argument("--no-corpus", action="store_true")
+    parser.add_argument("--corpus", choices=("main", "held-out"), default="main",
+                        help="which corpus: the tests' (main) or the 41 architectures the tests do not run (held-out)")
     parser.add_argument("--extended", action="store_true", help="the fuzzer's newer op families too")
     parser.add_argument("--jobs", type=int, default=1, help="fuzzer worker processes (one thread each)")
     parser.add_argument("--name", help="the results' file name (default exactness or exactness_extended): "
@@ -236,9 +242,10 @@ def main() -> None:
                 "seconds": round(time.perf_counter() - t0, 1)}
         write_between(rows, per_model, meta, args.between)
         return
-    corpus, skipped = ([], []) if args.no_corpus else corpus_rows()
+    corpus, skipped = ([], []) if args.no_corpus else corpus_rows(args.corpus)
     fuzz = fuzz_rows(range(start, stop), args.extended, args.jobs)
-    stem = args.name or ("exactness_extended" if args.extended else "exactness")
+    stem = args.name or ("exactness_held_out" if args.corpus == "held-out" else
+                         "exactness_extended" if args.extended else "exactness")
     from fxmem.measure import machine_name
 
     counts = collections.Counter(r["status"] for r in fuzz)
@@ -261,7 +268,8 @@ def main() -> None:
              "Bytes are (peak above start, retained) of one call (`forward`) or one steady-state training step "
              "(`train`; AdamW for the corpus, SGD for the fuzzer), predicted by fxmem from one analysis and measured "
              "by the CPU allocator on real runs at sizes the analysis did not see.", "",
-             f"## Third-party corpus: {exact_corpus} of {len(corpus)} rows exact", "",
+             f"## Third-party corpus{' (held out: HELD_OUT)' if args.corpus == 'held-out' else ''}: "
+             f"{exact_corpus} of {len(corpus)} rows exact", "",
              f"{flagged_corpus} rows differ and their report says so (`Report.exact` is False and a note says "
              f"why: a library function that decided on values fxmem was not given, a custom op's workspace only "
              f"a real run shows); "
@@ -284,13 +292,14 @@ def main() -> None:
                   f"`selfcheck_cost.md`.", "", "| model | without (s) | with (s) | ratio |", "|---|---|---|---|"]
         lines += [f"| {m} | {a} | {b} | {b / a:.3f} |" for m, a, b in costs if a > 0]
     n = len(fuzz)
-    lines += ["", f"## Fuzzer{' (with the newer op families)' if args.extended else ''}: seeds {start}..{stop - 1}", "",
+    lines += [] if not n else [  # --fuzz-seeds 0:0: the corpus only
+              "", f"## Fuzzer{' (with the newer op families)' if args.extended else ''}: seeds {start}..{stop - 1}", "",
               f"{counts.get('exact', 0)} of {n} random models exact "
               f"({100 * counts.get('exact', 0) / max(n, 1):.1f} %) at every held-out size (forward and training step); "
               f"{counts.get('refused', 0)} refused with a reason; {counts.get('flagged', 0)} flagged as not exact in "
               f"the report's notes; **{counts.get('mismatch', 0)} silent mismatches**.", ""]
     others = [r for r in fuzz if r["status"] != "exact"]
-    if others:
+    if n and others:
         lines += ["| seed | outcome | detail |", "|---|---|---|"]
         for r in others:
             lines.append(f"| {r['seed']} | {r['status']} | {r['detail'][:200].replace('|', '/')} |")

@@ -327,3 +327,91 @@ for _name in ("pyg-gcn", "pyg-gat", "pyg-gatv2", "pyg-gcn-default", "pyg-gat-def
 for _name, _entry in CORPUS.items():
     if _entry.requires == "transformers":
         _entry.makers = {"input_ids": tokens, "decoder_input_ids": tokens, "attention_mask": ones}
+
+
+# A second corpus, run by ``benchmarks/exactness.py --corpus held-out``, not by the tests (it would
+# double CI's time): 41 more public architectures that no change to fxmem was made for when they were
+# first run (2026-12-07), at sizes other than the corpus' (batch 2-5, lengths 5 and 19, graphs of 7 and
+# 13 nodes). Decoders, encoders, vision backbones from Hugging Face; PyG layers beyond the corpus'.
+_DEC = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
+            max_position_embeddings=256, **SMALL)
+_ENC = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+            max_position_embeddings=256, **SMALL)
+_TOKENS = [dict(B=3, L=5), dict(B=2, L=19)]
+_PIXELS, _IMAGES = ((("B", 3, 32, 32)),), [dict(B=2), dict(B=5)]
+_GRAPHS = [dict(N=7, E=20), dict(N=13, E=41)]
+
+
+def _hf_ids(config_cls: str, model_cls: str, **config: Any) -> Entry:
+    return Entry(_hf(config_cls, model_cls, **config), (IDS,), _TOKENS, "transformers")
+
+
+def _hf_pixels(config_cls: str, model_cls: str, **config: Any) -> Entry:
+    return Entry(_hf(config_cls, model_cls, ("pixel_values",), **config), _PIXELS, _IMAGES, "transformers")
+
+
+def _pyg_graph(layer: str, *args: Any, data: Callable[[list], dict] | None = None, **kw: Any) -> Entry:
+    return Entry(_pyg(layer, *args, **kw), GRAPH, _GRAPHS, "torch_geometric", data=data)
+
+
+def _cheb_counts(inputs: list) -> dict:
+    """ChebConv's counts: the edges that are not loops (K1), and the loops it then masks (K2: one per node)."""
+    return {**edges_kept(inputs), "K2": inputs[0].shape[0]}
+
+
+HELD_OUT: dict[str, Entry] = {
+    "mistral": _hf_ids("MistralConfig", "MistralModel", **_DEC),
+    "phi3": _hf_ids("Phi3Config", "Phi3Model", pad_token_id=0, **_DEC),
+    "phi": _hf_ids("PhiConfig", "PhiModel", **_DEC),
+    "gemma": _hf_ids("GemmaConfig", "GemmaModel", head_dim=8, **_DEC),
+    "gemma2": _hf_ids("Gemma2Config", "Gemma2Model", head_dim=8, **_DEC),
+    "qwen3": _hf_ids("Qwen3Config", "Qwen3Model", head_dim=8, **_DEC),
+    "olmo2": _hf_ids("Olmo2Config", "Olmo2Model", **_DEC),
+    "granite": _hf_ids("GraniteConfig", "GraniteModel", **_DEC),
+    "cohere": _hf_ids("CohereConfig", "CohereModel", **_DEC),
+    "stablelm": _hf_ids("StableLmConfig", "StableLmModel", **_DEC),
+    "gpt-neox": _hf_ids("GPTNeoXConfig", "GPTNeoXModel", **_ENC),
+    "opt": _hf_ids("OPTConfig", "OPTModel", hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                   num_hidden_layers=2, max_position_embeddings=256, **SMALL),
+    "falcon": _hf_ids("FalconConfig", "FalconModel", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                      **SMALL),
+    "bloom": _hf_ids("BloomConfig", "BloomModel", hidden_size=32, n_head=4, n_layer=2, **SMALL),
+    "gpt-j": _hf_ids("GPTJConfig", "GPTJModel", n_embd=32, n_head=4, n_layer=2, rotary_dim=4, n_positions=256, **SMALL),
+    "roberta": _hf_ids("RobertaConfig", "RobertaModel", pad_token_id=1, **_ENC),
+    "albert": _hf_ids("AlbertConfig", "AlbertModel", embedding_size=16, **_ENC),
+    "electra": _hf_ids("ElectraConfig", "ElectraModel", embedding_size=16, **_ENC),
+    "deberta-v2": _hf_ids("DebertaV2Config", "DebertaV2Model", **_ENC),
+    "mpnet": _hf_ids("MPNetConfig", "MPNetModel", **_ENC),
+    "roformer": _hf_ids("RoFormerConfig", "RoFormerModel", embedding_size=32, **_ENC),
+    "mobilebert": _hf_ids("MobileBertConfig", "MobileBertModel", hidden_size=32, embedding_size=16,
+                          intermediate_size=64, num_attention_heads=4, true_hidden_size=32, intra_bottleneck_size=32,
+                          num_feedforward_networks=2, num_hidden_layers=2, max_position_embeddings=256, **SMALL),
+    "swin": _hf_pixels("SwinConfig", "SwinModel", image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                       num_heads=[2, 2], window_size=4),
+    "convnext": _hf_pixels("ConvNextConfig", "ConvNextModel", hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                           image_size=32),
+    "resnet": _hf_pixels("ResNetConfig", "ResNetModel", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]),
+    "segformer": _hf_pixels("SegformerConfig", "SegformerModel", num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                            hidden_sizes=[8, 16], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                            mlp_ratios=[2, 2], decoder_hidden_size=16),
+    "beit": _hf_pixels("BeitConfig", "BeitModel", image_size=32, patch_size=8, hidden_size=32, num_attention_heads=4,
+                       intermediate_size=64, num_hidden_layers=2),
+    "dinov2": _hf_pixels("Dinov2Config", "Dinov2Model", image_size=32, patch_size=8, hidden_size=32,
+                         num_attention_heads=4, mlp_ratio=2, num_hidden_layers=2),
+    "mobilevit": _hf_pixels("MobileViTConfig", "MobileViTModel", image_size=32, hidden_sizes=[16, 24, 32],
+                            neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64]),
+    "pyg-graph": _pyg_graph("GraphConv", 16, 32),
+    "pyg-cheb": _pyg_graph("ChebConv", 16, 32, K=3, data=_cheb_counts),
+    "pyg-tag": _pyg_graph("TAGConv", 16, 32),
+    "pyg-sg": _pyg_graph("SGConv", 16, 32, K=2, data=edges_kept),
+    "pyg-resgated": _pyg_graph("ResGatedGraphConv", 16, 32),
+    "pyg-gatedgraph": _pyg_graph("GatedGraphConv", 16, 2),
+    "pyg-le": _pyg_graph("LEConv", 16, 32),
+    "pyg-gen": _pyg_graph("GENConv", 16, 32),
+    "pyg-general": _pyg_graph("GeneralConv", 16, 32, attention=True),
+    "pyg-film": _pyg_graph("FiLMConv", 16, 32),
+    "pyg-sage-max": _pyg_graph("SAGEConv", 16, 32, aggr="max"),
+    "pyg-gatv2-shared": _pyg_graph("GATv2Conv", 16, 8, heads=2, share_weights=True, add_self_loops=False),
+}
+for _name, _entry in HELD_OUT.items():
+    _entry.makers = ({"input_ids": tokens} if _entry.requires == "transformers" else {"edge_index": edges})

@@ -267,14 +267,15 @@ def main() -> None:
              f"command: `{meta['command']}` ({meta['seconds']} s).", "",
              "Bytes are (peak above start, retained) of one call (`forward`) or one steady-state training step "
              "(`train`; AdamW for the corpus, SGD for the fuzzer), predicted by fxmem from one analysis and measured "
-             "by the CPU allocator on real runs at sizes the analysis did not see.", "",
-             f"## Third-party corpus{' (held out: HELD_OUT)' if args.corpus == 'held-out' else ''}: "
-             f"{exact_corpus} of {len(corpus)} rows exact", "",
-             f"{flagged_corpus} rows differ and their report says so (`Report.exact` is False and a note says "
-             f"why: a library function that decided on values fxmem was not given, a custom op's workspace only "
-             f"a real run shows); "
-             f"{sum(r['status'] == 'MISMATCH' for r in corpus)} silent mismatches.", "",
-             "| model | mode | step | sizes | predicted | measured | difference |", "|---|---|---|---|---|---|---|"]
+             "by the CPU allocator on real runs at sizes the analysis did not see.", ""]
+    if not args.no_corpus:
+        lines += [f"## Third-party corpus{' (held out: HELD_OUT)' if args.corpus == 'held-out' else ''}: "
+                  f"{exact_corpus} of {len(corpus)} rows exact", "",
+                  f"{flagged_corpus} rows differ and their report says so (`Report.exact` is False and a note says "
+                  f"why: a library function that decided on values fxmem was not given, a custom op's workspace "
+                  f"only a real run shows); "
+                  f"{sum(r['status'] == 'MISMATCH' for r in corpus)} silent mismatches.", "",
+                  "| model | mode | step | sizes | predicted | measured | difference |", "|---|---|---|---|---|---|---|"]
     for r in corpus:
         sizes = ", ".join(f"{k}={v}" for k, v in r["sizes"].items())
         diff = "0" if r["status"] == "exact" else f"{r['difference']} ({r['status']})"

@@ -5,8 +5,9 @@ computes through ATen's composite ``_euclidean_dist``: norms, columns of ones an
 concatenated per side to ``(rows, K + 2)``, then one matrix product. The simulation sees one op, and
 before the rule its intermediates were missing: the extended fuzzer's seed 9575 (cdist of a
 ``(2*B*N, 6)`` tensor) was 1,728 B low at B=12, N=3, silently, where the self-check's one real run
-(the peak elsewhere) agreed. Each case here crosses the 25-row switch, forward without grad and a
-training step, at sizes the analysis did not see.
+(the peak elsewhere) agreed. The cases take both paths (sizes on each side of the 25-row switch,
+the matrix-product path forced, p=1), forward without grad and a training step, at sizes the
+analysis did not see.
 """
 from __future__ import annotations
 

@@ -325,7 +325,9 @@ def _euclidean_dist_parts(call: Call) -> list | Unknown:
 
 
 require_args(aten._cdist_forward.default, "x1", "x2")
-require_args(aten._cdist_backward.default, "grad", "x1", "x2", "cdist")
+# its first argument, the incoming gradient, is "grad" in torch 2.13 and "grad_output" in 2.14
+_CDIST_GRAD = "grad_output" if "grad_output" in tc.argument_names(aten._cdist_backward.default) else "grad"
+require_args(aten._cdist_backward.default, _CDIST_GRAD, "x1", "x2", "cdist")
 
 
 def _contiguous_copy(t: torch.Tensor, shape: tuple) -> Any:
@@ -362,7 +364,7 @@ def _cdist_forward_copies(call: Call) -> list | None:
 def _cdist_backward_copies(call: Call) -> list | None:
     """The direct path's backward: contiguous copies of both operands (expanded to the common batch),
     of the forward's result and of the incoming gradient where they are not, before its output."""
-    x1, x2, res, grad = call.arg("x1"), call.arg("x2"), call.arg("cdist"), call.arg("grad")
+    x1, x2, res, grad = call.arg("x1"), call.arg("x2"), call.arg("cdist"), call.arg(_CDIST_GRAD)
     batch = _cdist_batch(x1, x2)
     copies = [_contiguous_copy(x1, (*batch, *x1.shape[-2:])), _contiguous_copy(x2, (*batch, *x2.shape[-2:])),
               _contiguous_copy(res, tuple(res.shape)), _contiguous_copy(grad, tuple(grad.shape))]

@@ -293,10 +293,7 @@ require_args(aten._euclidean_dist.default, "x1", "x2")
 
 def _rows_bytes(t: torch.Tensor, width: Any) -> Any:
     """Bytes of a ``t.shape[:-1] + (width,)`` tensor of ``t``'s dtype (sizes may be symbolic)."""
-    rows = 1
-    for s in t.shape[:-1]:
-        rows = rows * s
-    return rows * width * t.element_size()
+    return math.prod(t.shape[:-1]) * width * t.element_size()
 
 
 @hidden(aten._euclidean_dist.default, device=ANY)
@@ -339,10 +336,7 @@ def _contiguous_copy(t: torch.Tensor, shape: tuple) -> Any:
     for n, s in zip(reversed(shape), reversed(strides)):
         ok.append(sympy.Or(condition(n == 1), condition(s == expected)))
         expected = expected * n
-    nbytes = t.element_size()
-    for n in shape:
-        nbytes = nbytes * n
-    return when(sympy.And(*ok), 0, nbytes)
+    return when(sympy.And(*ok), 0, math.prod(shape) * t.element_size())
 
 
 def _cdist_batch(x1: torch.Tensor, x2: torch.Tensor) -> tuple:
